@@ -1,0 +1,20 @@
+"""Attention backends over tessera's token-indexed KV pool.
+
+A backend is chosen once at start-up by name and imported lazily, so CPU machines never import
+GPU-only packages.
+"""
+
+from __future__ import annotations
+
+from kernels.attention.base import AttentionBackend, AttentionLayer
+
+
+def create_attention_backend(name: str) -> AttentionBackend:
+    if name in ("torch", "auto"):
+        from kernels.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+__all__ = ["AttentionBackend", "AttentionLayer", "create_attention_backend"]

@@ -1,0 +1,55 @@
+"""ForwardBatch: everything one model forward needs, built by the scheduler (or a test)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.memory_pool import KVPool, ReqToTokenPool
+from runtime.multimodal import MultimodalInputs
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill of a chunk of new tokens over a (possibly empty) cached prefix
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    """Tokens of all requests, concatenated in request order.
+
+    positions: [3, tokens] MRoPE positions. out_cache_loc: the KV slot of every new token.
+    prefix_lens / extend_lens / seq_lens are per request; seq_len = prefix_len + extend_len.
+    mm_inputs[i] is request i's multimodal inputs (None for text-only requests).
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices_list: list[int]
+    prefix_lens_list: list[int]
+    extend_lens_list: list[int]
+    req_pool: ReqToTokenPool
+    kv_pool: KVPool
+    mm_inputs: list[MultimodalInputs | None] = field(default_factory=list)
+    return_all_logits: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.req_pool_indices_list)
+
+    @property
+    def seq_lens_list(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens_list, self.extend_lens_list)]
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.req_pool.req_to_token
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        ends = torch.tensor(self.extend_lens_list, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(self.input_ids.device)

@@ -1,0 +1,179 @@
+"""Tensor-parallel linear layers; each parameter loads its own slice of a checkpoint tensor.
+
+Column-parallel layers split the output features over the ranks (no communication); row-parallel
+layers split the input features and sum the partial products with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.distributed import TPGroup
+from runtime.layers.weights import LazyWeight, as_lazy, copy_checked, divide, set_weight_loader
+
+
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ReplicatedLinear(nn.Module):
+    """A plain linear layer, identical on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **_: object):
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+        for p in self.parameters():
+            set_weight_loader(p, lambda param, w: copy_checked(param.data, as_lazy(w).load()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features are the concatenation of `output_sizes`; each part is split over ranks.
+
+    A merged layer (gate/up) loads part i from checkpoint tensor shard i.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        tp: TPGroup,
+        bias: bool = True,
+        gather_output: bool = False,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.gather_output = gather_output
+        self.local_sizes = [divide(n, tp.size, "output features") for n in output_sizes]
+        out = sum(self.local_sizes)
+        self.weight = set_weight_loader(_param(out, in_features), self.weight_loader)
+        self.bias = set_weight_loader(_param(out), self.weight_loader) if bias else None
+
+    def _shard_rows(self, shard_id: int) -> tuple[int, int, int]:
+        """(offset in the local param, start in the checkpoint tensor, length)."""
+        size = self.local_sizes[shard_id]
+        return sum(self.local_sizes[:shard_id]), self.tp.rank * size, size
+
+    def weight_loader(
+        self, param: nn.Parameter, weight: LazyWeight | torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        weight = as_lazy(weight)
+        if shard_id is None:
+            parts = weight.chunk([n * self.tp.size for n in self.local_sizes])
+            for i, part in enumerate(parts):
+                self.weight_loader(param, part, i)
+            return
+        offset, start, size = self._shard_rows(shard_id)
+        copy_checked(param.data.narrow(0, offset, size), weight.narrow(0, start, size).load())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return self.tp.all_gather(out, dim=-1) if self.gather_output else out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Gate and up projections side by side: shards 0 and 1."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Merged Q, K, V projection. Query heads are split over ranks; KV heads too, or replicated
+    when there are fewer KV heads than ranks (rank r then keeps KV head r * kv_heads // tp)."""
+
+    SHARDS = {"q": 0, "k": 1, "v": 2}
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        tp: TPGroup,
+        bias: bool = True,
+    ):
+        if num_heads % tp.size:
+            raise ValueError(f"{num_heads} attention heads are not divisible by TP size {tp.size}")
+        if num_kv_heads % tp.size and tp.size % num_kv_heads:
+            raise ValueError(
+                f"{num_kv_heads} KV heads and TP size {tp.size}: one must divide the other"
+            )
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.total_kv_heads = num_kv_heads
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.gather_output = False
+        self.local_sizes = [
+            self.num_heads * head_dim,
+            self.num_kv_heads * head_dim,
+            self.num_kv_heads * head_dim,
+        ]
+        out = sum(self.local_sizes)
+        self.weight = set_weight_loader(_param(out, hidden_size), self.weight_loader)
+        self.bias = set_weight_loader(_param(out), self.weight_loader) if bias else None
+
+    def _kv_head_start(self) -> int:
+        if self.total_kv_heads >= self.tp.size:
+            return self.tp.rank * self.num_kv_heads
+        return self.tp.rank * self.total_kv_heads // self.tp.size
+
+    def _shard_rows(self, shard_id: int) -> tuple[int, int, int]:
+        size = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        if shard_id == 0:
+            return offset, self.tp.rank * size, size
+        return offset, self._kv_head_start() * self.head_dim, size
+
+    def weight_loader(
+        self,
+        param: nn.Parameter,
+        weight: LazyWeight | torch.Tensor,
+        shard_id: int | str | None = None,
+    ) -> None:
+        if isinstance(shard_id, str):
+            shard_id = self.SHARDS[shard_id]
+        if shard_id is not None:
+            super().weight_loader(param, weight, shard_id)
+            return
+        weight = as_lazy(weight)
+        full = [self.num_heads * self.tp.size * self.head_dim]
+        full += [self.total_kv_heads * self.head_dim] * 2
+        for i, part in enumerate(weight.chunk(full)):
+            super().weight_loader(param, part, i)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over ranks; partial products summed by one all-reduce."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPGroup,
+        bias: bool = True,
+        reduce_results: bool = True,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.reduce_results = reduce_results
+        self.local_in = divide(in_features, tp.size, "input features")
+        self.weight = set_weight_loader(_param(out_features, self.local_in), self._load_weight)
+        self.bias = set_weight_loader(_param(out_features), self._load_bias) if bias else None
+
+    def _load_weight(self, param: nn.Parameter, weight: LazyWeight | torch.Tensor) -> None:
+        start = self.tp.rank * self.local_in
+        copy_checked(param.data, as_lazy(weight).narrow(1, start, self.local_in).load())
+
+    def _load_bias(self, param: nn.Parameter, weight: LazyWeight | torch.Tensor) -> None:
+        copy_checked(param.data, as_lazy(weight).load())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if self.reduce_results:
+            out = self.tp.all_reduce(out)
+        return out + self.bias if self.bias is not None else out

@@ -1,0 +1,25 @@
+"""Rotary embedding module for the decoder: plain RoPE or MRoPE by position shape."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.rotary import apply_rotary, mrope_cos_sin
+
+
+class MRotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...]):
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.mrope_section = tuple(mrope_section)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return mrope_cos_sin(positions, self.head_dim, self.theta, self.mrope_section)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: [tokens, heads, head_dim]."""
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -1,0 +1,202 @@
+"""Typed view of a checkpoint's config.json.
+
+Two layouts exist in the wild: the flat one of the published Qwen2-VL / Qwen2.5-VL repositories
+(text fields at the top level, `rope_scaling: {"type": "mrope", ...}`, `in_chans`), and the nested
+one that transformers 5.x writes (`text_config`, `rope_parameters`). Both parse to the same object.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+}
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config cannot be served by tessera."""
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    head_dim: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    embed_dim: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    hidden_act: str
+    window_size: int = 0
+    fullatt_block_indexes: tuple[int, ...] = ()
+    tokens_per_second: float = 1.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    text: TextConfig
+    vision: VisionConfig
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str = "float32"
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dir(cls, model_path: str | Path) -> ModelConfig:
+        path = Path(model_path) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"no config.json in {model_path}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ModelConfig:
+        arch = _architecture(cfg)
+        text = _parse_text(cfg.get("text_config") or cfg)
+        vision = _parse_vision(arch, cfg["vision_config"], text.hidden_size)
+        token = _token_ids(cfg)
+        return cls(
+            arch=arch,
+            text=text,
+            vision=vision,
+            image_token_id=token("image_token_id"),
+            video_token_id=token("video_token_id"),
+            vision_start_token_id=token("vision_start_token_id"),
+            vision_end_token_id=token("vision_end_token_id"),
+            eos_token_ids=_eos_ids(cfg),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            raw=cfg,
+        )
+
+
+def _architecture(cfg: dict) -> str:
+    for name in cfg.get("architectures") or []:
+        if name in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[name]
+    model_type = cfg.get("model_type")
+    if model_type in SUPPORTED_ARCHITECTURES.values():
+        return model_type
+    known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    raise ModelConfigError(
+        f"unsupported architecture {cfg.get('architectures')} (model_type {model_type!r}); "
+        f"tessera serves: {known}"
+    )
+
+
+def _rope(text: dict) -> tuple[float, tuple[int, ...]]:
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+    section = rope.get("mrope_section")
+    if not section:
+        raise ModelConfigError("config has no mrope_section (rope_scaling / rope_parameters)")
+    return float(theta), tuple(int(s) for s in section)
+
+
+def _parse_text(text: dict) -> TextConfig:
+    theta, section = _rope(text)
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+    if 2 * sum(section) != head_dim:
+        raise ModelConfigError(f"mrope_section {section} does not cover head_dim {head_dim}")
+    return TextConfig(
+        hidden_size=int(text["hidden_size"]),
+        num_hidden_layers=int(text["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+        intermediate_size=int(text["intermediate_size"]),
+        vocab_size=int(text["vocab_size"]),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        mrope_section=section,
+        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        head_dim=head_dim,
+    )
+
+
+def _parse_vision(arch: str, v: dict, text_hidden: int) -> VisionConfig:
+    common = dict(
+        depth=int(v["depth"]),
+        num_heads=int(v["num_heads"]),
+        patch_size=int(v.get("patch_size", 14)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        in_channels=int(v.get("in_chans", v.get("in_channels", 3))),
+    )
+    if arch == "qwen2_vl":
+        embed = int(v["embed_dim"])
+        return VisionConfig(
+            embed_dim=embed,
+            intermediate_size=int(embed * float(v.get("mlp_ratio", 4))),
+            out_hidden_size=int(v.get("hidden_size", text_hidden)),
+            hidden_act=str(v.get("hidden_act", "quick_gelu")),
+            **common,
+        )
+    return VisionConfig(
+        embed_dim=int(v["hidden_size"]),
+        intermediate_size=int(v["intermediate_size"]),
+        out_hidden_size=int(v.get("out_hidden_size", text_hidden)),
+        hidden_act=str(v.get("hidden_act", "silu")),
+        window_size=int(v.get("window_size", 112)),
+        fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
+        tokens_per_second=float(v.get("tokens_per_second", 2)),
+        **common,
+    )
+
+
+def _token_ids(cfg: dict):
+    def get(name: str) -> int:
+        value = cfg.get(name)
+        if value is None and isinstance(cfg.get("text_config"), dict):
+            value = cfg["text_config"].get(name)
+        if value is None:
+            raise ModelConfigError(f"config.json lacks {name}")
+        return int(value)
+
+    return get
+
+
+def _eos_ids(cfg: dict) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    if eos is None and isinstance(cfg.get("text_config"), dict):
+        eos = cfg["text_config"].get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

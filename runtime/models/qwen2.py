@@ -1,0 +1,137 @@
+"""The Qwen2 decoder shared by Qwen2-VL and Qwen2.5-VL, on tensor-parallel layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.attention import AttentionBackend, AttentionLayer
+from runtime.distributed import TPGroup
+from runtime.forward_batch import ForwardBatch
+from runtime.layers.activation import SiluAndMul
+from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from runtime.layers.norm import RMSNorm
+from runtime.layers.rotary import MRotaryEmbedding
+from runtime.model_config import TextConfig
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, cfg: TextConfig, tp: TPGroup):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], tp, False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_id: int, tp: TPGroup, backend: AttentionBackend):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, tp
+        )
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, bias=False)
+        self.layer = AttentionLayer(
+            layer_id=layer_id,
+            num_heads=self.qkv_proj.num_heads,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
+            head_dim=cfg.head_dim,
+            scaling=cfg.head_dim**-0.5,
+        )
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.backend = backend
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        d = self.layer.head_dim
+        q, k = self.rotary(
+            q.view(-1, self.layer.num_heads, d), k.view(-1, self.layer.num_kv_heads, d), *cos_sin
+        )
+        out = self.backend.forward(q.flatten(1), k.flatten(1), v, self.layer, batch)
+        return self.o_proj(out)
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_id: int, tp: TPGroup, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Qwen2Attention(cfg, layer_id, tp, backend)
+        self.mlp = Qwen2MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen2Model(nn.Module):
+    def __init__(self, cfg: TextConfig, tp: TPGroup, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            Qwen2DecoderLayer(cfg, i, tp, backend) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        cos_sin = self.layers[0].self_attn.rotary.cos_sin(batch.positions)
+        x, residual = embeds, None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos_sin, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """Decoder plus LM head; `forward` takes input embeddings (text and vision already fused)."""
+
+    def __init__(self, cfg: TextConfig, tp: TPGroup, backend: AttentionBackend):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Qwen2Model(cfg, tp, backend)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids.clamp(0, self.cfg.vocab_size - 1))
+
+    def forward(self, embeds: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(embeds, batch)
+        if not batch.return_all_logits:
+            hidden = hidden[batch.last_token_indices]
+        return self.lm_head(hidden)
+
+    STACKED = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | str | None]:
+        """Map a checkpoint name (relative to this module) to (parameter name, shard id)."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.STACKED:
+                merged, shard = self.STACKED[part]
+                return ".".join(parts[:i] + [merged] + parts[i + 1 :]), shard
+        return name, None

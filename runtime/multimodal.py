@@ -1,0 +1,65 @@
+"""Multimodal data carried with a request from the TokenizerManager to every scheduler rank."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MM_PAD_SHIFT_VALUE = 1_000_000
+
+
+class Modality(str, enum.Enum):
+    IMAGE = "image"
+    VIDEO = "video"
+
+
+@dataclass
+class MultimodalDataItem:
+    """One image or video: its preprocessed patches and where its placeholder run sits.
+
+    `offsets` lists half-open [start, end) token ranges of the placeholder run in the prompt.
+    `model_specific_data` holds e.g. `image_grid_thw` / `video_grid_thw`, readable as attributes.
+    """
+
+    modality: Modality
+    feature: torch.Tensor | None = None
+    hash: int = 0
+    pad_value: int = 0
+    offsets: list[tuple[int, int]] = field(default_factory=list)
+    model_specific_data: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        data = self.__dict__.get("model_specific_data")
+        if data is not None and name in data:
+            return data[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def set_pad_value(self) -> None:
+        self.pad_value = MM_PAD_SHIFT_VALUE + self.hash % 2**30
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int]:
+        key = "image_grid_thw" if self.modality == Modality.IMAGE else "video_grid_thw"
+        t, h, w = (int(x) for x in torch.as_tensor(self.model_specific_data[key]).flatten())
+        return t, h, w
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(end - start for start, end in self.offsets)
+
+
+@dataclass
+class MultimodalInputs:
+    """All multimodal items of one request plus its MRoPE positions."""
+
+    items: list[MultimodalDataItem]
+    mrope_positions: torch.Tensor  # [3, prompt_len]
+    mrope_position_delta: int = 0

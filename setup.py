@@ -1,0 +1,44 @@
+"""tessera: a multi-process serving runtime for Qwen2-VL and Qwen2.5-VL."""
+
+from __future__ import annotations
+
+from setuptools import setup
+
+setup(
+    name="tessera",
+    version="0.1.0",
+    description="Serve Qwen2-VL / Qwen2.5-VL over tensor-parallel ranks with a data-parallel ViT",
+    python_requires=">=3.10",
+    packages=[
+        "runtime",
+        "runtime.layers",
+        "runtime.models",
+        "tokenizer_manager",
+        "scheduler",
+        "vision",
+        "kernels",
+        "kernels.attention",
+    ],
+    py_modules=["launch"],
+    # torch is deliberately unpinned here: a GPU user's CUDA build satisfies it untouched.
+    # scripts/install.sh installs the CPU build 2.13.0 first on a machine that has no torch.
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.0,<6",
+        "tokenizers>=0.20",
+        "safetensors>=0.4",
+        "numpy>=1.26",
+        "pillow>=10",
+        "tqdm",
+        "jinja2",
+        "pyzmq>=25",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "decord>=0.6.0; platform_machine == 'x86_64'",
+        "av>=12",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "openai>=1.40", "httpx", "ruff", "triton>=3.0"],
+        "gpu": ["triton>=3.0", "flashinfer-python"],
+    },
+)

@@ -1,0 +1,331 @@
+"""Qwen2-VL / Qwen2.5-VL vision towers against transformers, and TP shards against one rank.
+
+transformers is imported only in the pytest process (it is slow to import); the spawned TP ranks
+load the tower weights from a temporary .pt file written by the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import replace
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from runtime.distributed import TPGroup
+from runtime.model_config import ModelConfig, VisionConfig
+from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer, window_index
+from vision.qwen2_vl_vit import Qwen2VisionTransformer
+from vision.vit_common import varlen_attention, vision_position_ids
+
+ATOL = RTOL = 1e-4
+TEXT = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+    image_token_id=500,
+    video_token_id=501,
+    vision_start_token_id=502,
+    vision_end_token_id=503,
+    bos_token_id=504,
+    eos_token_id=505,
+)
+CONFIGS = {
+    "qwen2_vl": dict(
+        TEXT,
+        architectures=["Qwen2VLForConditionalGeneration"],
+        model_type="qwen2_vl",
+        vision_config=dict(
+            depth=2,
+            embed_dim=64,
+            num_heads=4,
+            mlp_ratio=2,
+            hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_chans=3,
+            hidden_act="quick_gelu",
+        ),
+    ),
+    "qwen2_5_vl": dict(
+        TEXT,
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        model_type="qwen2_5_vl",
+        vision_config=dict(
+            depth=2,
+            hidden_size=64,
+            num_heads=4,
+            intermediate_size=128,
+            out_hidden_size=64,
+            window_size=56,
+            fullatt_block_indexes=[1],
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            tokens_per_second=2,
+            hidden_act="silu",
+            in_chans=3,
+        ),
+    ),
+}
+TOWERS = {"qwen2_vl": Qwen2VisionTransformer, "qwen2_5_vl": Qwen2_5_VisionTransformer}
+COMMON_GRIDS = [[(1, 4, 4)], [(1, 4, 4), (1, 6, 8)], [(2, 4, 6)]]
+GRIDS = {
+    "qwen2_vl": COMMON_GRIDS,
+    # Windows of 4x4 patches: (1, 8, 12) splits evenly, (1, 6, 10) leaves ragged edge windows.
+    "qwen2_5_vl": COMMON_GRIDS + [[(1, 8, 12)], [(1, 6, 10)], [(1, 8, 12), (2, 6, 10)]],
+}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def vision_config(arch: str) -> VisionConfig:
+    return ModelConfig.from_dict(CONFIGS[arch]).vision
+
+
+def make_inputs(cfg: VisionConfig, grids: list[tuple[int, int, int]], seed: int) -> dict:
+    n = sum(t * h * w for t, h, w in grids)
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "pixels": torch.randn(n, cfg.patch_dim, generator=gen),
+        "grid": torch.tensor(grids, dtype=torch.long),
+    }
+
+
+@torch.no_grad()
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    """Weights of unit-scale activations, so differences are not hidden by tiny outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        if "norm" in name or "ln_q" in name:
+            p.copy_(1.0 + 0.1 * noise if name.endswith("weight") else 0.1 * noise)
+        elif p.dim() == 1:
+            p.copy_(0.1 * noise)
+        else:
+            p.copy_(noise / p[0].numel() ** 0.5)
+
+
+def build_tower(arch: str, state: dict[str, torch.Tensor], tp: TPGroup) -> torch.nn.Module:
+    tower = TOWERS[arch](vision_config(arch), tp).eval()
+    loaded = tower.load_weights(state.items())
+    assert loaded == {name for name, _ in tower.named_parameters()}
+    return tower
+
+
+def run_cases(tower: torch.nn.Module, cases: list[dict]) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        return [tower(case["pixels"], case["grid"]) for case in cases]
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    assert ours.shape == ref.shape
+    assert ref.abs().max() > 0.1, "reference output too small to be a meaningful check"
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL)
+    return (ours - ref).abs().max().item()
+
+
+# ---------------------------------------------------------------- transformers oracle
+
+
+def _hf_model(arch: str) -> torch.nn.Module:
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    classes = {
+        "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
+        "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+    }
+    config_cls, model_cls = classes[arch]
+    return model_cls(config_cls(**CONFIGS[arch])).eval()
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict[str, dict[str, Any]]:
+    """Per arch: the tower's checkpoint tensors (published names), the cases, HF outputs."""
+    out = {}
+    for seed, arch in enumerate(CONFIGS):
+        visual = _hf_model(arch).model.visual
+        randomize(visual, seed)
+        cfg = vision_config(arch)
+        cases = [make_inputs(cfg, grids, seed=10 * seed + i) for i, grids in enumerate(GRIDS[arch])]
+        with torch.inference_mode():
+            refs = [visual(c["pixels"], grid_thw=c["grid"]).pooler_output for c in cases]
+        state = {k: v.clone() for k, v in visual.state_dict().items()}
+        out[arch] = {"state": state, "cases": cases, "refs": refs}
+    return out
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_tower_matches_transformers(arch: str, oracle: dict) -> None:
+    data = oracle[arch]
+    tower = build_tower(arch, data["state"], TPGroup())
+    diffs = []
+    for case, out, ref in zip(data["cases"], run_cases(tower, data["cases"]), data["refs"]):
+        merge = tower.spatial_merge_size**2
+        assert out.shape == (case["pixels"].shape[0] // merge, tower.out_hidden_size)
+        diffs.append(assert_close(out, ref))
+    assert tower.dtype == torch.float32
+    print(f"{arch}: max abs diff vs transformers per case {diffs}")
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_items_are_independent(arch: str, oracle: dict) -> None:
+    """A batch of items equals each item encoded alone (what the DP encoder relies on)."""
+    tower = build_tower(arch, oracle[arch]["state"], TPGroup())
+    cfg = vision_config(arch)
+    grids = [(1, 8, 12), (2, 4, 6), (1, 6, 10)]
+    batch = make_inputs(cfg, grids, seed=7)
+    sizes = [t * h * w for t, h, w in grids]
+    alone = [
+        {"pixels": px, "grid": torch.tensor([g])}
+        for px, g in zip(batch["pixels"].split(sizes), grids)
+    ]
+    together = run_cases(tower, [batch])[0]
+    torch.testing.assert_close(together, torch.cat(run_cases(tower, alone)), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- pure helpers and errors
+
+
+def test_window_index_matches_hand_layout() -> None:
+    # A 6x10 patch frame is a 3x5 grid of merge units; windows are 2x2 units.
+    order, cu = window_index(torch.tensor([[1, 6, 10]]), window_size=56, patch_size=14, merge=2)
+    first_rows = [0, 1, 5, 6, 2, 3, 7, 8, 4, 9, 10, 11, 12, 13, 14]
+    assert order.tolist() == first_rows
+    assert (cu.diff() // 4).tolist() == [4, 4, 2, 2, 2, 1]
+
+
+def test_position_ids_follow_merge_windows() -> None:
+    pos = vision_position_ids(torch.tensor([[1, 2, 4]]), merge=2)
+    assert pos.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3], [1, 2], [1, 3]]
+
+
+def test_varlen_attention_stays_in_segments() -> None:
+    q, k, v = torch.randn(3, 7, 2, 8).unbind(0)
+    cu = torch.tensor([0, 3, 5, 7])
+    out = varlen_attention(q, k, v, cu, scale=0.3)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        ref = varlen_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), scale=0.3)
+        torch.testing.assert_close(out[a:b], ref)
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_head_count_must_divide_tp(arch: str) -> None:
+    with pytest.raises(ValueError, match="not divisible by TP size 3"):
+        TOWERS[arch](vision_config(arch), TPGroup(rank=0, size=3))
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_unknown_checkpoint_name(arch: str) -> None:
+    tower = TOWERS[arch](vision_config(arch), TPGroup())
+    with pytest.raises(KeyError, match="blocks.9.attn.qkv.weight"):
+        tower.load_weights([("blocks.9.attn.qkv.weight", torch.zeros(1))])
+
+
+def test_config_shapes() -> None:
+    cfg = vision_config("qwen2_vl")
+    assert (cfg.embed_dim, cfg.intermediate_size, cfg.out_hidden_size) == (64, 128, 64)
+    assert replace(cfg, num_heads=2).head_dim == 32
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, world_size: int, port: int, data_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    try:
+        from runtime.distributed import destroy_tp_group, init_tp_group
+
+        tp = init_tp_group(rank, world_size, f"tcp://127.0.0.1:{port}", use_cuda=False)
+        data = torch.load(data_path, weights_only=False)
+        outs = {
+            arch: run_cases(build_tower(arch, d["state"], tp), d["cases"])
+            for arch, d in data.items()
+        }
+        torch.save(outs, os.path.join(out_dir, f"rank{rank}.pt"))
+        destroy_tp_group()
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def spawn_ranks(world_size: int, data_path: str, out_dir: str, timeout: float) -> None:
+    """Run `_tp_worker` on every rank; raise on a failed rank or on timeout; never leak a child."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_tp_worker, args=(r, world_size, port, data_path, out_dir), daemon=True)
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        _wait_all(procs, out_dir, time.monotonic() + timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _wait_all(procs: list, out_dir: str, deadline: float) -> None:
+    pending = list(procs)
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{len(pending)} TP rank(s) still running at the deadline")
+        wait([p.sentinel for p in pending], timeout=remaining)
+        for p in [p for p in pending if not p.is_alive()]:
+            pending.remove(p)
+            if p.exitcode != 0:
+                errors = sorted(Path(out_dir).glob("*.err"))
+                details = "\n".join(e.read_text() for e in errors)
+                raise RuntimeError(f"a TP rank exited with code {p.exitcode}:\n{details}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tp_shards_match_one_rank(world_size: int, oracle: dict, tmp_path: Path) -> None:
+    data = {arch: {"state": d["state"], "cases": d["cases"]} for arch, d in oracle.items()}
+    data_path = tmp_path / "towers.pt"
+    torch.save(data, data_path)
+    expected = {
+        arch: run_cases(build_tower(arch, d["state"], TPGroup()), d["cases"])
+        for arch, d in data.items()
+    }
+    spawn_ranks(world_size, str(data_path), str(tmp_path), timeout=120)
+    worst = 0.0
+    for rank in range(world_size):
+        outs = torch.load(tmp_path / f"rank{rank}.pt")
+        for arch, refs in expected.items():
+            for out, ref in zip(outs[arch], refs, strict=True):
+                worst = max(worst, assert_close(out, ref))
+    print(f"tp={world_size}: max abs diff vs one rank {worst:.2e}")

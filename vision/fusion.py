@@ -1,0 +1,73 @@
+"""Fuse text and vision embeddings for one extend (prefill chunk) batch.
+
+Prompts carry each image's pad_value at its placeholder positions. The text embedding of those
+positions is replaced by the matching rows of the item's vision embedding; a chunk that cuts an
+image takes only the rows that fall inside the chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from runtime.forward_batch import ForwardBatch
+from runtime.multimodal import MultimodalDataItem
+
+
+def overlaps(item: MultimodalDataItem, chunk_start: int, chunk_end: int) -> bool:
+    return any(s < chunk_end and e > chunk_start for s, e in item.offsets)
+
+
+def items_in_batch(batch: ForwardBatch) -> list[MultimodalDataItem]:
+    """Items that overlap any request's current chunk, deduplicated by hash, in batch order."""
+    seen: dict[int, MultimodalDataItem] = {}
+    for i, mm in enumerate(batch.mm_inputs or []):
+        if mm is None:
+            continue
+        start = batch.prefix_lens_list[i]
+        end = start + batch.extend_lens_list[i]
+        for item in mm.items:
+            if item.hash not in seen and overlaps(item, start, end):
+                seen[item.hash] = item
+    return list(seen.values())
+
+
+def scatter_item_rows(
+    embeds: torch.Tensor,
+    item: MultimodalDataItem,
+    item_embeds: torch.Tensor,
+    chunk_start: int,
+    chunk_end: int,
+    token_base: int,
+) -> None:
+    """Write the rows of `item_embeds` that fall in [chunk_start, chunk_end) into `embeds`."""
+    row = 0
+    for s, e in item.offsets:
+        lo, hi = max(s, chunk_start), min(e, chunk_end)
+        if lo < hi:
+            src = item_embeds[row + lo - s : row + hi - s]
+            embeds[token_base + lo - chunk_start : token_base + hi - chunk_start] = src
+        row += e - s
+
+
+def fuse_embeddings(
+    batch: ForwardBatch,
+    text_embeds: torch.Tensor,
+    encode: Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]],
+) -> torch.Tensor:
+    """Return input embeddings with every overlapping item's rows in place."""
+    items = items_in_batch(batch)
+    if not items:
+        return text_embeds
+    by_hash = encode(items)
+    embeds = text_embeds.clone()
+    base = 0
+    for i, mm in enumerate(batch.mm_inputs):
+        start, length = batch.prefix_lens_list[i], batch.extend_lens_list[i]
+        for item in mm.items if mm is not None else []:
+            if overlaps(item, start, start + length):
+                rows = by_hash[item.hash].to(embeds.dtype)
+                scatter_item_rows(embeds, item, rows, start, start + length, base)
+        base += length
+    return embeds

@@ -1,0 +1,139 @@
+"""Composite Qwen2-VL / Qwen2.5-VL models: vision tower + fusion + Qwen2 decoder.
+
+The vision tower runs in TP mode (sharded like the decoder, with per-layer all-reduce) or in DP
+mode (a full replica on every rank; the batch's items are balanced over the ranks and the results
+all-gathered once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kernels.attention import AttentionBackend, create_attention_backend
+from runtime.distributed import TPGroup
+from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.layers.weights import LazyWeight
+from runtime.model_config import ModelConfig
+from runtime.model_loader import load_checkpoint, resolve_dtype
+from runtime.models.qwen2 import Qwen2ForCausalLM
+from runtime.multimodal import MultimodalDataItem
+from vision.dp_encoder import run_dp_sharded_mrope_vision_model
+from vision.fusion import fuse_embeddings
+from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer
+from vision.qwen2_vl_vit import Qwen2VisionTransformer
+
+VISION_TOWERS = {"qwen2_vl": Qwen2VisionTransformer, "qwen2_5_vl": Qwen2_5_VisionTransformer}
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        mm_enable_dp_encoder: bool = False,
+    ):
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.dp_encoder = mm_enable_dp_encoder and tp.size > 1
+        vision_tp = TPGroup() if self.dp_encoder else tp
+        self.visual = VISION_TOWERS[config.arch](config.vision, vision_tp)
+        self.language_model = Qwen2ForCausalLM(config.text, tp, backend)
+
+    def encode_items(self, items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
+        """Vision embeddings per item hash; every rank calls this with the same items."""
+        pixels = torch.cat([item.feature for item in items]).to(self.visual.dtype)
+        grids = [list(item.grid_thw) for item in items]
+        if self.dp_encoder:
+            out = run_dp_sharded_mrope_vision_model(
+                self.visual,
+                pixels,
+                grids,
+                self.tp,
+                spatial_merge_size=self.config.vision.spatial_merge_size,
+            )
+        else:
+            out = self.visual(pixels, torch.tensor(grids, dtype=torch.long))
+        merge = self.config.vision.spatial_merge_size**2
+        rows = [item.num_patches // merge for item in items]
+        return {item.hash: emb for item, emb in zip(items, out.split(rows))}
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        embeds = self.language_model.embed(batch.input_ids)
+        if batch.mode == ForwardMode.EXTEND:
+            embeds = fuse_embeddings(batch, embeds, self.encode_items)
+        return self.language_model(embeds, batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
+        """Load checkpoint tensors (published or transformers 5.x names); returns loaded params."""
+        params = dict(self.language_model.named_parameters())
+        loaded: set[str] = set()
+        vision: list[tuple[str, LazyWeight]] = []
+        for name, weight in weights:
+            name = normalize_checkpoint_name(name)
+            if name.startswith("visual."):
+                vision.append((name[len("visual.") :], weight))
+                continue
+            if name == "lm_head.weight" and self.config.text.tie_word_embeddings:
+                continue
+            target, shard = self.language_model.checkpoint_target(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            args = (shard,) if shard is not None else ()
+            param.weight_loader(param, weight, *args)
+            loaded.add("language_model." + target)
+        loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
+        if self.config.text.tie_word_embeddings:
+            loaded.add("language_model.lm_head.weight")
+        return loaded
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Same composition; the vision tower is chosen from the config's architecture."""
+
+
+def normalize_checkpoint_name(name: str) -> str:
+    """Map transformers 5.x saved names onto the published layout."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    if name.startswith("model.visual."):
+        return name[len("model.") :]
+    return name
+
+
+MODEL_CLASSES = {
+    "qwen2_vl": Qwen2VLForConditionalGeneration,
+    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+}
+
+
+def build_model(
+    model_path: str,
+    tp: TPGroup,
+    *,
+    attention_backend: str = "torch",
+    mm_enable_dp_encoder: bool = False,
+    dtype: str = "auto",
+    device: str = "cpu",
+    show_progress: bool = False,
+) -> Qwen2VLForConditionalGeneration:
+    """Build this rank's shard of the model and load its slice of the checkpoint."""
+    config = ModelConfig.from_dir(model_path)
+    torch_dtype = resolve_dtype(dtype, config.torch_dtype, device)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device(device):
+            model = MODEL_CLASSES[config.arch](
+                config, tp, create_attention_backend(attention_backend), mm_enable_dp_encoder
+            )
+    finally:
+        torch.set_default_dtype(previous)
+    load_checkpoint(model, model_path, show_progress)
+    return model.eval()

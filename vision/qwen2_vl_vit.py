@@ -1,0 +1,101 @@
+"""The Qwen2-VL vision tower: pre-norm ViT blocks (LayerNorm, 2-D rotary attention, GELU-family
+MLP) over every frame of every item, then a patch merger to the language model's width.
+
+Built with the rank's `TPGroup` for TP mode, or with a one-rank `TPGroup()` for DP mode, where
+the tower holds full weights and issues no collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kernels.activation import get_activation
+from runtime.distributed import TPGroup
+from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from runtime.layers.norm import LayerNorm
+from runtime.layers.weights import LazyWeight
+from runtime.model_config import VisionConfig
+from vision.vit_common import (
+    VisionAttention,
+    VisionPatchEmbed,
+    VisionPatchMerger,
+    VisionRotary,
+    check_heads,
+    frame_cu_seqlens,
+    load_weights,
+    vision_position_ids,
+)
+
+NORM_EPS = 1e-6
+
+
+class Qwen2VisionMLP(nn.Module):
+    """fc1 column-parallel, activation, fc2 row-parallel."""
+
+    def __init__(self, dim: int, hidden: int, act: str, tp: TPGroup):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(dim, [hidden], tp, bias=True)
+        self.act = get_activation(act)
+        self.fc2 = RowParallelLinear(hidden, dim, tp, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Qwen2VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig, tp: TPGroup):
+        super().__init__()
+        self.norm1 = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
+        self.norm2 = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
+        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp)
+        self.mlp = Qwen2VisionMLP(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act, tp)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, rotary)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen2VisionTransformer(nn.Module):
+    def __init__(self, cfg: VisionConfig, tp: TPGroup):
+        super().__init__()
+        check_heads(cfg.num_heads, tp)
+        self.cfg = cfg
+        self.tp = tp
+        self.spatial_merge_size = cfg.spatial_merge_size
+        self.out_hidden_size = cfg.out_hidden_size
+        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim)
+        self.rotary = VisionRotary(cfg.head_dim)
+        self.blocks = nn.ModuleList([Qwen2VisionBlock(cfg, tp) for _ in range(cfg.depth)])
+        norm = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
+        self.merger = VisionPatchMerger(
+            norm, cfg.embed_dim, cfg.out_hidden_size, cfg.spatial_merge_size, tp
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embed.weight.device
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """[num_patches, patch_dim] -> [num_patches / merge**2, out_hidden_size]."""
+        x = self.patch_embed(pixel_values.to(self.device))
+        rotary = self.rotary(vision_position_ids(grid_thw, self.spatial_merge_size))
+        cu_seqlens = frame_cu_seqlens(grid_thw)
+        for block in self.blocks:
+            x = block(x, cu_seqlens, rotary)
+        return self.merger(x)
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyWeight | torch.Tensor]]) -> set[str]:
+        """Names relative to the checkpoint's `visual.` prefix; returns the loaded parameters."""
+        return load_weights(self, weights)

@@ -1,0 +1,232 @@
+"""Parts shared by tessera's Qwen2-VL and Qwen2.5-VL vision towers.
+
+Patches arrive flattened as [num_patches, C * tps * ps * ps] in the order the image processor
+writes them: item by item, frame by frame, and inside a frame grouped by merge windows
+(merge x merge neighbouring patches are consecutive). Attention never crosses a frame of one
+item (nor, for windowed blocks, a window), described by cumulative sequence lengths `cu_seqlens`.
+
+Every layer takes a `TPGroup`. With a one-rank group (DP mode, or no parallelism) the layers hold
+full weights and issue no collective; with more ranks attention heads and MLP features are split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.rotary import apply_rotary
+from runtime.distributed import TPGroup
+from runtime.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from runtime.layers.weights import LazyWeight, as_lazy, copy_checked, set_weight_loader
+
+VISION_ROPE_THETA = 10000.0
+
+
+def check_heads(num_heads: int, tp: TPGroup) -> None:
+    if num_heads % tp.size:
+        raise ValueError(
+            f"vision tower has {num_heads} attention heads, not divisible by TP size {tp.size}; "
+            "use the DP vision encoder or a TP size that divides the head count"
+        )
+
+
+# ---------------------------------------------------------------- sequence bookkeeping
+
+
+def frame_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
+    """Cumulative lengths with one segment per frame of every item: [num_frames + 1] int32."""
+    grid = grid_thw.long().cpu()
+    lengths = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+    return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def vision_position_ids(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """(row, col) of every patch in the processor's merge-window order: [num_patches, 2]."""
+    out = []
+    for t, h, w in grid_thw.long().tolist():
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        pos = torch.stack([rows, cols], dim=-1)  # [h, w, 2]
+        pos = pos.reshape(h // merge, merge, w // merge, merge, 2).transpose(1, 2)
+        out.append(pos.reshape(-1, 2).repeat(t, 1))
+    return torch.cat(out)
+
+
+# ---------------------------------------------------------------- patch embedding
+
+
+class VisionPatchEmbed(nn.Module):
+    """A linear map of each flattened patch; equal to the checkpoint's stride-sized Conv3d."""
+
+    def __init__(self, patch_dim: int, embed_dim: int):
+        super().__init__()
+        self.proj = ReplicatedLinear(patch_dim, embed_dim, bias=False)
+        set_weight_loader(self.proj.weight, self._load)
+
+    @staticmethod
+    def _load(param: nn.Parameter, weight: LazyWeight | torch.Tensor) -> None:
+        # The conv kernel [embed, C, tps, ps, ps] flattens to the patch layout (C, t, y, x).
+        tensor = as_lazy(weight).load()
+        copy_checked(param.data, tensor.reshape(tensor.shape[0], -1), "patch_embed.proj.weight")
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.proj.weight
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.proj(pixels.to(self.proj.weight.dtype))
+
+
+# ---------------------------------------------------------------- 2-D rotary
+
+
+class VisionRotary(nn.Module):
+    """Rotary over the whole head: the first quarter of frequencies turn with the patch row, the
+    second with the column, and the pair is repeated for the two rotate-half halves."""
+
+    def __init__(self, head_dim: int, theta: float = VISION_ROPE_THETA):
+        super().__init__()
+        if head_dim % 4:
+            raise ValueError(f"vision head_dim {head_dim} must be divisible by 4 (2-D rotary)")
+        half = head_dim // 2
+        exponents = torch.arange(0, half, 2, dtype=torch.float32) / half
+        self.register_buffer("inv_freq", 1.0 / theta**exponents, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [N, 2] -> (cos, sin), each [N, head_dim] in float32."""
+        freqs = position_ids.to(self.inv_freq.device).float()[..., None] * self.inv_freq
+        angles = freqs.flatten(1)  # [N, head_dim / 2]: row frequencies, then column ones
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+# ---------------------------------------------------------------- variable-length attention
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Bidirectional attention inside each segment of `cu_seqlens`; q/k/v: [N, heads, head_dim].
+
+    Segments of equal length are batched into one call, so the many same-sized windows or frames
+    of a batch cost one kernel launch each length."""
+    bounds = cu_seqlens.long().cpu()
+    starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
+    out = torch.empty_like(q)
+    for length in lengths.unique().tolist():
+        if length == 0:
+            continue
+        index = starts[lengths == length][:, None] + torch.arange(length)  # [segments, length]
+        index = index.to(q.device)
+        out[index] = _batched_attention(q[index], k[index], v[index], scale)
+    return out
+
+
+def _batched_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q/k/v: [segments, length, heads, head_dim] -> the same shape."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    return out.transpose(1, 2)
+
+
+class VisionAttention(nn.Module):
+    """Merged QKV (column-parallel by heads), 2-D rotary, segment attention, row-parallel proj."""
+
+    def __init__(self, embed_dim: int, num_heads: int, tp: TPGroup):
+        super().__init__()
+        check_heads(num_heads, tp)
+        self.head_dim = embed_dim // num_heads
+        self.local_heads = num_heads // tp.size
+        self.scale = self.head_dim**-0.5
+        self.qkv = QKVParallelLinear(embed_dim, self.head_dim, num_heads, num_heads, tp, bias=True)
+        self.proj = RowParallelLinear(embed_dim, embed_dim, tp, bias=True)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.local_heads, self.head_dim).unbind(1)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = varlen_attention(q, k, v, cu_seqlens, self.scale)
+        return self.proj(out.reshape(x.shape[0], -1))
+
+
+# ---------------------------------------------------------------- patch merger
+
+
+class VisionPatchMerger(nn.Module):
+    """Normalise each patch, concatenate merge x merge neighbours, then a two-layer GELU MLP."""
+
+    def __init__(self, norm: nn.Module, embed_dim: int, out_dim: int, merge: int, tp: TPGroup):
+        super().__init__()
+        self.hidden = embed_dim * merge**2
+        self.ln_q = norm
+        self.mlp = nn.ModuleList(
+            [
+                ColumnParallelLinear(self.hidden, [self.hidden], tp, bias=True),
+                nn.GELU(),
+                RowParallelLinear(self.hidden, out_dim, tp, bias=True),
+            ]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_q(x).reshape(-1, self.hidden)
+        for layer in self.mlp:
+            x = layer(x)
+        return x
+
+
+# ---------------------------------------------------------------- weight loading
+
+
+def load_weights(
+    module: nn.Module,
+    weights: Iterable[tuple[str, LazyWeight | torch.Tensor]],
+    stacked: Mapping[str, tuple[str, int]] | None = None,
+) -> set[str]:
+    """Give each checkpoint tensor to its parameter's weight_loader; returns the parameter names.
+
+    `stacked` maps a checkpoint module name to (merged module name, shard id), e.g.
+    {"gate_proj": ("gate_up_proj", 0)} for parameters that hold several checkpoint tensors."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    for name, weight in weights:
+        target, shard = _checkpoint_target(name, stacked or {})
+        if target not in params:
+            raise KeyError(
+                f"checkpoint tensor {name!r} has no parameter in {type(module).__name__}"
+            )
+        _load_one(params[target], weight, shard)
+        loaded.add(target)
+    return loaded
+
+
+def _checkpoint_target(name: str, stacked: Mapping[str, tuple[str, int]]) -> tuple[str, int | None]:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in stacked:
+            merged, shard = stacked[part]
+            return ".".join([*parts[:i], merged, *parts[i + 1 :]]), shard
+    return name, None
+
+
+def _load_one(param: nn.Parameter, weight: LazyWeight | torch.Tensor, shard: int | None) -> None:
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        copy_checked(param.data, as_lazy(weight).load())
+    elif shard is None:
+        loader(param, weight)
+    else:
+        loader(param, weight, shard)
