@@ -348,12 +348,12 @@ def is_norm(name: str) -> bool:
 # the current token's own embedding (else the model repeats it), a larger lm_head widens the gaps
 # between the top logits.
 GAINS = {
-    "q_proj": 3.0,
-    "k_proj": 3.0,
-    "attn.qkv": 3.0,
+    "q_proj": 2.5,
+    "k_proj": 2.5,
+    "attn.qkv": 2.0,
     "o_proj": 2.0,
     "down_proj": 2.0,
-    "lm_head": 4.0,
+    "lm_head": 2.0,
 }
 EMBED_STD = 0.3
 TIED_EMBED_STD = 0.375

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -25,7 +26,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, qu
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         tp = init_tp_group(rank, world_size, f"tcp://127.0.0.1:{port}", use_cuda=False)
-        queue.put((rank, "ok", fn(tp, *args)))
+        queue.put((rank, "ok", pickle.dumps(fn(tp, *args))))  # plain bytes: no fd sharing
         destroy_tp_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         queue.put((rank, "error", traceback.format_exc()))
@@ -58,5 +59,5 @@ def _collect(queue: Any, procs: list, world_size: int, timeout: float) -> list[A
         rank, status, value = queue.get(timeout=timeout)
         if status == "error":
             raise RuntimeError(f"rank {rank} failed:\n{value}")
-        results[rank] = value
+        results[rank] = pickle.loads(value)
     return [results[r] for r in range(world_size)]

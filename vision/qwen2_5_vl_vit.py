@@ -117,7 +117,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.spatial_merge_size = cfg.spatial_merge_size
         self.out_hidden_size = cfg.out_hidden_size
         self.full_attention_blocks = frozenset(cfg.fullatt_block_indexes)
-        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim)
+        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim, cfg.patch_kernel)
         self.rotary = VisionRotary(cfg.head_dim)
         self.blocks = nn.ModuleList([Qwen2_5_VisionBlock(cfg, tp) for _ in range(cfg.depth)])
         norm = RMSNorm(cfg.embed_dim, eps=NORM_EPS)

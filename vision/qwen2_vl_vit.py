@@ -71,7 +71,7 @@ class Qwen2VisionTransformer(nn.Module):
         self.tp = tp
         self.spatial_merge_size = cfg.spatial_merge_size
         self.out_hidden_size = cfg.out_hidden_size
-        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim)
+        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim, cfg.patch_kernel)
         self.rotary = VisionRotary(cfg.head_dim)
         self.blocks = nn.ModuleList([Qwen2VisionBlock(cfg, tp) for _ in range(cfg.depth)])
         norm = LayerNorm(cfg.embed_dim, eps=NORM_EPS)

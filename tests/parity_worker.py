@@ -1,0 +1,45 @@
+"""Runs inside each spawned rank: tessera's model on the shared cases, results to the parent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from runtime.distributed import TPGroup
+from scheduler.model_runner import ModelRunner, Sequence, greedy_generate
+from vision.qwen2_vl import build_model
+
+CHUNK = 7  # small enough that chunks cut through every image and video
+
+
+def all_logits(runner: ModelRunner, ids: list[int], mm: Any, chunk: int | None) -> torch.Tensor:
+    seq = Sequence(list(ids), mm)
+    runner.admit(seq)
+    try:
+        parts, step = [], chunk or len(ids)
+        while seq.kv_len < len(ids):
+            parts.append(runner.extend([seq], [min(step, len(ids) - seq.kv_len)], True))
+        return torch.cat(parts)
+    finally:
+        runner.release(seq)
+
+
+def run_cases(tp: TPGroup, folder: str, dp: bool, cases: list[tuple[str, list[int], Any]]) -> dict:
+    model = build_model(folder, tp, mm_enable_dp_encoder=dp, dtype="float32")
+    runner = ModelRunner(model, max_total_tokens=1024, max_running_requests=4, max_context_len=256)
+    out = {}
+    for name, ids, mm in cases:
+        full = all_logits(runner, ids, mm, None)
+        chunked = all_logits(runner, ids, mm, CHUNK)
+        tokens = greedy_generate(runner, Sequence(list(ids), mm), 16)
+        keep = tp.rank == 0
+        out[name] = {"logits": full if keep else None, "chunked": chunked if keep else None,
+                     "tokens": tokens}
+    out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size
+    return out
+
+
+def parity_worker(tp: TPGroup, jobs: list[tuple[str, str, bool, list]]) -> dict:
+    """jobs: (arch, folder, dp, cases); returns {(arch, dp): {case: results}}."""
+    return {(arch, dp): run_cases(tp, folder, dp, cases) for arch, folder, dp, cases in jobs}

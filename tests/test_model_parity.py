@@ -1,0 +1,91 @@
+"""tessera's model against HF transformers, at tp 1, 2 and 4, ViT in TP and in DP mode.
+
+Prefill logits (also prefilled in chunks that cut images) and 16 greedy tokens through the KV
+pool's decode path, for text, one image, two images of different sizes and a video.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dist_utils import run_on_ranks
+from make_tiny_checkpoint import make_checkpoint
+from parity_worker import parity_worker
+from vlm_cases import ARCHS, Checkpoint, load_hf, run_hf, standard_cases
+
+CASES = ("text", "image", "other_image", "two_images", "video")
+MODES = (False, True)
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("parity")
+    out = {}
+    for arch in ARCHS:
+        folder = make_checkpoint(arch, root / arch)
+        cases = standard_cases(Checkpoint(Path(folder)))
+        model = load_hf(Path(folder))
+        for case in cases:
+            run_hf(model, case)
+        out[arch] = (str(folder), {c.name: c for c in cases})
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
+def ranks(request: pytest.FixtureRequest, oracle: dict) -> tuple[int, list[dict]]:
+    jobs = [
+        (arch, folder, dp, [(c.name, c.input_ids, c.mm) for c in cases.values()])
+        for arch, (folder, cases) in oracle.items()
+        for dp in MODES
+    ]
+    return request.param, run_on_ranks(parity_worker, request.param, jobs, timeout=400)
+
+
+def _params(fn):
+    fn = pytest.mark.parametrize("case", CASES)(fn)
+    fn = pytest.mark.parametrize("dp", MODES, ids=["vit_tp", "vit_dp"])(fn)
+    return pytest.mark.parametrize("arch", ARCHS)(fn)
+
+
+@_params
+def test_prefill_logits_match_hf(ranks, oracle, arch: str, dp: bool, case: str) -> None:
+    _, results = ranks
+    ours = results[0][(arch, dp)][case]["logits"]
+    ref = oracle[arch][1][case].hf_logits
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= TOL
+
+
+@_params
+def test_chunked_prefill_matches_hf(ranks, oracle, arch: str, dp: bool, case: str) -> None:
+    _, results = ranks
+    ours = results[0][(arch, dp)][case]["chunked"]
+    assert (ours - oracle[arch][1][case].hf_logits).abs().max().item() <= TOL
+
+
+@_params
+def test_greedy_tokens_match_hf_on_every_rank(
+    ranks, oracle, arch: str, dp: bool, case: str
+) -> None:
+    tp, results = ranks
+    expected = oracle[arch][1][case].hf_tokens
+    assert len(expected) == 16
+    for rank in range(tp):
+        assert results[rank][(arch, dp)][case]["tokens"] == expected, f"rank {rank}"
+
+
+def test_kv_pool_fully_free_after_runs(ranks) -> None:
+    _, results = ranks
+    for per_rank in results:
+        assert all(r["_kv_free"] for r in per_rank.values())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_outputs_depend_on_the_image(ranks, oracle, arch: str) -> None:
+    """Same text, different image: different greedy output (so the parity checks can fail)."""
+    cases, results = oracle[arch][1], ranks[1][0][(arch, True)]
+    assert cases["image"].hf_tokens != cases["other_image"].hf_tokens
+    assert results["image"]["tokens"] != results["other_image"]["tokens"]
+    assert cases["image"].input_ids != cases["other_image"].input_ids

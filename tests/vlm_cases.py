@@ -1,0 +1,158 @@
+"""Shared test inputs: tiny checkpoints, chat prompts with images and videos, HF oracle runs."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from runtime.model_config import ModelConfig
+from runtime.multimodal import Modality, MultimodalInputs
+from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_inputs
+from tokenizer_manager.video_processor import preprocess_video
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl")
+PLACEHOLDER = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
+
+
+def noise_image(size: tuple[int, int] = (56, 56), seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def gradient_image(size: tuple[int, int] = (84, 112)) -> Image.Image:
+    h, w = size
+    pixels = np.zeros((h, w, 3), np.uint8)
+    pixels[..., 0] = np.linspace(0, 255, w, dtype=np.uint8)[None, :]
+    pixels[..., 1] = np.linspace(0, 255, h, dtype=np.uint8)[:, None]
+    return Image.fromarray(pixels)
+
+
+def video_frames(n: int = 4, size: tuple[int, int] = (56, 84), seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (*size, 3))
+    return np.stack([np.roll(base, 7 * i, axis=1) for i in range(n)]).astype(np.uint8)
+
+
+@dataclass
+class Case:
+    """One prompt: the HF oracle's inputs and tessera's."""
+
+    name: str
+    hf_inputs: dict[str, torch.Tensor]
+    input_ids: list[int]  # with pad values
+    mm: MultimodalInputs | None
+    hf_logits: torch.Tensor | None = None
+    hf_tokens: list[int] = field(default_factory=list)
+
+
+class Checkpoint:
+    """A tiny checkpoint folder with its tokenizer, image processor and chat template."""
+
+    def __init__(self, folder: Path):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.folder = folder
+        self.config = ModelConfig.from_dir(folder)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.image_processor = AutoImageProcessor.from_pretrained(folder)
+        self.template = json.loads((folder / "chat_template.json").read_text())["chat_template"]
+        self.preprocessor = json.loads((folder / "preprocessor_config.json").read_text())
+
+    def prepare(self, content: list[Any]) -> tuple[str, list[PreparedMedia]]:
+        """content: strings, PIL images and [T,H,W,3] frame arrays, in order."""
+        parts, media = [], []
+        for piece in content:
+            if isinstance(piece, str):
+                parts.append({"type": "text", "text": piece})
+            elif isinstance(piece, Image.Image):
+                parts.append({"type": "image"})
+                media.append(self.image_media(piece))
+            else:
+                parts.append({"type": "video"})
+                media.append(self.video_media(piece))
+        messages = [{"role": "user", "content": parts}]
+        prompt = self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=True
+        )
+        return prompt, media
+
+    def image_media(self, image: Image.Image) -> PreparedMedia:
+        out = self.image_processor(images=[image], return_tensors="pt")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        return PreparedMedia(Modality.IMAGE, out["pixel_values"], grid)
+
+    def video_media(self, frames: np.ndarray) -> PreparedMedia:
+        p = self.preprocessor
+        pixels, grid = preprocess_video(
+            frames, min_pixels=p["min_pixels"], max_pixels=p["max_pixels"],
+            image_mean=p["image_mean"], image_std=p["image_std"],
+        )
+        seconds = 1.0 if self.config.arch == "qwen2_5_vl" else None
+        return PreparedMedia(Modality.VIDEO, pixels, tuple(int(x) for x in grid[0]), seconds)
+
+    def case(self, name: str, content: list[Any]) -> Case:
+        prompt, media = self.prepare(content)
+        merge = self.config.vision.spatial_merge_size**2
+        pieces = re.split("(<\\|image_pad\\|>|<\\|video_pad\\|>)", prompt)
+        queue = iter(media)
+        expanded = [
+            p * (int(np.prod(next(queue).grid_thw)) // merge) if p in PLACEHOLDER.values() else p
+            for p in pieces
+        ]
+        prompt = "".join(expanded)
+        ids = self.tokenizer(prompt)["input_ids"]
+        our_ids, mm = build_multimodal_inputs(ids, media, self.config)
+        return Case(name, self.hf_inputs(ids, media), our_ids, mm)
+
+    def hf_inputs(self, ids: list[int], media: list[PreparedMedia]) -> dict[str, torch.Tensor]:
+        input_ids = torch.tensor([ids])
+        out: dict[str, torch.Tensor] = {"input_ids": input_ids}
+        out["attention_mask"] = torch.ones_like(input_ids)
+        types = torch.zeros_like(input_ids)
+        types[input_ids == self.config.image_token_id] = 1
+        types[input_ids == self.config.video_token_id] = 2
+        images = [m for m in media if m.modality == Modality.IMAGE]
+        videos = [m for m in media if m.modality == Modality.VIDEO]
+        if images:
+            out["pixel_values"] = torch.cat([m.pixel_values for m in images])
+            out["image_grid_thw"] = torch.tensor([m.grid_thw for m in images])
+        if videos:
+            out["pixel_values_videos"] = torch.cat([m.pixel_values for m in videos])
+            out["video_grid_thw"] = torch.tensor([m.grid_thw for m in videos])
+            if self.config.arch == "qwen2_5_vl":
+                out["second_per_grid_ts"] = torch.tensor([m.second_per_grid_t for m in videos])
+        if media:
+            out["mm_token_type_ids"] = types
+        return out
+
+
+def standard_cases(ckpt: Checkpoint) -> list[Case]:
+    return [
+        ckpt.case("text", ["Describe the cat."]),
+        ckpt.case("image", [noise_image(), "What is in the picture?"]),
+        ckpt.case("other_image", [gradient_image(), "What is in the picture?"]),
+        ckpt.case("two_images", [gradient_image(), "and", noise_image(), "Compare them."]),
+        ckpt.case("video", [video_frames(), "What happens?"]),
+    ]
+
+
+def run_hf(model: Any, case: Case, max_new_tokens: int = 16) -> None:
+    """Fill the case's oracle prefill logits and greedy tokens."""
+    with torch.no_grad():
+        case.hf_logits = model(**case.hf_inputs).logits[0].float()
+        out = model.generate(**case.hf_inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    case.hf_tokens = out[0, case.hf_inputs["input_ids"].shape[1] :].tolist()
+
+
+def load_hf(folder: Path) -> Any:
+    from make_tiny_checkpoint import hf_model_class
+
+    arch = ModelConfig.from_dir(folder).arch
+    return hf_model_class(arch).from_pretrained(folder, dtype=torch.float32).eval()
