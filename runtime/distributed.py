@@ -44,7 +44,7 @@ class TPGroup:
             dtype=tensor.dtype,
             device=tensor.device,
         )
-        dist.all_gather_into_tensor(out, tensor, group=self.device_group)
+        _all_gather_single(out, tensor, group=self.device_group)
         if dim in (0, -tensor.dim()):
             return out
         parts = out.chunk(self.size, dim=0)
@@ -59,6 +59,11 @@ class TPGroup:
 
     def broadcast_pyobj(self, data: object, src: int = 0) -> object:
         return broadcast_pyobj(data, self.rank, self.cpu_group, src=src, world_size=self.size)
+
+
+def _all_gather_single(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, tensor, group=group)
 
 
 def broadcast_pyobj(

@@ -1,0 +1,163 @@
+"""Distributed helpers, TP layer slicing rules, config parsing and checkpoint-loading errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_on_ranks
+from make_tiny_checkpoint import make_checkpoint
+from safetensors.torch import load_file, save_file
+
+from runtime.distributed import TPGroup
+from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.linear import QKVParallelLinear, RowParallelLinear
+from runtime.model_config import ModelConfig, ModelConfigError
+from runtime.model_loader import CheckpointError
+from vision.qwen2_vl import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def collectives_worker(tp: TPGroup) -> dict:
+    payload = {"ids": list(range(1000)), "text": "é" * 10} if tp.rank == 0 else None
+    got = tp.broadcast_pyobj(payload)
+    empty = tp.broadcast_pyobj([] if tp.rank == 0 else "ignored")
+    summed = tp.all_reduce(torch.full((3,), float(tp.rank + 1)))
+    gathered = tp.all_gather(torch.full((2, 1), float(tp.rank)), dim=-1)
+    return {"got": got, "empty": empty, "sum": summed, "gathered": gathered}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_broadcast_pyobj_and_collectives(world_size: int) -> None:
+    results = run_on_ranks(collectives_worker, world_size, timeout=120)
+    total = world_size * (world_size + 1) / 2
+    for r in results:
+        assert r["got"] == {"ids": list(range(1000)), "text": "é" * 10}
+        assert r["empty"] == []
+        assert r["sum"].tolist() == [total] * 3
+        assert r["gathered"].tolist() == [list(map(float, range(world_size)))] * 2
+
+
+def test_qkv_heads_must_divide() -> None:
+    with pytest.raises(ValueError, match="not divisible"):
+        QKVParallelLinear(64, 16, 4, 2, TPGroup(rank=0, size=3))
+
+
+def test_kv_heads_replicated_when_fewer_than_ranks() -> None:
+    full = torch.randn(64 + 32 + 32, 64)
+    for rank in range(4):
+        layer = QKVParallelLinear(64, 16, 4, 2, TPGroup(rank=rank, size=4), bias=False)
+        layer.weight_loader(layer.weight, full)
+        kv_head = rank // 2
+        k_rows = full[64 + 16 * kv_head : 64 + 16 * (kv_head + 1)]
+        assert torch.equal(layer.weight[16:32], k_rows)
+        assert torch.equal(layer.weight[:16], full[16 * rank : 16 * (rank + 1)])
+
+
+def test_row_parallel_slices_input_columns() -> None:
+    full = torch.randn(8, 12)
+    layer = RowParallelLinear(12, 8, TPGroup(rank=2, size=3), bias=False)
+    layer.weight.weight_loader(layer.weight, full)
+    assert torch.equal(layer.weight, full[:, 8:12])
+
+
+def test_vocab_padding_rows_are_zero_and_cut_from_logits() -> None:
+    full = torch.randn(10, 4)
+    emb = VocabParallelEmbedding(10, 4, TPGroup(rank=2, size=3))  # rows 8..11, two real
+    emb.weight_loader(emb.weight, full)
+    assert torch.equal(emb.weight[:2], full[8:]) and not emb.weight[2:].any()
+    head = ParallelLMHead(10, 4, TPGroup())
+    head.weight_loader(head.weight, full)
+    assert head(torch.randn(3, 4)).shape == (3, 10)
+
+
+def test_config_accepts_flat_and_nested_layouts(tmp_path: Path) -> None:
+    folder = make_checkpoint("qwen2_vl", tmp_path / "ck")
+    flat = json.loads((folder / "config.json").read_text())
+    text_keys = [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    ]
+    nested = {k: v for k, v in flat.items() if k not in text_keys + ["rope_scaling", "rope_theta"]}
+    nested["text_config"] = {k: flat[k] for k in text_keys}
+    nested["text_config"]["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": flat["rope_theta"],
+        "mrope_section": flat["rope_scaling"]["mrope_section"],
+    }
+    assert ModelConfig.from_dict(nested).text == ModelConfig.from_dict(flat).text
+
+
+def test_unknown_architecture_is_a_clear_error() -> None:
+    with pytest.raises(ModelConfigError, match="unsupported architecture"):
+        ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+
+
+def test_missing_tensor_is_named(tmp_path: Path) -> None:
+    folder = make_checkpoint("qwen2_vl", tmp_path / "ck")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match="layers.1.mlp.gate_up_proj"):
+        build_model(str(folder), TPGroup())
+
+
+def test_sharded_checkpoint_with_index_loads_the_same(tmp_path: Path) -> None:
+    folder = make_checkpoint("qwen2_5_vl", tmp_path / "ck")
+    sharded = tmp_path / "sharded"
+    shutil.copytree(folder, sharded)
+    tensors = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    weight_map = {}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, sharded / file)
+        weight_map.update({n: file for n in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    a = dict(build_model(str(folder), TPGroup()).named_parameters())
+    b = dict(build_model(str(sharded), TPGroup()).named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_vit_benchmark_prints_both_modes(tmp_path: Path) -> None:
+    out = tmp_path / "vit.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/bench_vit_dp_vs_tp.py"),
+        "--tp",
+        "2",
+        "--random-images",
+        "3",
+        "--max-size",
+        "224",
+        "--warmup",
+        "0",
+        "--repeat",
+        "2",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "DP speed-up over TP" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in results] == ["tp", "dp"]
+    tp, dp = results
+    assert sum(dp["patches_per_rank"]) == tp["patches_per_rank"][0]
+    assert tp["collective_bytes_per_rank"] > 0 and dp["collective_bytes_per_rank"] > 0
