@@ -1,0 +1,56 @@
+"""Which waiting requests join the next prefill batch, and how many of their tokens.
+
+Pure logic over numbers, so every rule is unit-tested without a model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Share of a request's remaining output budget reserved in KV when it is admitted; retraction
+# covers the rest when outputs run longer than the estimate.
+NEW_TOKEN_RATIO = 0.5
+# Reservations are capped per request so one huge max_tokens does not block admission.
+RESERVE_CLIP = 512
+
+
+def decode_reserve(remaining_new_tokens: int) -> int:
+    return math.ceil(min(remaining_new_tokens, RESERVE_CLIP) * NEW_TOKEN_RATIO)
+
+
+@dataclass
+class PrefillAdder:
+    """Admits requests in the given order until a budget runs out.
+
+    rem_total: KV tokens that may still be taken (free + evictable - reserved decode room).
+    rem_input: prompt tokens this batch may still compute (--max-prefill-tokens).
+    chunk_size: the most prompt tokens one request may compute in one step (--chunked-prefill-size).
+    rem_reqs: request slots left (--max-running-requests minus running).
+    """
+
+    rem_total: int
+    rem_input: int
+    chunk_size: int
+    rem_reqs: int
+    chunked: bool = False  # a request was cut in this batch: nothing may follow it
+
+    def add(self, extend_len: int, remaining_new_tokens: int) -> int | None:
+        """Tokens of this request to compute now (all, or a chunk), or None if it must wait."""
+        if self.rem_reqs <= 0 or self.chunked or extend_len <= 0:
+            return None
+        reserve = decode_reserve(remaining_new_tokens)
+        whole = extend_len <= min(self.chunk_size, self.rem_input)
+        if whole and extend_len + reserve <= self.rem_total:
+            return self._take(extend_len, reserve)
+        room = min(self.chunk_size, self.rem_input, self.rem_total - reserve, extend_len - 1)
+        if room < 1:
+            return None
+        self.chunked = True
+        return self._take(room, 0)
+
+    def _take(self, tokens: int, reserve: int) -> int:
+        self.rem_total -= tokens + reserve
+        self.rem_input -= tokens
+        self.rem_reqs -= 1
+        return tokens

@@ -1,0 +1,52 @@
+"""Prefill budget rules (pure)."""
+
+from __future__ import annotations
+
+from scheduler.schedule_policy import PrefillAdder, decode_reserve
+
+
+def adder(total: int = 1000, inp: int = 500, chunk: int = 64, reqs: int = 8) -> PrefillAdder:
+    return PrefillAdder(rem_total=total, rem_input=inp, chunk_size=chunk, rem_reqs=reqs)
+
+
+def test_whole_requests_until_input_budget() -> None:
+    a = adder(inp=100)
+    assert a.add(40, 0) == 40
+    assert a.add(40, 0) == 40
+    assert a.add(40, 0) == 20  # the rest of the input budget, as a chunk
+    assert a.add(5, 0) is None  # nothing may follow a chunked request
+
+
+def test_long_prompt_is_chunked_at_chunk_size() -> None:
+    a = adder(chunk=64)
+    assert a.add(150, 10) == 64
+    assert a.chunked
+
+
+def test_reserve_for_decode_counts_against_total() -> None:
+    a = adder(total=49)
+    assert a.add(30, 40) == 29  # 30 + reserve 20 does not fit: a chunk that leaves the reserve
+    b = adder(total=60)
+    assert b.add(30, 40) == 30  # 30 + reserve 20 fits
+    assert b.rem_total == 60 - 30 - decode_reserve(40)
+
+
+def test_chunk_when_kv_is_short() -> None:
+    a = adder(total=20)
+    assert a.add(50, 8) == 16  # room = total - reserve(8)=4
+    assert a.chunked
+
+
+def test_request_slots_limit() -> None:
+    a = adder(reqs=1)
+    assert a.add(5, 0) == 5
+    assert a.add(5, 0) is None
+
+
+def test_no_room_at_all() -> None:
+    assert adder(total=0).add(10, 0) is None
+    assert adder(inp=0).add(10, 0) is None
+
+
+def test_reserve_is_clipped() -> None:
+    assert decode_reserve(10**6) == decode_reserve(512)
