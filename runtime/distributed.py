@@ -53,7 +53,8 @@ class TPGroup:
     def all_reduce_cpu(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce a small CPU tensor over the Gloo group (flags, counts)."""
         if self.size > 1:
-            reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+            reduce_op = ops[op]
             dist.all_reduce(tensor, op=reduce_op, group=self.cpu_group)
         return tensor
 

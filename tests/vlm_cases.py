@@ -65,7 +65,9 @@ class Checkpoint:
         self.template = json.loads((folder / "chat_template.json").read_text())["chat_template"]
         self.preprocessor = json.loads((folder / "preprocessor_config.json").read_text())
 
-    def prepare(self, content: list[Any]) -> tuple[str, list[PreparedMedia]]:
+    def prepare(
+        self, content: list[Any], system: str | None = None
+    ) -> tuple[str, list[PreparedMedia]]:
         """content: strings, PIL images and [T,H,W,3] frame arrays, in order."""
         parts, media = [], []
         for piece in content:
@@ -78,6 +80,8 @@ class Checkpoint:
                 parts.append({"type": "video"})
                 media.append(self.video_media(piece))
         messages = [{"role": "user", "content": parts}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
         prompt = self.tokenizer.apply_chat_template(
             messages, chat_template=self.template, tokenize=False, add_generation_prompt=True
         )
@@ -97,8 +101,8 @@ class Checkpoint:
         seconds = 1.0 if self.config.arch == "qwen2_5_vl" else None
         return PreparedMedia(Modality.VIDEO, pixels, tuple(int(x) for x in grid[0]), seconds)
 
-    def case(self, name: str, content: list[Any]) -> Case:
-        prompt, media = self.prepare(content)
+    def case(self, name: str, content: list[Any], system: str | None = None) -> Case:
+        prompt, media = self.prepare(content, system)
         merge = self.config.vision.spatial_merge_size**2
         pieces = re.split("(<\\|image_pad\\|>|<\\|video_pad\\|>)", prompt)
         queue = iter(media)

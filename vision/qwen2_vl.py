@@ -7,7 +7,7 @@ all-gathered once).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -43,6 +43,10 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         vision_tp = TPGroup() if self.dp_encoder else tp
         self.visual = VISION_TOWERS[config.arch](config.vision, vision_tp)
         self.language_model = Qwen2ForCausalLM(config.text, tp, backend)
+        # The scheduler may route encoding through its encoder cache (same signature).
+        self.item_encoder: Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]] = (
+            self.encode_items
+        )
 
     def encode_items(self, items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
         """Vision embeddings per item hash; every rank calls this with the same items."""
@@ -66,7 +70,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         embeds = self.language_model.embed(batch.input_ids)
         if batch.mode == ForwardMode.EXTEND:
-            embeds = fuse_embeddings(batch, embeds, self.encode_items)
+            embeds = fuse_embeddings(batch, embeds, self.item_encoder)
         return self.language_model(embeds, batch)
 
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:

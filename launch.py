@@ -1,0 +1,187 @@
+"""Start a tessera server: parse the flags, spawn the scheduler ranks and the detokenizer, wait
+for each to report ready, serve HTTP in this process, and supervise the children.
+
+    python launch.py --tp 4 --mm-enable-dp-encoder
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from runtime.logging_utils import configure_logging, get_logger  # noqa: E402
+from runtime.server_args import ServerArgs  # noqa: E402
+
+logger = get_logger("tessera.launch")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_checkpoint_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "tessera" / "tiny-qwen2_vl-seed0"
+
+
+def ensure_tiny_checkpoint() -> str:
+    """Generate the built-in tiny random Qwen2-VL checkpoint once; reuse it afterwards."""
+    folder = tiny_checkpoint_dir()
+    if not (folder / "model.safetensors").is_file():
+        spec = importlib.util.spec_from_file_location(
+            "make_tiny_checkpoint", ROOT / "scripts" / "make_tiny_checkpoint.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.make_checkpoint("qwen2_vl", folder)
+        logger.info("generated the built-in tiny random Qwen2-VL checkpoint in %s", folder)
+    logger.info(
+        "no --model-path given: serving the built-in tiny random Qwen2-VL checkpoint "
+        "from %s (random weights: the text is meaningless)",
+        folder,
+    )
+    return str(folder)
+
+
+class Supervisor:
+    """Owns the child processes: start, wait for ready acks, watch, and tear down."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.ctx = mp.get_context("spawn")
+        self.children: list[tuple[str, mp.Process, Connection]] = []
+        self._stopping = False
+
+    def spawn(self, name: str, target, *args: object) -> None:
+        reader, writer = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=target, args=(*args, writer), name=name, daemon=True)
+        proc.start()
+        self.children.append((name, proc, reader))
+
+    def start(self) -> None:
+        from runtime.detokenizer import run_detokenizer_process
+
+        from scheduler.process import run_scheduler_process
+
+        args = self.args
+        per_node = args.tp_size // args.nnodes
+        init = f"tcp://{args.dist_init_addr or f'127.0.0.1:{free_port()}'}"
+        for rank in range(args.node_rank * per_node, (args.node_rank + 1) * per_node):
+            self.spawn(f"scheduler-TP{rank}", run_scheduler_process, args, rank, init)
+        if args.node_rank == 0:
+            self.spawn("detokenizer", run_detokenizer_process, args)
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.args.ready_timeout
+        for name, proc, reader in self.children:
+            while not reader.poll(0.2):
+                if not proc.is_alive():
+                    raise RuntimeError(f"{name} exited with code {proc.exitcode} while starting")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not report ready in {self.args.ready_timeout}s")
+            msg = reader.recv()
+            if msg.get("status") != "ready":
+                raise RuntimeError(f"{name} failed to start:\n{msg.get('error')}")
+        logger.info("all %d child processes are ready", len(self.children))
+
+    def watch(self) -> None:
+        """In a thread: if any child dies, say which and why, stop everything, exit non-zero."""
+        while not self._stopping:
+            for name, proc, _ in self.children:
+                if not proc.is_alive() and not self._stopping:
+                    logger.error(
+                        "%s exited unexpectedly with code %s; shutting down", name, proc.exitcode
+                    )
+                    self.stop()
+                    os._exit(1)
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        self._stopping = True
+        for _, proc, _ in self.children:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 5
+        for _, proc, _ in self.children:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+async def serve_http(args: ServerArgs) -> None:
+    import uvicorn
+    from tokenizer_manager.mm_processor import AsyncMMDataProcessor, MediaLimits
+
+    from tokenizer_manager.http_server import create_app
+    from tokenizer_manager.tokenizer_manager import TokenizerManager
+
+    limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
+    mm = AsyncMMDataProcessor(
+        args.model_path,
+        limits,
+        io_workers=8,
+        cpu_workers=max(1, min(4, os.cpu_count() or 1)),
+        max_concurrent_calls=args.mm_max_concurrent_calls,
+        per_request_timeout=args.mm_per_request_timeout,
+    )
+    tm = TokenizerManager(args, mm)
+    await tm.start()
+    app = create_app(tm)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
+    try:
+        logger.info("serving on http://%s:%d", args.host, args.port)
+        await uvicorn.Server(config).serve()
+    finally:
+        await tm.close()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = ServerArgs.from_cli(argv)
+    configure_logging(args.log_level, "main")
+    if args.model_path is None:
+        args = dataclasses.replace(args, model_path=ensure_tiny_checkpoint())
+    if args.tp_size % args.nnodes:
+        raise SystemExit("--tp must be divisible by --nnodes")
+    supervisor = Supervisor(args)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        supervisor.start()
+        threading.Thread(target=supervisor.watch, daemon=True).start()
+        if args.node_rank == 0:
+            asyncio.run(serve_http(args))
+        else:
+            while True:
+                time.sleep(1)
+    except KeyboardInterrupt:
+        logger.info("interrupted; stopping")
+    finally:
+        supervisor.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

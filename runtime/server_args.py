@@ -1,0 +1,134 @@
+"""ServerArgs: every setting of a tessera server, typed, parsed once and frozen.
+
+"auto" values are resolved at parse time (`resolve()`); derived values are properties. Each
+process receives the object (or the parts it needs) explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+
+def _opt(help: str, **kw) -> dataclasses.Field:  # noqa: A002 - mirrors argparse
+    return field(default=kw.pop("default", None), metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _opt("checkpoint folder; default: a generated tiny Qwen2-VL")
+    tp_size: int = _opt("tensor-parallel ranks", default=1, flag="--tp")
+    mm_enable_dp_encoder: bool = _opt("run the vision encoder data-parallel", default=False)
+    host: str = _opt("HTTP host", default="127.0.0.1")
+    port: int = _opt("HTTP port", default=30000)
+    device: str = _opt("device", default="auto", choices=["auto", "cpu", "cuda"])
+    dtype: str = _opt(
+        "weights/activation dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    attention_backend: str = _opt(
+        "attention backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"]
+    )
+    chunked_prefill_size: int = _opt("max prompt tokens of one request per step", default=2048)
+    max_prefill_tokens: int = _opt("max prompt tokens of one prefill batch", default=8192)
+    max_running_requests: int = _opt("max requests decoding at once", default=64)
+    max_total_tokens: int | None = _opt("KV pool size in tokens (default: from memory)", type=int)
+    mem_fraction_static: float = _opt("GPU memory share for weights + KV", default=0.85)
+    context_length: int | None = _opt("max prompt + output tokens per request", type=int)
+    schedule_policy: str = _opt("waiting-queue order", default="fcfs", choices=["fcfs", "lpm"])
+    disable_radix_cache: bool = _opt("turn off prefix caching", default=False)
+    mm_cache_size_mb: int = _opt("encoder output cache size (0 disables)", default=256)
+    max_images_per_request: int = _opt("media items per request", default=16)
+    mm_max_concurrent_calls: int = _opt("concurrent media preprocessing calls", default=32)
+    mm_per_request_timeout: float = _opt(
+        "seconds to fetch and preprocess one request's media", default=30.0
+    )
+    allowed_local_media_path: str | None = _opt("folder from which file:// media may be read")
+    api_key: str | None = _opt("bearer token required by the HTTP API")
+    served_model_name: str | None = _opt("model name reported by the API")
+    log_level: str = _opt("log level", default="info")
+    random_seed: int = _opt("seed for sampling without a per-request seed", default=0)
+    nnodes: int = _opt("nodes", default=1)
+    node_rank: int = _opt("this node's rank", default=0)
+    dist_init_addr: str | None = _opt("host:port of the torch.distributed rendezvous")
+    ipc_dir: str | None = _opt("folder for ipc:// sockets (default: a fresh temp folder)")
+    ready_timeout: float = _opt("seconds to wait for every child to report ready", default=600.0)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def use_cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def ipc_name(self, what: str) -> str:
+        return f"ipc://{os.path.join(self.ipc_dir or tempfile.gettempdir(), f'tessera-{what}')}"
+
+    @property
+    def scheduler_input_ipc(self) -> str:
+        return self.ipc_name("scheduler")
+
+    @property
+    def detokenizer_ipc(self) -> str:
+        return self.ipc_name("detokenizer")
+
+    @property
+    def tokenizer_ipc(self) -> str:
+        return self.ipc_name("tokenizer")
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+            if f.type == "bool":
+                parser.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
+                continue
+            kind = meta.pop("type", None) or {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, dest=f.name, type=kind, default=f.default, **meta)
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
+        parser = argparse.ArgumentParser(description="Serve a vision-language model with tessera")
+        cls.add_cli_args(parser)
+        ns = parser.parse_args(argv)
+        return cls(**vars(ns)).resolve()
+
+    def resolve(self) -> ServerArgs:
+        """Fill "auto" values and check the settings; returns a new frozen object."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if _cuda_count() >= self.tp_size else "cpu"
+        if device == "cuda" and _cuda_count() < self.tp_size:
+            raise ValueError(f"--tp {self.tp_size} needs {self.tp_size} GPUs")
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "torch" if device == "cpu" else _best_gpu_backend()
+        ipc_dir = self.ipc_dir or tempfile.mkdtemp(prefix="tessera-ipc-")
+        out = dataclasses.replace(self, device=device, attention_backend=backend, ipc_dir=ipc_dir)
+        out.check()
+        return out
+
+    def check(self) -> None:
+        positive = ["tp_size", "chunked_prefill_size", "max_prefill_tokens", "max_running_requests"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.mm_cache_size_mb < 0:
+            raise ValueError("--mm-cache-size-mb must be 0 (off) or positive")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError("--max-total-tokens must be at least 16")
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _best_gpu_backend() -> str:
+    # The Triton and FlashInfer backends are not built yet; the torch backend runs on CUDA too.
+    return "torch"

@@ -1,0 +1,158 @@
+"""The scheduler process: one per TP rank. Rank 0 talks ZMQ; every rank runs the same steps."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import zmq
+from runtime.sampler import Sampler
+
+from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
+from runtime.io_struct import BatchTokenOut, ShutdownReq
+from runtime.logging_utils import configure_logging, get_logger
+from runtime.server_args import ServerArgs
+from scheduler.encoder_cache import EncoderCache
+from scheduler.model_runner import ModelRunner
+from scheduler.radix_cache import RadixCache
+from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
+from vision.qwen2_vl import build_model
+
+logger = get_logger(__name__)
+
+CPU_DEFAULT_KV_TOKENS = 16384
+IDLE_POLL_MS = 20
+
+
+class SchedulerChannel:
+    """Rank 0's sockets: requests in (bound), outputs out to the detokenizer (connected)."""
+
+    def __init__(self, args: ServerArgs):
+        self.ctx = zmq.Context()
+        self.recv_sock = self.ctx.socket(zmq.PULL)
+        self.recv_sock.bind(args.scheduler_input_ipc)
+        self.send_sock = self.ctx.socket(zmq.PUSH)
+        self.send_sock.connect(args.detokenizer_ipc)
+
+    def recv_all(self, wait_ms: int) -> list[object]:
+        msgs: list[object] = []
+        if wait_ms and not self.recv_sock.poll(wait_ms):
+            return msgs
+        while True:
+            try:
+                msgs.append(self.recv_sock.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return msgs
+
+    def send(self, result: StepResult) -> None:
+        if result.outputs:
+            self.send_sock.send_pyobj(BatchTokenOut(result.outputs))
+        for reply in result.replies:
+            self.send_sock.send_pyobj(reply)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def kv_pool_tokens(args: ServerArgs, runner_probe: dict, tp: TPGroup) -> int:
+    """--max-total-tokens, or a CPU default, or the GPU memory left after weights (min over
+    ranks, so every rank schedules with the same pool)."""
+    if args.max_total_tokens:
+        return args.max_total_tokens
+    if not args.use_cuda:
+        return CPU_DEFAULT_KV_TOKENS
+    free, total = torch.cuda.mem_get_info()
+    budget = total * args.mem_fraction_static - (total - free)
+    tokens = torch.tensor([int(budget // runner_probe["bytes_per_token"])])
+    return int(tp.all_reduce_cpu(tokens, op="min").item())
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    text = model.config.text
+    layer = model.language_model.model.layers[0].self_attn.layer
+    elem = next(model.language_model.parameters()).element_size()
+    return 2 * text.num_hidden_layers * layer.num_kv_heads * layer.head_dim * elem
+
+
+def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
+    device = f"cuda:{torch.cuda.current_device()}" if args.use_cuda else "cpu"
+    model = build_model(
+        args.model_path,
+        tp,
+        attention_backend=args.attention_backend,
+        mm_enable_dp_encoder=args.mm_enable_dp_encoder,
+        dtype=args.dtype,
+        device=device,
+        show_progress=tp.is_first,
+    )
+    config = model.config
+    context = args.context_length or config.text.max_position_embeddings
+    tokens = kv_pool_tokens(args, {"bytes_per_token": kv_bytes_per_token(model)}, tp)
+    runner = ModelRunner(
+        model,
+        max_total_tokens=tokens,
+        max_running_requests=args.max_running_requests + 1,
+        max_context_len=context + 1,
+        device=device,
+    )
+    encoder_cache = EncoderCache(args.mm_cache_size_mb * 2**20)
+    model.item_encoder = encoder_cache.wrap(model.encode_items, tp)
+    cfg = SchedulerConfig(
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        context_length=context,
+        schedule_policy=args.schedule_policy,
+        eos_token_ids=config.eos_token_ids,
+    )
+    radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
+    return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))
+
+
+def serve(scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None) -> None:
+    while True:
+        msgs = None
+        if channel is not None:
+            msgs = channel.recv_all(IDLE_POLL_MS if scheduler.idle else 0)
+        msgs = tp.broadcast_pyobj(msgs)
+        if any(isinstance(m, ShutdownReq) for m in msgs):
+            return
+        result = scheduler.step(msgs)
+        if channel is not None:
+            channel.send(result)
+
+
+def run_scheduler_process(
+    args: ServerArgs, tp_rank: int, dist_init_method: str, ready: Connection
+) -> None:
+    """Entry point of one TP rank: load the shard, report ready (or why not), then loop."""
+    configure_logging(args.log_level, prefix=f"TP{tp_rank}")
+    if not args.use_cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
+    else:
+        torch.cuda.set_device(tp_rank % torch.cuda.device_count())
+    channel = None
+    try:
+        tp = init_tp_group(tp_rank, args.tp_size, dist_init_method, use_cuda=args.use_cuda)
+        scheduler = build_scheduler(args, tp)
+        channel = SchedulerChannel(args) if tp.is_first else None
+        ready.send(
+            {
+                "status": "ready",
+                "rank": tp_rank,
+                "kv_total": scheduler.runner.kv_pool.size,
+                "context_length": scheduler.cfg.context_length,
+            }
+        )
+    except Exception:
+        ready.send({"status": "error", "rank": tp_rank, "error": traceback.format_exc()})
+        raise
+    try:
+        with torch.inference_mode():
+            serve(scheduler, tp, channel)
+    finally:
+        if channel is not None:
+            channel.close()
+        destroy_tp_group()

@@ -1,0 +1,84 @@
+"""A request inside the scheduler: the minimum state, everything else derived."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from runtime.sampler import SamplingParams
+
+from runtime.io_struct import TokenizedGenerateReq
+from scheduler.model_runner import Sequence
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Req(Sequence):
+    """token_ids = prompt + outputs; kv_len tokens of it sit in the KV pool (the first
+    `cached_prefix_len` of those came from the radix cache when the request was first admitted)."""
+
+    rid: str = ""
+    prompt_len: int = 0
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival: int = 0
+    cached_tokens: int = 0
+    last_node: object | None = None
+    finish: FinishReason | None = None
+    finish_detail: str = ""
+    sent_len: int = 0  # output tokens already reported to the detokenizer
+    retractions: int = 0
+    _pinned: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_message(cls, msg: TokenizedGenerateReq, eos: tuple[int, ...], arrival: int) -> Req:
+        return cls(
+            token_ids=list(msg.input_ids),
+            mm=msg.mm_inputs,
+            rid=msg.rid,
+            prompt_len=len(msg.input_ids),
+            params=msg.sampling_params,
+            eos_token_ids=eos,
+            arrival=arrival,
+        )
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def extend_len(self) -> int:
+        """Tokens still to prefill before the next token can be sampled."""
+        return len(self.token_ids) - self.kv_len
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+    def prefix_key(self) -> list[int]:
+        """Radix key for matching: everything but the last token (whose logits we need)."""
+        return self.token_ids[: len(self.token_ids) - 1]
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.check_finish(token)
+
+    def check_finish(self, token: int) -> None:
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.finish, self.finish_detail = FinishReason.STOP, str(token)
+        elif len(self.output_ids) >= p.max_new_tokens:
+            self.finish = FinishReason.LENGTH
+
+    def abort(self, reason: FinishReason = FinishReason.ABORT, detail: str = "") -> None:
+        self.finish, self.finish_detail = reason, detail

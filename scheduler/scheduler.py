@@ -1,0 +1,378 @@
+"""The scheduler: continuous batching over a radix prefix cache, identical on every TP rank.
+
+Each step: take the messages rank 0 received (broadcast to all ranks), admit what fits into a
+prefill batch (or else decode the running batch), run the model, and append one token per
+finished-prefill or decoding request. Rank 0 samples; the tokens are broadcast, so every rank
+keeps the same state and joins the same collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.distributed import TPGroup
+from runtime.io_struct import (
+    AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetServerInfoReq,
+    ReqOutput,
+    ServerInfo,
+    TokenizedGenerateReq,
+)
+from runtime.logging_utils import get_logger
+from runtime.sampler import Sampler
+from scheduler.encoder_cache import EncoderCache
+from scheduler.model_runner import ModelRunner
+from scheduler.radix_cache import RadixCache
+from scheduler.req import FinishReason, Req
+from scheduler.schedule_policy import PrefillAdder, decode_reserve
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    max_prefill_tokens: int
+    chunked_prefill_size: int
+    context_length: int
+    schedule_policy: str = "fcfs"
+    eos_token_ids: tuple[int, ...] = ()
+    check_integrity_when_idle: bool = True
+
+
+@dataclass
+class Counters:
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens_computed: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    refused: int = 0
+
+
+@dataclass
+class StepResult:
+    outputs: list[ReqOutput] = field(default_factory=list)
+    replies: list[object] = field(default_factory=list)  # control answers for rank 0 to send
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        tp: TPGroup,
+        runner: ModelRunner,
+        radix: RadixCache,
+        encoder_cache: EncoderCache,
+        sampler: Sampler,
+    ):
+        self.cfg, self.tp, self.runner = cfg, tp, runner
+        self.radix, self.encoder_cache, self.sampler = radix, encoder_cache, sampler
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.counters = Counters()
+        self._arrivals = 0
+        self._touched: dict[str, Req] = {}
+        self._was_idle = True
+
+    # ------------------------------------------------------------------ the loop body
+    def step(self, messages: list[object]) -> StepResult:
+        result = StepResult()
+        for msg in messages:
+            self.handle(msg, result)
+        batch = self.schedule_prefill()
+        if batch:
+            self.run_prefill(*batch)
+        elif self.running:
+            self.run_decode()
+        result.outputs = self.collect_outputs()
+        if self.idle and not self._was_idle and self.cfg.check_integrity_when_idle:
+            self.check_idle_accounting()  # once per transition to idle, not on every poll
+        self._was_idle = self.idle
+        return result
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running and self.chunked is None
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, msg: object, result: StepResult) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            result.replies.append(self.flush_cache())
+        elif isinstance(msg, GetServerInfoReq):
+            result.replies.append(self.server_info())
+        else:
+            logger.warning("scheduler ignores unknown message %r", type(msg).__name__)
+
+    def add_request(self, msg: TokenizedGenerateReq) -> None:
+        self._arrivals += 1
+        req = Req.from_message(msg, self.cfg.eos_token_ids, self._arrivals)
+        problem = self.refusal(req)
+        if problem:
+            self.counters.refused += 1
+            req.abort(FinishReason.ERROR, problem)
+            self._touched[req.rid] = req
+            return
+        self.waiting.append(req)
+
+    def refusal(self, req: Req) -> str:
+        """Why this request can never run here ("" when it can): refused up front, not retried."""
+        need = req.prompt_len + req.params.max_new_tokens
+        if req.prompt_len == 0:
+            return "empty prompt"
+        if need > self.cfg.context_length:
+            return (
+                f"prompt ({req.prompt_len} tokens) plus max_new_tokens "
+                f"({req.params.max_new_tokens}) exceeds the context length "
+                f"{self.cfg.context_length}"
+            )
+        if need > self.runner.kv_pool.size:
+            return (
+                f"prompt plus max_new_tokens needs {need} KV slots; "
+                f"the pool holds {self.runner.kv_pool.size}"
+            )
+        return ""
+
+    def abort(self, rid: str) -> None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.abort()
+                self._touched[rid] = req
+                self.counters.aborted += 1
+                return
+        for req in [*self.running, *([self.chunked] if self.chunked else [])]:
+            if req.rid == rid:
+                req.abort()
+                self.counters.aborted += 1
+                self.finish_request(req)
+                return
+
+    # ------------------------------------------------------------------ prefill
+    def schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        adder = self.make_adder()
+        reqs, lens = [], []
+        if self.chunked is not None:
+            n = adder.add(self.chunked.extend_len, self.chunked.remaining_new_tokens)
+            if n is None:
+                return None  # the chunked request waits for KV; decode frees some meanwhile
+            reqs.append(self.chunked)
+            lens.append(n)
+            self.chunked = None
+        for req in self.ordered_waiting():
+            evictable = self.radix.evictable_size
+            if not self.admit(req):
+                break
+            adder.rem_total -= evictable - self.radix.evictable_size  # its prefix is now locked
+            n = adder.add(req.extend_len, req.remaining_new_tokens)
+            if n is None:
+                self.unadmit(req)
+                break
+            reqs.append(req)
+            lens.append(n)
+        for req in reqs:
+            if req in self.waiting:
+                self.waiting.remove(req)
+        return (reqs, lens) if reqs else None
+
+    def make_adder(self) -> PrefillAdder:
+        reserved = sum(decode_reserve(r.remaining_new_tokens) for r in self.running)
+        available = self.runner.kv_pool.available_size + self.radix.evictable_size
+        return PrefillAdder(
+            rem_total=available - reserved,
+            rem_input=self.cfg.max_prefill_tokens,
+            chunk_size=self.cfg.chunked_prefill_size,
+            rem_reqs=self.cfg.max_running_requests - len(self.running),
+        )
+
+    def ordered_waiting(self) -> list[Req]:
+        if self.cfg.schedule_policy == "lpm" and not self.radix.disable:
+            keyed = [
+                (self.radix.match_prefix(r.prefix_key()).slots.numel(), r) for r in self.waiting
+            ]
+            return [r for _, r in sorted(keyed, key=lambda x: (-x[0], x[1].arrival))]
+        return sorted(self.waiting, key=lambda r: r.arrival)
+
+    def admit(self, req: Req) -> bool:
+        """Give the request a request slot and its cached prefix (locked)."""
+        if self.runner.req_pool.available_size == 0:
+            return False
+        self.runner.admit(req)
+        match = self.radix.match_prefix(req.prefix_key())
+        prefix = match.slots
+        self.runner.req_pool.write(req.req_pool_index, 0, prefix)
+        req.kv_len = int(prefix.numel())
+        req.last_node = match.last_node
+        self.radix.inc_lock_ref(req.last_node)
+        if req.retractions == 0:
+            req.cached_tokens = req.kv_len
+        return True
+
+    def unadmit(self, req: Req) -> None:
+        self.radix.dec_lock_ref(req.last_node)
+        req.last_node = None
+        self.runner.req_pool.free(req.req_pool_index)
+        req.req_pool_index, req.kv_len = -1, 0
+
+    def run_prefill(self, reqs: list[Req], lens: list[int]) -> None:
+        self.counters.prefill_steps += 1
+        self.counters.prompt_tokens_computed += sum(lens)
+        self.ensure_free(sum(lens))
+        logits = self.runner.extend(reqs, lens)
+        done = [i for i, r in enumerate(reqs) if r.extend_len == 0]
+        for i, req in enumerate(reqs):
+            if i not in done:
+                self.cache_chunk(req)
+        if done:
+            self.sample_and_append([reqs[i] for i in done], logits[done])
+        for i in done:
+            req = reqs[i]
+            if req.retractions == 0:
+                self.counters.cached_prompt_tokens += req.cached_tokens
+            if not req.finished:
+                self.running.append(req)
+
+    def cache_chunk(self, req: Req) -> None:
+        """A request cut by chunking: put its computed tokens in the tree and keep going."""
+        key = req.token_ids[: req.kv_len]
+        slots = self.req_slots(req)
+        new_slots, req.last_node = self.radix.cache_unfinished_req(key, slots, req.last_node)
+        self.runner.req_pool.write(req.req_pool_index, 0, new_slots)
+        self.chunked = req
+
+    # ------------------------------------------------------------------ decode
+    def run_decode(self) -> None:
+        self.counters.decode_steps += 1
+        self.make_room_for_decode()
+        if not self.running:
+            return
+        self.ensure_free(len(self.running))
+        logits = self.runner.decode(self.running)
+        self.sample_and_append(list(self.running), logits)
+
+    def make_room_for_decode(self) -> None:
+        """Retract the newest requests until one step of decode fits in KV."""
+        while self.running and self.free_or_evictable() < len(self.running):
+            victim = max(self.running, key=lambda r: r.arrival)
+            self.retract(victim)
+
+    def retract(self, req: Req) -> None:
+        self.counters.retractions += 1
+        self.running.remove(req)
+        self.release_kv(req)
+        req.retractions += 1
+        self.waiting.append(req)
+        logger.debug("retracted %s after %d output tokens", req.rid, len(req.output_ids))
+
+    # ------------------------------------------------------------------ tokens and finishing
+    def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        tokens = None
+        if self.tp.is_first:
+            steps = [len(r.output_ids) for r in reqs]
+            tokens = self.sampler.sample(logits, [r.params for r in reqs], steps).tolist()
+        tokens = self.tp.broadcast_pyobj(tokens)
+        for req, token in zip(reqs, tokens):
+            req.append_token(int(token))
+            self.counters.generated_tokens += 1
+            self._touched[req.rid] = req
+            if req.finished:
+                self.finish_request(req)
+
+    def finish_request(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.release_kv(req)
+        self.counters.finished += req.finish in (FinishReason.STOP, FinishReason.LENGTH)
+        self._touched[req.rid] = req
+
+    def release_kv(self, req: Req) -> None:
+        """Hand the request's KV to the radix tree (which frees duplicates) and its slot back."""
+        if req.req_pool_index < 0:
+            return
+        key = req.token_ids[: req.kv_len]
+        self.radix.cache_finished_req(key, self.req_slots(req), req.last_node)
+        self.runner.req_pool.free(req.req_pool_index)
+        req.req_pool_index, req.kv_len, req.last_node = -1, 0, None
+
+    def req_slots(self, req: Req) -> torch.Tensor:
+        return self.runner.req_pool.req_to_token[req.req_pool_index, : req.kv_len].clone().cpu()
+
+    def collect_outputs(self) -> list[ReqOutput]:
+        outputs = []
+        for req in self._touched.values():
+            new = req.output_ids[req.sent_len :]
+            req.sent_len = len(req.output_ids)
+            finish = None
+            if req.finished:
+                finish = {"type": req.finish.value, "detail": req.finish_detail}
+            outputs.append(
+                ReqOutput(
+                    req.rid,
+                    new,
+                    req.prompt_len,
+                    len(req.output_ids),
+                    req.cached_tokens,
+                    finish,
+                    tuple(req.params.stop),
+                    req.params.skip_special_tokens,
+                )
+            )
+        self._touched = {}
+        return outputs
+
+    # ------------------------------------------------------------------ memory
+    def free_or_evictable(self) -> int:
+        return self.runner.kv_pool.available_size + self.radix.evictable_size
+
+    def ensure_free(self, n: int) -> None:
+        short = n - self.runner.kv_pool.available_size
+        if short > 0:
+            self.radix.evict(short)
+
+    def check_idle_accounting(self) -> None:
+        self.radix.check_integrity()
+        kv = self.runner.kv_pool
+        held = kv.available_size + self.radix.evictable_size
+        if held != kv.size or self.radix.protected_size != 0:
+            raise AssertionError(
+                f"KV leak while idle: free {kv.available_size} + evictable "
+                f"{self.radix.evictable_size} != total {kv.size} "
+                f"(protected {self.radix.protected_size})"
+            )
+
+    def flush_cache(self) -> FlushCacheOut:
+        if not self.idle:
+            return FlushCacheOut(False, "requests are running; flush refused")
+        self.radix.reset()
+        self.encoder_cache.clear()
+        return FlushCacheOut(True)
+
+    def server_info(self) -> ServerInfo:
+        kv = self.runner.kv_pool
+        return ServerInfo(
+            kv_total=kv.size,
+            kv_free=kv.available_size,
+            kv_evictable=self.radix.evictable_size,
+            kv_protected=self.radix.protected_size,
+            running=len(self.running) + (self.chunked is not None),
+            waiting=len(self.waiting),
+            radix={"cached_tokens": self.radix.total_cached_tokens()},
+            encoder_cache=self.encoder_cache.stats(),
+            counters=dict(vars(self.counters)),
+        )

@@ -1,0 +1,296 @@
+"""The detokenizer: UTF-8 safe incremental decoding, stop strings, the manager, the process."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import zmq
+from make_tiny_checkpoint import build_tokenizer, save_tokenizer
+from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerBase as Tokenizer
+
+from runtime import detokenizer
+from runtime.detokenizer import (
+    MAX_HELD_TOKENS,
+    DetokenizerManager,
+    IncrementalDetokenizer,
+    StopMatcher,
+    run_detokenizer_process,
+)
+from runtime.io_struct import (
+    BatchStrOut,
+    BatchTokenOut,
+    FlushCacheOut,
+    ReqOutput,
+    ServerInfo,
+    ShutdownReq,
+)
+from runtime.server_args import ServerArgs
+
+TEXT = "héllo wörld 你好 🙂 The robot counted: one, two, three."
+LENGTH = {"type": "length", "detail": "max_new_tokens"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the tiny checkpoint's byte-level BPE tokenizer (no weights needed here)."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    save_tokenizer(build_tokenizer(), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir: Path) -> Tokenizer:
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def feed(
+    detok: IncrementalDetokenizer, ids: Sequence[int], chunk: int = 1, final: bool = True
+) -> list[str]:
+    """Feed `ids` in steps of `chunk`; the last step carries the scheduler's finish."""
+    steps = [list(ids[i : i + chunk]) for i in range(0, len(ids), chunk)] or [[]]
+    out = [detok.step(step) for step in steps[:-1]]
+    return out + [detok.step(steps[-1], final=final)]
+
+
+def req_out(rid: str, ids: list[int], finish: dict | None = None, **kw: object) -> ReqOutput:
+    return ReqOutput(rid, ids, 7, len(ids), 0, finish_reason=finish, **kw)
+
+
+# ----------------------------------------------------------------------------- UTF-8 safety
+
+
+def test_multibyte_characters_one_token_at_a_time(tok: Tokenizer) -> None:
+    ids = tok.encode(TEXT)
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "the text must split characters"
+    chunks = feed(IncrementalDetokenizer(tok), ids)
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) == tok.decode(ids) == TEXT
+
+
+def random_ids(rng: random.Random, tok: Tokenizer, size: int = 30) -> list[int]:
+    """Half ids from TEXT (split multi-byte characters), half from the whole vocabulary."""
+    text_ids = tok.encode(TEXT)
+    pick = [lambda: rng.choice(text_ids), lambda: rng.randrange(len(tok))]
+    return [rng.choice(pick)() for _ in range(size)]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_random_ids_match_full_decode(tok: Tokenizer, chunk: int) -> None:
+    rng = random.Random(chunk)
+    for _ in range(40):
+        ids = random_ids(rng, tok)
+        for skip in (True, False):
+            chunks = feed(IncrementalDetokenizer(tok, skip_special_tokens=skip), ids, chunk)
+            assert "".join(chunks) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_window_stays_small(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok)
+    ids = tok.encode(TEXT * 20)
+    for i in ids:
+        detok.step([i])
+        assert len(detok.window) <= 8
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_long_runs_of_broken_bytes_stay_bounded_and_exact(tok: Tokenizer, chunk: int) -> None:
+    """Lone high bytes keep the text ending in U+FFFD; the held window must not grow forever."""
+    rng = random.Random(chunk)
+    high_bytes = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"]
+    ids = [rng.choice(high_bytes) for _ in range(300)]
+    detok = IncrementalDetokenizer(tok)
+    chunks = []
+    for start in range(0, len(ids), chunk):
+        chunks.append(detok.step(ids[start : start + chunk]))
+        assert len(detok.window) <= 2 * MAX_HELD_TOKENS + chunk
+    chunks.append(detok.step([], final=True))
+    assert "".join(chunks) == tok.decode(ids)
+
+
+def test_unfinished_character_is_flushed_at_finish(tok: Tokenizer) -> None:
+    ids = tok.encode("a你")[:-1]  # the last byte of the character is missing
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.step([i]) for i in ids) == "a"
+    assert detok.step([], final=True) == tok.decode(ids)[1:]
+
+
+def test_skip_special_tokens(tok: Tokenizer) -> None:
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = [*tok.encode("two cats"), end, *tok.encode(" sat")]
+    assert "".join(feed(IncrementalDetokenizer(tok), ids)) == "two cats sat"
+    kept = "".join(feed(IncrementalDetokenizer(tok, skip_special_tokens=False), ids))
+    assert kept == "two cats<|im_end|> sat"
+
+
+# ----------------------------------------------------------------------------- stop strings
+
+
+def test_stop_string_in_the_middle(tok: Tokenizer) -> None:
+    ids = tok.encode("one, two, three, four")
+    detok = IncrementalDetokenizer(tok, stop=["three"])
+    chunks = feed(detok, ids, final=False)
+    assert "".join(chunks) == "one, two, "
+    assert detok.matched_stop == "three"
+    assert detok.step(tok.encode(" five"), final=True) == ""
+
+
+def test_stop_string_split_across_steps_never_leaks(tok: Tokenizer) -> None:
+    stop = "the window"
+    ids = tok.encode("The robot walked to the window and looked")
+    detok = IncrementalDetokenizer(tok, stop=[stop])
+    released = ""
+    for i in ids:
+        released += detok.step([i])
+        assert not any(released.endswith(stop[:k]) for k in range(1, len(stop) + 1))
+    assert released == "The robot walked to "
+    assert detok.matched_stop == stop
+
+
+def test_earliest_stop_string_wins(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok, stop=["garden", "window", "wind"])
+    text = "".join(feed(detok, tok.encode("looked at the window and the garden"), chunk=50))
+    assert text == "looked at the "
+    assert detok.matched_stop == "wind"
+
+
+def test_stop_prefix_that_never_completes_is_flushed(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok, stop=["the end."])
+    chunks = feed(detok, tok.encode("this is the end"))
+    assert "".join(chunks[:-1]) == "this is "
+    assert "".join(chunks) == "this is the end"
+    assert detok.matched_stop is None
+
+
+def test_stop_matcher_holds_the_longest_possible_start() -> None:
+    matcher = StopMatcher(["abc", "bcd", ""])
+    assert matcher.push("xxab") == "xx"
+    assert matcher.push("x") == "abx"
+    assert matcher.push("bc") == ""
+    assert matcher.push("e") == "bce"
+    assert matcher.push("zbcd!") == "z"
+    assert matcher.matched == "bcd"
+    assert matcher.push("abc") == "" and matcher.flush() == ""
+
+
+# ----------------------------------------------------------------------------- manager
+
+
+def test_manager_streams_and_drops_state_at_finish(tok: Tokenizer) -> None:
+    manager = DetokenizerManager(tok)
+    ids = tok.encode(TEXT)
+    texts = []
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        batch = manager.handle(BatchTokenOut([req_out("r1", [token], LENGTH if last else None)]))
+        assert isinstance(batch, BatchStrOut) and batch.outputs[0].token_ids == [token]
+        texts.append(batch.outputs[0].text)
+    assert "".join(texts) == TEXT
+    assert batch.outputs[0].finish_reason == LENGTH and batch.outputs[0].prompt_tokens == 7
+    assert manager.states == {} and manager.stopped == {}
+
+
+def test_manager_ignores_a_request_after_its_stop_matched(tok: Tokenizer) -> None:
+    manager = DetokenizerManager(tok)
+    stop_kw = {"stop": ("sat",)}
+    first = manager.handle(
+        BatchTokenOut(
+            [
+                req_out("a", tok.encode("the cat sat on"), **stop_kw),
+                req_out("b", tok.encode("the cat sat on")),
+            ]
+        )
+    )
+    a, b = first.outputs
+    assert (a.text, a.finish_reason) == ("the cat ", {"type": "stop", "matched": "sat"})
+    assert (b.text, b.finish_reason) == ("the cat sat on", None)
+    later = manager.handle(BatchTokenOut([req_out("a", tok.encode(" the"), **stop_kw)]))
+    assert later.outputs == []
+    abort = {"type": "abort", "detail": "aborted"}
+    assert manager.handle(BatchTokenOut([req_out("a", [], abort)])).outputs == []
+    assert set(manager.states) == {"b"} and manager.stopped == {}
+
+
+def test_manager_stop_and_scheduler_finish_in_one_message(tok: Tokenizer) -> None:
+    manager = DetokenizerManager(tok)
+    out = manager.handle(BatchTokenOut([req_out("a", tok.encode("x. y"), LENGTH, stop=(".",))]))
+    assert out.outputs[0].text == "x"
+    assert out.outputs[0].finish_reason == {"type": "stop", "matched": "."}
+    assert manager.states == {} and manager.stopped == {}
+
+
+class BrokenTokenizer:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        raise ValueError("cannot decode")
+
+
+def test_manager_turns_a_failure_into_an_error_finish() -> None:
+    manager = DetokenizerManager(BrokenTokenizer())
+    out = manager.handle(BatchTokenOut([req_out("bad", [1, 2])])).outputs[0]
+    assert out.finish_reason["type"] == "error" and "cannot decode" in out.finish_reason["detail"]
+    assert manager.states == {}
+    assert manager.handle(BatchTokenOut([req_out("bad", [3])])).outputs == []
+
+
+def test_control_messages_pass_through(tok: Tokenizer) -> None:
+    manager = DetokenizerManager(tok)
+    for msg in (FlushCacheOut(True), ServerInfo(10, 10, 0, 0, 0, 0), ShutdownReq()):
+        assert manager.handle(msg) is msg
+
+
+# ----------------------------------------------------------------------------- process
+
+
+def test_process_reports_a_start_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(detokenizer, "configure_logging", lambda *args, **kw: None)
+    reader, writer = mp.Pipe(duplex=False)
+    with pytest.raises(ValueError, match="model_path"):
+        run_detokenizer_process(ServerArgs(model_path=None), writer)
+    msg = reader.recv()
+    assert msg["status"] == "error" and "model_path" in msg["error"]
+
+
+@pytest.fixture
+def detokenizer_process(tokenizer_dir: Path, tmp_path: Path) -> Iterator[ServerArgs]:
+    """A real detokenizer process on sockets in a temp folder; always stopped at the end."""
+    args = dataclasses.replace(ServerArgs(model_path=str(tokenizer_dir)), ipc_dir=str(tmp_path))
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=run_detokenizer_process, args=(args, writer), daemon=True)
+    proc.start()
+    try:
+        assert reader.poll(60), "the detokenizer did not report in time"
+        assert reader.recv() == {"status": "ready"}
+        yield args
+        proc.join(10)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def test_process_round_trip_and_shutdown(detokenizer_process: ServerArgs, tok: Tokenizer) -> None:
+    args = detokenizer_process
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(args.tokenizer_ipc)
+        pull.setsockopt(zmq.RCVTIMEO, 10_000)
+        push = ctx.socket(zmq.PUSH)
+        push.connect(args.detokenizer_ipc)
+        push.send_pyobj(BatchTokenOut([req_out("r", tok.encode(TEXT), LENGTH)]))
+        out = pull.recv_pyobj()
+        assert isinstance(out, BatchStrOut)
+        assert (out.outputs[0].text, out.outputs[0].finish_reason) == (TEXT, LENGTH)
+        push.send_pyobj(FlushCacheOut(True, "ok"))
+        assert pull.recv_pyobj() == FlushCacheOut(True, "ok")
+        push.send_pyobj(ShutdownReq())
+        assert isinstance(pull.recv_pyobj(), ShutdownReq)
+    finally:
+        ctx.destroy(linger=0)

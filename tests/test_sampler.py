@@ -1,0 +1,184 @@
+"""SamplingParams validation and the Sampler: greedy, filters, seeds, and the softmax law."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from runtime.sampler import Sampler, SamplingParams, filtered_probs, mix_seed
+
+VOCAB = 64
+
+
+def random_logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, sampler: Sampler | None = None
+) -> torch.Tensor:
+    rows = logits.shape[0]
+    return (sampler or Sampler()).sample(logits, [params] * rows, list(range(rows)))
+
+
+def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab).double() / tokens.numel()
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs.double() * tokens.numel()
+    observed = torch.bincount(tokens, minlength=probs.numel()).double()
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+# ---------------------------------------------------------------------- greedy and filters
+
+
+def test_output_is_int64_per_row() -> None:
+    out = sample(random_logits(5), SamplingParams())
+    assert out.dtype == torch.int64 and out.shape == (5,)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(top_k=1)])
+def test_greedy_rows_are_argmax(params: SamplingParams) -> None:
+    logits = random_logits(16)
+    assert params.is_greedy
+    assert torch.equal(sample(logits, params), logits.argmax(dim=-1))
+
+
+def test_greedy_on_bfloat16_logits() -> None:
+    logits = random_logits(4).bfloat16()
+    assert torch.equal(sample(logits, SamplingParams(temperature=0)), logits.argmax(dim=-1))
+
+
+def test_tiny_top_p_equals_greedy() -> None:
+    logits = random_logits(32, seed=1)
+    for seed in (None, 5):
+        out = sample(logits, SamplingParams(top_p=1e-6, seed=seed))
+        assert torch.equal(out, logits.argmax(dim=-1))
+
+
+def test_top_k_only_draws_from_the_best_k() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9, -1.0]]).repeat(2000, 1)
+    tokens = sample(logits, SamplingParams(top_k=2))
+    assert set(tokens.tolist()) == {1, 3}
+
+
+def test_top_p_keeps_the_smallest_head_reaching_the_mass() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept, _ = filtered_probs(probs.log(), [SamplingParams(top_p=0.8)])
+    assert (kept[0] > 0).tolist() == [True, True, False, False]
+    kept, _ = filtered_probs(probs.log(), [SamplingParams(top_p=0.81)])
+    assert (kept[0] > 0).tolist() == [True, True, True, False]
+
+
+def test_min_p_filters_unlikely_tokens() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    tokens = sample(logits, SamplingParams(min_p=0.2))  # threshold 0.1 drops token 3
+    assert set(tokens.tolist()) == {0, 1, 2}
+    tokens = sample(logits, SamplingParams(min_p=0.7))  # threshold 0.35 keeps token 0 only
+    assert set(tokens.tolist()) == {0}
+
+
+def test_filters_are_per_row() -> None:
+    logits = random_logits(3, seed=2)
+    params = [SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0)]
+    out = Sampler().sample(logits, params, [0, 0, 0])
+    assert torch.equal(out, logits.argmax(dim=-1))
+
+
+# ---------------------------------------------------------------------- seeds and ranks
+
+
+def test_seeded_draw_is_reproducible_and_ignores_batch_neighbours() -> None:
+    target = random_logits(1, seed=3)
+    params = SamplingParams(temperature=1.5, seed=1234)
+    alone = [Sampler(seed=0).sample(target, [params], [step]).item() for step in range(8)]
+    for neighbours_seed, row in ((4, 0), (5, 3), (6, 6)):
+        logits = random_logits(7, seed=neighbours_seed)
+        logits[row] = target[0]
+        batch = [SamplingParams(top_k=5) for _ in range(7)]
+        batch[row] = params
+        sampler = Sampler(seed=neighbours_seed)  # a different sampler-level seed too
+        drawn = [sampler.sample(logits, batch, [step] * 7)[row].item() for step in range(8)]
+        assert drawn == alone
+    assert len(set(alone)) > 1  # the step changes the draw
+
+
+def test_identically_seeded_samplers_agree_like_tp_ranks() -> None:
+    logits = random_logits(64, seed=7)
+    params = [SamplingParams(temperature=0.8, top_p=0.9) for _ in range(64)]
+    rank0, rank1 = Sampler(seed=42), Sampler(seed=42)
+    for step in range(5):
+        steps = [step] * 64
+        assert torch.equal(rank0.sample(logits, params, steps), rank1.sample(logits, params, steps))
+    other = Sampler(seed=43).sample(logits, params, [0] * 64)
+    assert not torch.equal(Sampler(seed=42).sample(logits, params, [0] * 64), other)
+
+
+def test_mix_seed_is_a_63_bit_spread() -> None:
+    values = {mix_seed(seed, step) for seed in (-1, 0, 1, 2**40) for step in range(50)}
+    assert len(values) == 200 and all(0 <= v < 2**63 for v in values)
+
+
+# ---------------------------------------------------------------------- the softmax law
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_unseeded_frequencies_follow_softmax(temperature: float) -> None:
+    logits = torch.tensor([1.0, 0.5, 0.0, -1.0])
+    tokens = sample(logits.repeat(20000, 1), SamplingParams(temperature=temperature))
+    probs = (logits / temperature).softmax(dim=-1)
+    # Seeded, so deterministic; df = 3 and 30 is far in the tail (p ~ 1e-6) of a fair sampler.
+    assert chi_square(tokens, probs) < 30
+    assert torch.allclose(frequencies(tokens, 4), probs.double(), atol=0.02)
+
+
+def test_seeded_requests_follow_softmax_across_seeds() -> None:
+    logits = torch.tensor([[1.0, 0.5, 0.0, -1.0]])
+    sampler = Sampler()
+    tokens = torch.tensor(
+        [sampler.sample(logits, [SamplingParams(seed=s)], [0]).item() for s in range(4000)]
+    )
+    assert chi_square(tokens, logits[0].softmax(dim=-1)) < 30
+
+
+# ---------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature must be >= 0"),
+        ("temperature", math.nan, "temperature must be a number"),
+        ("temperature", "hot", "temperature must be a number"),
+        ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+        ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+        ("top_k", 0, "top_k must be -1"),
+        ("top_k", -2, "top_k must be -1"),
+        ("top_k", 2.5, "top_k must be an integer"),
+        ("min_p", -0.1, r"min_p must be in \[0, 1\]"),
+        ("min_p", 1.01, r"min_p must be in \[0, 1\]"),
+        ("max_new_tokens", -1, "max_new_tokens must be >= 0"),
+        ("seed", "x", "seed must be an integer"),
+        ("stop", [1], "stop must be a string or a list of strings"),
+    ],
+)
+def test_out_of_range_values_are_refused(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value}).normalize()
+
+
+def test_edge_values_are_accepted_and_coerced() -> None:
+    params = SamplingParams(temperature=0, top_p=1, min_p=1, max_new_tokens=0, stop="END")
+    assert params.normalize() is params
+    assert params.stop == ["END"] and isinstance(params.temperature, float) and params.is_greedy
+    assert SamplingParams(top_k=3.0, stop_token_ids=(7,)).normalize().top_k == 3
+
+
+def test_mismatched_batch_lengths_are_refused() -> None:
+    with pytest.raises(ValueError, match="logit rows"):
+        Sampler().sample(random_logits(2), [SamplingParams()], [0, 0])

@@ -1,0 +1,209 @@
+"""Scheduler ranks over the real ZMQ path: mixed requests against HF greedy outputs, at tp 1, 2
+and 4, with chunked prefill cutting images, a KV pool small enough to force retraction, the radix
+cache and the encoder cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from make_tiny_checkpoint import make_checkpoint
+from scheduler_harness import SchedulerHarness
+from vlm_cases import Case, Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
+
+from runtime.io_struct import AbortReq, FlushCacheOut, FlushCacheReq, TokenizedGenerateReq
+from runtime.sampler import SamplingParams
+from runtime.server_args import ServerArgs
+
+NEW_TOKENS = 10
+SYSTEM = (
+    "You are a careful assistant who looks at every picture twice and answers in one "
+    "short sentence about colors, shapes and the things that move."
+)
+QUESTIONS = ["What is this?", "Describe the colors.", "Is anything moving?", "Count the shapes."]
+
+
+def build_cases(ckpt: Checkpoint) -> list[Case]:
+    big = noise_image((168, 168), seed=3)
+    cases = []
+    for i, q in enumerate(QUESTIONS):
+        cases.append(ckpt.case(f"text{i}", [q]))
+        cases.append(ckpt.case(f"system{i}", [q], system=SYSTEM))
+        cases.append(ckpt.case(f"same_image{i}", [noise_image(), q]))
+        cases.append(ckpt.case(f"big_image_cut{i}", [big, q], system=SYSTEM))
+    cases.append(ckpt.case("other_image", [gradient_image(), QUESTIONS[0]]))
+    cases.append(ckpt.case("two_images", [gradient_image(), "and", noise_image(), "Compare."]))
+    cases.append(ckpt.case("two_images_b", [noise_image(seed=2), noise_image(), "Compare."]))
+    cases.append(ckpt.case("video0", [video_frames(), QUESTIONS[2]]))
+    cases.append(ckpt.case("video1", [video_frames(), QUESTIONS[3]], system=SYSTEM))
+    cases.append(ckpt.case("video_two_images", [video_frames(seed=4), gradient_image(), "Say."]))
+    cases.append(ckpt.case("long_text", [" ".join(QUESTIONS * 6)], system=SYSTEM))
+    cases.append(ckpt.case("short", ["Hi"]))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("sched") / "qwen2_vl")
+    ckpt = Checkpoint(Path(folder))
+    cases = build_cases(ckpt)
+    model = load_hf(Path(folder))
+    for case in cases:
+        run_hf(model, case, NEW_TOKENS)
+    return {"folder": str(folder), "cases": cases}
+
+
+def request(case: Case, rid: str | None = None, max_new: int = NEW_TOKENS) -> TokenizedGenerateReq:
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+    return TokenizedGenerateReq(rid or case.name, list(case.input_ids), params, case.mm)
+
+
+def base_args(folder: str, **kw) -> ServerArgs:
+    args = ServerArgs(
+        model_path=folder,
+        chunked_prefill_size=64,
+        max_running_requests=32,
+        max_prefill_tokens=256,
+        max_total_tokens=700,
+        mm_cache_size_mb=64,
+    )
+    return dataclasses.replace(args, **kw)
+
+
+TP_SETTINGS = [
+    pytest.param({"tp_size": 1}, id="tp1"),
+    pytest.param({"tp_size": 2, "mm_enable_dp_encoder": True}, id="tp2-vit_dp"),
+    pytest.param({"tp_size": 4}, id="tp4-vit_tp"),
+]
+
+
+@pytest.fixture(scope="module", params=TP_SETTINGS)
+def served(request: pytest.FixtureRequest, world: dict) -> dict:
+    with SchedulerHarness(base_args(world["folder"], **request.param)) as h:
+        results = h.generate([request_for(c) for c in world["cases"]])
+        info = h.info()
+    return {"results": results, "info": info}
+
+
+def request_for(case: Case) -> TokenizedGenerateReq:
+    return request(case)
+
+
+def test_every_output_equals_hf_alone(served: dict, world: dict) -> None:
+    mismatched = [
+        c.name for c in world["cases"] if served["results"][c.name]["tokens"] != c.hf_tokens
+    ]
+    assert not mismatched, f"differ from HF: {mismatched}"
+    assert all(r["finish"]["type"] == "length" for r in served["results"].values())
+
+
+def test_pool_was_small_enough_to_retract_and_chunks_cut_images(served: dict) -> None:
+    counters = served["info"].counters
+    assert counters["retractions"] > 0
+    assert counters["prefill_steps"] > 1
+
+
+def test_nothing_leaked_once_idle(served: dict) -> None:
+    info = served["info"]
+    assert info.kv_free + info.kv_evictable == info.kv_total
+    assert info.kv_protected == 0 and info.running == 0 and info.waiting == 0
+
+
+def test_repeated_image_is_encoded_once_per_residency(served: dict, world: dict) -> None:
+    stats = served["info"].encoder_cache
+    distinct = {item.hash for c in world["cases"] if c.mm for item in c.mm.items}
+    assert stats["hits"] > 0
+    assert stats["items_encoded"] == len(distinct)
+
+
+def image_span(case: Case) -> tuple[int, int]:
+    start, end = case.mm.items[0].offsets[0]
+    return start, end
+
+
+@pytest.fixture(scope="module")
+def sequential(world: dict) -> SchedulerHarness:
+    args = base_args(world["folder"], tp_size=2, mm_enable_dp_encoder=True, max_total_tokens=4000)
+    with SchedulerHarness(args) as h:
+        yield h
+
+
+def by_name(world: dict, name: str) -> Case:
+    return next(c for c in world["cases"] if c.name == name)
+
+
+def test_same_prefix_and_image_is_cached(sequential: SchedulerHarness, world: dict) -> None:
+    first, second = by_name(world, "same_image0"), by_name(world, "same_image1")
+    sequential.generate([request(first, "warm")])
+    out = sequential.generate([request(second, "again")])["again"]
+    _, image_end = image_span(second)
+    assert out["cached"] >= image_end
+    assert out["tokens"] == second.hf_tokens
+
+
+def test_different_image_reuses_nothing_past_its_start(
+    sequential: SchedulerHarness, world: dict
+) -> None:
+    sequential.generate([request(by_name(world, "same_image0"), "warm2")])
+    other = by_name(world, "other_image")
+    out = sequential.generate([request(other, "other")])["other"]
+    start, _ = image_span(other)
+    assert 0 < out["cached"] <= start
+    assert out["tokens"] == other.hf_tokens
+
+
+def test_abort_mid_decode_frees_everything(sequential: SchedulerHarness, world: dict) -> None:
+    case = by_name(world, "big_image_cut0")
+    sequential.send(request(case, "long", max_new=400))
+    first = sequential.recv(60)
+    assert any(o.rid == "long" for o in first.outputs)
+    sequential.send(AbortReq("long"))
+    finish = None
+    while finish is None:
+        msg = sequential.recv(60)
+        finish = next(
+            (
+                o.finish_reason
+                for o in getattr(msg, "outputs", [])
+                if o.rid == "long" and o.finish_reason
+            ),
+            None,
+        )
+    assert finish["type"] == "abort"
+    info = sequential.info()
+    assert info.kv_free + info.kv_evictable == info.kv_total and info.kv_protected == 0
+
+
+def test_refused_up_front_when_it_can_never_fit(sequential: SchedulerHarness, world: dict) -> None:
+    case = by_name(world, "text0")
+    out = sequential.generate([request(case, "huge", max_new=10**6)])["huge"]
+    assert out["finish"]["type"] == "error" and "context length" in out["finish"]["detail"]
+    assert out["tokens"] == []
+
+
+def test_flush_cache_empties_the_tree(sequential: SchedulerHarness) -> None:
+    reply = sequential.request(FlushCacheReq(), FlushCacheOut)
+    assert reply.success
+    info = sequential.info()
+    assert info.kv_free == info.kv_total and info.radix["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param({"mm_cache_size_mb": 0}, id="no_encoder_cache"),
+        pytest.param({"disable_radix_cache": True}, id="no_radix_cache"),
+    ],
+)
+def test_outputs_unchanged_without_caches(world: dict, extra: dict) -> None:
+    cases = [c for c in world["cases"] if c.name.startswith(("same_image", "big_image", "video"))]
+    with SchedulerHarness(base_args(world["folder"], **extra)) as h:
+        results = h.generate([request(c) for c in cases])
+        info = h.info()
+    assert all(results[c.name]["tokens"] == c.hf_tokens for c in cases)
+    assert info.kv_free + info.kv_evictable == info.kv_total
+    if extra.get("mm_cache_size_mb") == 0:
+        assert info.encoder_cache["hits"] == 0
+    else:
+        assert all(results[c.name]["cached"] == 0 for c in cases)

@@ -1,0 +1,566 @@
+"""The OpenAI-compatible HTTP API (FastAPI), served in the main process by the TokenizerManager."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from runtime.sampler import SamplingParams
+
+from runtime.io_struct import StrOutput
+from runtime.logging_utils import get_logger
+from runtime.multimodal import Modality
+from tokenizer_manager.mm_processor import MediaRef
+from tokenizer_manager.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingFields,
+    new_id,
+    now,
+    usage,
+)
+from tokenizer_manager.tokenizer_manager import TokenizerManager
+
+logger = get_logger(__name__)
+
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass
+class ApiCounters:
+    requests: int = 0
+    client_errors: int = 0
+    server_errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    by_endpoint: dict[str, int] = field(default_factory=dict)
+
+
+def model_name(tm: TokenizerManager) -> str:
+    return tm.args.served_model_name or Path(tm.args.model_path).name
+
+
+# ---------------------------------------------------------------------- sampling params
+
+
+def refuse_unsupported(req: SamplingFields) -> None:
+    checks = [
+        (req.n != 1, "n", "only n=1 is supported"),
+        (req.presence_penalty != 0, "presence_penalty", "presence_penalty is not supported"),
+        (req.frequency_penalty != 0, "frequency_penalty", "frequency_penalty is not supported"),
+        (bool(req.logprobs), "logprobs", "logprobs are not supported"),
+    ]
+    if isinstance(req, ChatCompletionRequest):
+        fmt = (req.response_format or {}).get("type", "text")
+        checks += [
+            (bool(req.tools), "tools", "tools are not supported"),
+            (fmt != "text", "response_format", "only text responses are supported"),
+        ]
+    if isinstance(req, CompletionRequest):
+        checks += [
+            (req.echo, "echo", "echo is not supported"),
+            (req.suffix is not None, "suffix", "suffix is not supported"),
+        ]
+    for bad, param, message in checks:
+        if bad:
+            raise APIError(message, param=param, code="unsupported_parameter")
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, room: int) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k in (None, 0) else req.top_k,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        max_new_tokens=room if max_tokens is None else max_tokens,
+        stop=stop,
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    return checked(params)
+
+
+def checked(params: SamplingParams) -> SamplingParams:
+    try:
+        params.normalize()
+    except ValueError as e:
+        raise APIError(str(e), code="invalid_sampling_params") from e
+    return params
+
+
+def native_params(raw: dict[str, Any], room: int) -> SamplingParams:
+    allowed = {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+    }
+    unknown = set(raw) - allowed
+    if unknown:
+        raise APIError(f"unknown sampling params {sorted(unknown)}", param="sampling_params")
+    values = dict(raw)
+    values.setdefault("max_new_tokens", min(128, room))
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
+    try:
+        return checked(SamplingParams(**values))
+    except TypeError as e:
+        raise APIError(str(e), param="sampling_params") from e
+
+
+# ---------------------------------------------------------------------- app
+
+
+def create_app(tm: TokenizerManager) -> FastAPI:
+    app = FastAPI(title="tessera", docs_url=None, redoc_url=None)
+    app.state.tm = tm
+    app.state.counters = ApiCounters()
+    install_error_handlers(app)
+    install_auth(app, tm.args.api_key)
+    add_info_routes(app, tm)
+    add_openai_routes(app, tm)
+    add_native_routes(app, tm)
+    return app
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        counters = app.state.counters
+        if exc.status >= 500:
+            counters.server_errors += 1
+        else:
+            counters.client_errors += 1
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        app.state.counters.client_errors += 1
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return error_response(
+            APIError(message, param=".".join(loc) or None, code="invalid_request")
+        )
+
+    @app.exception_handler(Exception)
+    async def on_internal(request: Request, exc: Exception) -> JSONResponse:
+        app.state.counters.server_errors += 1
+        logger.exception("internal error on %s", request.url.path)
+        return error_response(APIError(f"internal error: {type(exc).__name__}", status=500))
+
+
+def install_auth(app: FastAPI, api_key: str | None) -> None:
+    if not api_key:
+        return
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Callable) -> Response:
+        if request.url.path != "/health":
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {api_key}":
+                err = APIError(
+                    "invalid or missing API key",
+                    status=401,
+                    code="invalid_api_key",
+                    type="authentication_error",
+                )
+                return error_response(err)
+        return await call_next(request)
+
+
+def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": model_name(tm),
+            "object": "model",
+            "created": now(),
+            "owned_by": "tessera",
+            "max_model_len": tm.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        info = await tm.server_info()
+        return {
+            "model": model_name(tm),
+            "tp_size": tm.args.tp_size,
+            "mm_enable_dp_encoder": tm.args.mm_enable_dp_encoder,
+            **vars(info),
+            "api": vars(app.state.counters),
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prometheus_text(await tm.server_info(), app.state.counters))
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> JSONResponse:
+        out = await tm.flush_cache()
+        return JSONResponse(
+            {"success": out.success, "message": out.message},
+            status_code=200 if out.success else 409,
+        )
+
+
+def prometheus_text(info: Any, api: ApiCounters) -> str:
+    gauges = {
+        "kv_total_tokens": info.kv_total,
+        "kv_free_tokens": info.kv_free,
+        "kv_evictable_tokens": info.kv_evictable,
+        "kv_protected_tokens": info.kv_protected,
+        "running_requests": info.running,
+        "waiting_requests": info.waiting,
+    }
+    counters = {f"scheduler_{k}": v for k, v in info.counters.items()}
+    counters |= {
+        f"encoder_cache_{k}": v
+        for k, v in info.encoder_cache.items()
+        if isinstance(v, (int, float))
+    }
+    counters |= {f"api_{k}": v for k, v in vars(api).items() if isinstance(v, int)}
+    lines = []
+    for kind, table in (("gauge", gauges), ("counter", counters)):
+        for name, value in table.items():
+            lines += [f"# TYPE tessera_{name} {kind}", f"tessera_{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- OpenAI routes
+
+
+async def parse_body(request: Request, model: type) -> Any:
+    try:
+        data = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError("request body is not valid JSON", code="invalid_json") from e
+    if not isinstance(data, dict):
+        raise APIError("request body must be a JSON object", code="invalid_json")
+    return model.model_validate(data)
+
+
+def check_model(tm: TokenizerManager, name: str | None) -> None:
+    if name not in (None, "", model_name(tm), tm.args.model_path):
+        raise APIError(
+            f"model {name!r} is not served here; this server serves {model_name(tm)!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def add_openai_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        app.state.counters.requests += 1
+        req = await parse_body(request, ChatCompletionRequest)
+        check_model(tm, req.model)
+        refuse_unsupported(req)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        prompt, refs = tm.render_chat(messages)
+        tokenized = await tokenize(
+            tm, prompt, refs, req, req.max_completion_tokens or req.max_tokens, "chatcmpl"
+        )
+        return await respond(app, request, tm, tokenized, req, ChatFormatter(model_name(tm)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        app.state.counters.requests += 1
+        req = await parse_body(request, CompletionRequest)
+        check_model(tm, req.model)
+        refuse_unsupported(req)
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
+            if len(req.prompt) != 1:
+                raise APIError("only one prompt per request is supported", param="prompt")
+            req.prompt = req.prompt[0]
+        if isinstance(req.prompt, list):
+            ids = list(req.prompt)
+            check_token_ids(tm, ids)
+            params = sampling_params(req, req.max_tokens, tm.context_length - len(ids))
+            tokenized = tm.build_request(new_id("cmpl"), ids, [], params, req.stream)
+        else:
+            tokenized = await tokenize(tm, req.prompt, [], req, req.max_tokens, "cmpl")
+        return await respond(app, request, tm, tokenized, req, CompletionFormatter(model_name(tm)))
+
+
+def check_token_ids(tm: TokenizerManager, ids: list[int]) -> None:
+    vocab = tm.config.text.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise APIError(f"token ids must be in [0, {vocab})", param="prompt")
+
+
+async def tokenize(
+    tm: TokenizerManager,
+    prompt: str,
+    refs: list[MediaRef],
+    req: SamplingFields,
+    max_tokens: int | None,
+    prefix: str,
+) -> Any:
+    media = await tm.prepare_media(refs)
+    ids = tm.tokenize(prompt, media)
+    params = sampling_params(req, max_tokens, max(0, tm.context_length - len(ids)))
+    return tm.build_request(new_id(prefix), ids, media, params, req.stream)
+
+
+async def respond(
+    app: FastAPI,
+    request: Request,
+    tm: TokenizerManager,
+    tokenized: Any,
+    req: SamplingFields,
+    fmt: Any,
+) -> Response:
+    stream = tm.generate(tokenized)
+    first = await first_output(stream)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = sse(fmt, tokenized.rid, first, stream, include_usage, app.state.counters)
+        return StreamingResponse(body, media_type="text/event-stream")
+    outputs = await collect_until_done(request, first, stream)
+    record_usage(app.state.counters, outputs[-1])
+    return JSONResponse(fmt.full(tokenized.rid, outputs))
+
+
+async def first_output(stream: AsyncIterator[StrOutput]) -> StrOutput:
+    """The first output, so a refusal becomes an HTTP error before any stream starts."""
+    first = await anext(stream)
+    reason = first.finish_reason or {}
+    if reason.get("type") == "error":
+        await stream.aclose()
+        raise APIError(reason.get("detail") or "request refused", code="request_refused")
+    return first
+
+
+async def collect_until_done(
+    request: Request, first: StrOutput, stream: AsyncIterator[StrOutput]
+) -> list[StrOutput]:
+    """Gather all outputs; a client that disconnects aborts the request (via aclose)."""
+    outputs = [first]
+
+    async def drain() -> None:
+        async for out in stream:
+            outputs.append(out)
+
+    task = asyncio.create_task(drain()) if first.finish_reason is None else None
+    while task is not None and not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            await stream.aclose()
+            raise APIError("client disconnected", status=499, code="client_closed")
+    if task is not None:
+        task.result()
+    await stream.aclose()
+    return outputs
+
+
+def record_usage(counters: ApiCounters, last: StrOutput) -> None:
+    counters.prompt_tokens += last.prompt_tokens
+    counters.completion_tokens += last.completion_tokens
+    counters.cached_tokens += last.cached_tokens
+
+
+async def sse(
+    fmt: Any,
+    rid: str,
+    first: StrOutput,
+    stream: AsyncIterator[StrOutput],
+    include_usage: bool,
+    counters: ApiCounters,
+) -> AsyncIterator[bytes]:
+    last = first
+    try:
+        yield fmt.event(fmt.first_chunk(rid))
+        yield fmt.event(fmt.chunk(rid, first))
+        async for out in stream:
+            last = out
+            yield fmt.event(fmt.chunk(rid, out))
+        record_usage(counters, last)
+        if include_usage:
+            yield fmt.event(fmt.usage_chunk(rid, last))
+        yield b"data: [DONE]\n\n"
+    finally:
+        await stream.aclose()
+
+
+def finish_reason(out: StrOutput) -> str | None:
+    if out.finish_reason is None:
+        return None
+    return FINISH.get(out.finish_reason.get("type"), "stop")
+
+
+class ChatFormatter:
+    def __init__(self, model: str):
+        self.model = model
+        self.created = now()
+
+    def event(self, payload: dict[str, Any] | None) -> bytes:
+        return b"" if payload is None else f"data: {json.dumps(payload)}\n\n".encode()
+
+    def _base(self, rid: str, obj: str) -> dict[str, Any]:
+        return {"id": rid, "object": obj, "created": self.created, "model": self.model}
+
+    def first_chunk(self, rid: str) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        return {**self._base(rid, "chat.completion.chunk"), "choices": [choice]}
+
+    def chunk(self, rid: str, out: StrOutput) -> dict[str, Any] | None:
+        reason = finish_reason(out)
+        if not out.text and reason is None:
+            return None
+        choice = {
+            "index": 0,
+            "delta": {"content": out.text} if out.text else {},
+            "finish_reason": reason,
+        }
+        return {**self._base(rid, "chat.completion.chunk"), "choices": [choice]}
+
+    def usage_chunk(self, rid: str, out: StrOutput) -> dict[str, Any]:
+        return {
+            **self._base(rid, "chat.completion.chunk"),
+            "choices": [],
+            "usage": usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens),
+        }
+
+    def full(self, rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
+        last = outputs[-1]
+        message = {"role": "assistant", "content": "".join(o.text for o in outputs)}
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason(last)}
+        return {
+            **self._base(rid, "chat.completion"),
+            "choices": [choice],
+            "usage": usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
+        }
+
+
+class CompletionFormatter(ChatFormatter):
+    def first_chunk(self, rid: str) -> None:
+        return None
+
+    def chunk(self, rid: str, out: StrOutput) -> dict[str, Any] | None:
+        reason = finish_reason(out)
+        if not out.text and reason is None:
+            return None
+        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason}
+        return {**self._base(rid, "text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, rid: str, out: StrOutput) -> dict[str, Any]:
+        return {
+            **self._base(rid, "text_completion"),
+            "choices": [],
+            "usage": usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens),
+        }
+
+    def full(self, rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
+        last = outputs[-1]
+        choice = {
+            "index": 0,
+            "text": "".join(o.text for o in outputs),
+            "logprobs": None,
+            "finish_reason": finish_reason(last),
+        }
+        return {
+            **self._base(rid, "text_completion"),
+            "choices": [choice],
+            "usage": usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
+        }
+
+
+# ---------------------------------------------------------------------- native route
+
+
+def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        app.state.counters.requests += 1
+        req = await parse_body(request, GenerateRequest)
+        tokenized = await native_request(tm, req)
+        stream = tm.generate(tokenized)
+        first = await first_output(stream)
+        if req.stream:
+            return StreamingResponse(
+                native_sse(tokenized.rid, first, stream), media_type="text/event-stream"
+            )
+        outputs = await collect_until_done(request, first, stream)
+        record_usage(app.state.counters, outputs[-1])
+        return JSONResponse(native_body(tokenized.rid, outputs))
+
+
+async def native_request(tm: TokenizerManager, req: GenerateRequest) -> Any:
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError("give exactly one of text and input_ids", param="text")
+    images = [req.image_data] if isinstance(req.image_data, str) else list(req.image_data or [])
+    refs = [MediaRef(Modality.IMAGE, url) for url in images]
+    if req.input_ids is not None:
+        if refs:
+            raise APIError(
+                "image_data needs text (with or without placeholders)", param="image_data"
+            )
+        check_token_ids(tm, req.input_ids)
+        ids, media = list(req.input_ids), []
+    else:
+        text = req.text
+        if refs and "<|image_pad|>" not in text:
+            text = "<|vision_start|><|image_pad|><|vision_end|>" * len(refs) + text
+        media = await tm.prepare_media(refs)
+        ids = tm.tokenize(text, media)
+    params = native_params(req.sampling_params, max(0, tm.context_length - len(ids)))
+    return tm.build_request(req.rid or new_id("gen"), ids, media, params, req.stream)
+
+
+def native_body(rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
+    last = outputs[-1]
+    return {
+        "text": "".join(o.text for o in outputs),
+        "output_ids": [t for o in outputs for t in o.token_ids],
+        "meta_info": {
+            "id": rid,
+            "prompt_tokens": last.prompt_tokens,
+            "completion_tokens": last.completion_tokens,
+            "cached_tokens": last.cached_tokens,
+            "finish_reason": last.finish_reason,
+        },
+    }
+
+
+async def native_sse(
+    rid: str, first: StrOutput, stream: AsyncIterator[StrOutput]
+) -> AsyncIterator[bytes]:
+    outputs = [first]
+    try:
+        yield f"data: {json.dumps(native_body(rid, outputs))}\n\n".encode()
+        async for out in stream:
+            outputs.append(out)
+            yield f"data: {json.dumps(native_body(rid, outputs))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        await stream.aclose()

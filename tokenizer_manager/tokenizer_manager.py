@@ -1,0 +1,246 @@
+"""TokenizerManager: chat template, tokenization, media, and routing results back to requests.
+
+It lives in the main process next to the HTTP server (asyncio). Media are fetched in an I/O thread
+pool and preprocessed in a CPU process pool (AsyncMMDataProcessor); each item is hashed once here.
+Requests go to the scheduler's entry rank over ZMQ; detokenized text comes back from the
+detokenizer and is routed to the waiting request by rid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from runtime.sampler import SamplingParams
+
+from runtime.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetServerInfoReq,
+    ServerInfo,
+    StrOutput,
+    TokenizedGenerateReq,
+)
+from runtime.logging_utils import get_logger
+from runtime.model_config import ModelConfig
+from runtime.multimodal import Modality
+from runtime.server_args import ServerArgs
+from tokenizer_manager.media import MediaError
+from tokenizer_manager.mm_processor import AsyncMMDataProcessor, MediaRef
+from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_inputs
+from tokenizer_manager.protocol import APIError
+
+logger = get_logger(__name__)
+
+PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
+PLACEHOLDER_RE = re.compile("(<\\|image_pad\\|>|<\\|video_pad\\|>)")
+
+
+def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
+    """chat_template.json or chat_template.jinja in the folder, else the tokenizer's own."""
+    root = Path(model_path)
+    if (root / "chat_template.json").is_file():
+        return json.loads((root / "chat_template.json").read_text())["chat_template"]
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text()
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.chat_template
+    raise ValueError(f"no chat template in {model_path}")
+
+
+@dataclass
+class ReqState:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, mm: AsyncMMDataProcessor | None = None):
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.config = ModelConfig.from_dir(args.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+        self.chat_template = load_chat_template(args.model_path, self.tokenizer)
+        self.mm = mm
+        self.context_length = args.context_length or self.config.text.max_position_embeddings
+        self.states: dict[str, ReqState] = {}
+        self._replies: dict[type, asyncio.Future] = {}
+        self._reply_lock = asyncio.Lock()
+        self._ctx = zmq.asyncio.Context()
+        self._recv_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._to_scheduler = self._ctx.socket(zmq.PUSH)
+        self._to_scheduler.connect(self.args.scheduler_input_ipc)
+        self._from_detok = self._ctx.socket(zmq.PULL)
+        self._from_detok.bind(self.args.tokenizer_ipc)
+        self._recv_task = asyncio.create_task(self._recv_loop())
+
+    async def close(self) -> None:
+        if self._recv_task:
+            self._recv_task.cancel()
+        if self.mm is not None:
+            await self.mm.close()
+        self._ctx.destroy(linger=0)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._from_detok.recv_pyobj()
+            try:
+                self._dispatch(msg)
+            except Exception:  # noqa: BLE001 - one bad message must not stop routing
+                logger.exception("failed to route %s", type(msg).__name__)
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, BatchStrOut):
+            for out in msg.outputs:
+                self._route(out)
+            return
+        future = self._replies.pop(type(msg), None)
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    def _route(self, out: StrOutput) -> None:
+        state = self.states.get(out.rid)
+        if state is None or state.finished:
+            return
+        if out.finish_reason is not None:
+            state.finished = True
+            # A stop string or a detokenizer failure ends the request before the scheduler does.
+            if "matched" in out.finish_reason or out.finish_reason.get("type") == "error":
+                self._send(AbortReq(out.rid))
+        state.queue.put_nowait(out)
+
+    def _send(self, msg: object) -> None:
+        self._to_scheduler.send_pyobj(msg)
+
+    # ------------------------------------------------------------------ prompts
+    def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[MediaRef]]:
+        """Apply the chat template; media parts become placeholders, returned in order."""
+        hf_messages, refs = [], []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                content = [self._part(p, refs) for p in content]
+            hf_messages.append({"role": m["role"], "content": content or ""})
+        prompt = self.tokenizer.apply_chat_template(
+            hf_messages,
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return prompt, refs
+
+    def _part(self, part: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any]:
+        kind = part.get("type")
+        if kind in ("text", "input_text"):
+            return {"type": "text", "text": part.get("text") or ""}
+        if kind == "image_url":
+            refs.append(MediaRef(Modality.IMAGE, (part.get("image_url") or {}).get("url", "")))
+            return {"type": "image"}
+        refs.append(MediaRef(Modality.VIDEO, (part.get("video_url") or {}).get("url", "")))
+        return {"type": "video"}
+
+    def check_media_count(self, refs: list[MediaRef]) -> None:
+        if len(refs) > self.args.max_images_per_request:
+            raise APIError(
+                f"{len(refs)} images/videos in one request; the limit is "
+                f"{self.args.max_images_per_request}",
+                param="messages",
+                code="too_many_images",
+            )
+        if refs and self.mm is None:
+            raise APIError("this server has no media processor", status=500)
+
+    async def prepare_media(self, refs: list[MediaRef]) -> list[PreparedMedia]:
+        self.check_media_count(refs)
+        if not refs:
+            return []
+        try:
+            return await self.mm.process(refs)
+        except MediaError as e:
+            raise APIError(str(e), status=e.status, param=e.param, code=e.code) from e
+
+    def tokenize(self, prompt: str, media: list[PreparedMedia]) -> list[int]:
+        """Expand each placeholder to its item's token count, then tokenize."""
+        merge = self.config.vision.spatial_merge_size**2
+        pieces = PLACEHOLDER_RE.split(prompt)
+        slots = [p for p in pieces if p in PLACEHOLDERS.values()]
+        if len(slots) != len(media):
+            raise APIError(
+                f"prompt has {len(slots)} media placeholders for {len(media)} items",
+                param="messages",
+            )
+        queue = iter(media)
+        out = []
+        for piece in pieces:
+            if piece in PLACEHOLDERS.values():
+                item = next(queue)
+                if piece != PLACEHOLDERS[item.modality]:
+                    raise APIError("media placeholders out of order", param="messages")
+                t, h, w = item.grid_thw
+                piece = piece * (t * h * w // merge)
+            out.append(piece)
+        return self.tokenizer("".join(out))["input_ids"]
+
+    def build_request(
+        self,
+        rid: str,
+        input_ids: list[int],
+        media: list[PreparedMedia],
+        params: SamplingParams,
+        stream: bool,
+    ) -> TokenizedGenerateReq:
+        if not input_ids:
+            raise APIError("the prompt is empty", param="messages")
+        if len(input_ids) + params.max_new_tokens > self.context_length:
+            raise APIError(
+                f"this model's context length is {self.context_length} tokens; the prompt has "
+                f"{len(input_ids)} and max_tokens asks for {params.max_new_tokens}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        ids, mm = build_multimodal_inputs(input_ids, media, self.config)
+        return TokenizedGenerateReq(rid, ids, params, mm, stream)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, req: TokenizedGenerateReq) -> AsyncIterator[StrOutput]:
+        """Send to the scheduler and yield outputs until finished; abort if abandoned."""
+        if req.rid in self.states:
+            raise APIError(f"duplicate request id {req.rid}", param="rid")
+        state = self.states[req.rid] = ReqState()
+        self._send(req)
+        try:
+            while True:
+                out = await state.queue.get()
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            if not state.finished:
+                self._send(AbortReq(req.rid))
+            self.states.pop(req.rid, None)
+
+    async def _ask(self, msg: object, reply: type, timeout: float = 30.0) -> Any:
+        async with self._reply_lock:
+            future = asyncio.get_running_loop().create_future()
+            self._replies[reply] = future
+            self._send(msg)
+            return await asyncio.wait_for(future, timeout)
+
+    async def server_info(self) -> ServerInfo:
+        return await self._ask(GetServerInfoReq(), ServerInfo)
+
+    async def flush_cache(self) -> FlushCacheOut:
+        return await self._ask(FlushCacheReq(), FlushCacheOut)
