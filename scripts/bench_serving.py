@@ -311,7 +311,8 @@ async def first_model_id(
         async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
             body = await resp.json(content_type=None)
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
-        raise BenchError(f"cannot list models at {base_url}/v1/models: {exc!r}") from exc
+        reason = f"{type(exc).__name__}: {exc}"
+        raise BenchError(f"cannot list models at {base_url}/v1/models: {reason}") from exc
     models = body.get("data") if isinstance(body, dict) else None
     if not models:
         raise BenchError(f"{base_url}/v1/models lists no model; pass --model")

@@ -18,7 +18,6 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from runtime.sampler import SamplingParams
 
 from runtime.io_struct import (
     AbortReq,
@@ -33,6 +32,7 @@ from runtime.io_struct import (
 from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
+from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 from tokenizer_manager.media import MediaError
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor, MediaRef
