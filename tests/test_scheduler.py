@@ -108,6 +108,17 @@ def test_nothing_leaked_once_idle(served: dict) -> None:
     info = served["info"]
     assert info.kv_free + info.kv_evictable == info.kv_total
     assert info.kv_protected == 0 and info.running == 0 and info.waiting == 0
+    assert info.encoder_cache["pins"] == 0
+
+
+def test_chunk_size_cuts_through_images(world: dict) -> None:
+    """The chunk boundary at 64 falls inside an image of these prompts."""
+    cut = [
+        c
+        for c in world["cases"]
+        if c.mm and any(s < 64 < e for item in c.mm.items for s, e in item.offsets)
+    ]
+    assert len(cut) >= 4
 
 
 def test_repeated_image_is_encoded_once_per_residency(served: dict, world: dict) -> None:

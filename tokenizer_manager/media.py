@@ -1,0 +1,395 @@
+"""Fetching and decoding the images and videos a request refers to.
+
+These functions are blocking and run in the TokenizerManager's I/O thread pool (and, for
+`decode_image`, inside the CPU worker processes). Every way a client's media can be wrong, from
+bad base64 to an unreachable URL or an image too large to decode, raises `MediaError`, which
+carries the HTTP status (400) and the request field to blame. Anything else that goes wrong is
+tessera's own failure and surfaces as a 500.
+
+Sources a media URL may name:
+- `data:<type>;base64,<data>`, and bare base64 (only base64 characters, at least 64 of them and
+  a multiple of 4, so that a file path is never mistaken for it);
+- `http://` and `https://`, fetched with a connect/read timeout, an overall deadline and a byte cap;
+- `file://` URLs and plain paths, only inside `MediaLimits.allowed_local_media_path` (symlinks
+  and `..` are resolved before the check); relative paths are taken relative to that folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
+
+from PIL import Image
+
+from runtime.logging_utils import get_logger
+from runtime.multimodal import Modality
+
+if TYPE_CHECKING:
+    import httpx
+
+logger = get_logger(__name__)
+
+MiB = 1 << 20
+# Formats PIL may open. Others (EPS, PSD, ...) are refused: some call external programs or are
+# rarely used and poorly tested against hostile input.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "MPO")
+MAX_REDIRECTS = 5
+USER_AGENT = "tessera-media-fetcher/0.1"
+
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_BASE64_RE = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+_WHITESPACE = re.compile(r"\s+")
+# PIL's errors for data that is not a (complete, valid) image.
+_PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error)
+
+
+class MediaError(Exception):
+    """A client's media cannot be used; `status` and `param` say how the HTTP reply reports it.
+
+    Pickles across processes (CPU workers raise it too): every field has a default and the
+    instance dict travels with the message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = "messages",
+        code: str | None = "invalid_media",
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Bounds on one media item, checked before it is decoded or sent on."""
+
+    max_image_bytes: int = 20 * MiB
+    max_video_bytes: int = 100 * MiB
+    max_request_bytes: int = 256 * MiB  # all media of one request together
+    max_pixels: int = 50_000_000  # decoded pixels of one image or one video frame
+    min_side: int = 1
+    max_frames: int = 64  # sampled frames of one video
+    http_timeout: float = 10.0  # seconds: connect, each read, and the whole download
+    allowed_local_media_path: str | None = None  # None: local files are refused
+
+    def max_bytes(self, modality: Modality) -> int:
+        return self.max_image_bytes if modality == Modality.IMAGE else self.max_video_bytes
+
+
+def media_param(modality: Modality) -> str:
+    """The OpenAI request field that holds a media URL of this kind."""
+    return "image_url" if modality == Modality.IMAGE else "video_url"
+
+
+def _short(url: str, limit: int = 120) -> str:
+    return url if len(url) <= limit else url[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes from a URL
+# ---------------------------------------------------------------------------------------------
+
+
+def load_media_bytes(
+    url: str, limits: MediaLimits, *, modality: Modality, client: httpx.Client | None = None
+) -> bytes:
+    """The raw bytes behind a media URL; raises MediaError for anything the client got wrong.
+
+    `client` lets a caller share one HTTP connection pool; without it a client is made per call.
+    """
+    param = media_param(modality)
+    url = url.strip()
+    if not url:
+        raise MediaError("the media URL is empty", param=param, code="invalid_media_url")
+    scheme = _scheme(url)
+    max_bytes = limits.max_bytes(modality)
+    if scheme == "data":
+        return decode_data_url(url, max_bytes, param)
+    if scheme in ("http", "https"):
+        return fetch_http(url, max_bytes, limits.http_timeout, param, client)
+    if scheme == "file":
+        return read_local_file(_file_url_path(url, param), limits, modality)
+    if scheme:
+        raise _unsupported(url, param)
+    return _load_bare(url, limits, modality)
+
+
+def _scheme(url: str) -> str:
+    match = _SCHEME_RE.match(url)
+    return match.group(1).lower() if match else ""
+
+
+def _unsupported(url: str, param: str) -> MediaError:
+    return MediaError(
+        f"unsupported media URL {_short(url)!r}: expected a data: URL, http(s):// or an allowed "
+        "local file",
+        param=param,
+        code="unsupported_media_url",
+    )
+
+
+def _load_bare(text: str, limits: MediaLimits, modality: Modality) -> bytes:
+    """A string without a scheme: bare base64, else a local path (when local files are on)."""
+    param = media_param(modality)
+    if looks_like_base64(text):
+        return decode_base64(text, limits.max_bytes(modality), param)
+    if limits.allowed_local_media_path is None:
+        raise _unsupported(text, param)
+    return read_local_file(text, limits, modality)
+
+
+# ---------------------------------------------------------------------------------------------
+# data: URLs and base64
+# ---------------------------------------------------------------------------------------------
+
+
+def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
+    """Bytes of a `data:[<type>][;params];base64,<payload>` URL (base64 is required)."""
+    header, sep, payload = url.partition(",")
+    if not sep:
+        raise MediaError(
+            "data URL has no ',' before its payload", param=param, code="invalid_data_url"
+        )
+    if not header.lower().endswith(";base64"):
+        raise MediaError("data URL must be base64-encoded", param=param, code="invalid_data_url")
+    return decode_base64(payload, max_bytes, param)
+
+
+def looks_like_base64(text: str) -> bool:
+    compact = _WHITESPACE.sub("", text)
+    return len(compact) >= 64 and len(compact) % 4 == 0 and bool(_BASE64_RE.fullmatch(compact))
+
+
+def decode_base64(payload: str, max_bytes: int, param: str) -> bytes:
+    """Strict base64 (whitespace ignored); the size is checked before decoding."""
+    compact = _WHITESPACE.sub("", payload)
+    if len(compact) // 4 * 3 > max_bytes + 2:
+        raise _too_large(max_bytes, param)
+    try:
+        data = base64.b64decode(compact, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(
+            f"invalid base64 media data: {exc}", param=param, code="invalid_base64"
+        ) from exc
+    if not data:
+        raise MediaError("media data is empty", param=param, code="invalid_base64")
+    if len(data) > max_bytes:
+        raise _too_large(max_bytes, param)
+    return data
+
+
+def _too_large(max_bytes: int, param: str, what: str = "media item") -> MediaError:
+    return MediaError(
+        f"{what} is too large: the limit is {max_bytes} bytes ({max_bytes / MiB:.1f} MiB)",
+        param=param,
+        code="media_too_large",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# http(s)
+# ---------------------------------------------------------------------------------------------
+
+
+def fetch_http(
+    url: str, max_bytes: int, timeout: float, param: str, client: httpx.Client | None = None
+) -> bytes:
+    """GET `url` with at most `max_bytes` of body and `timeout` seconds in all."""
+    import httpx  # only the process that fetches needs it
+
+    own_client = client is None
+    client = client or make_http_client(timeout)
+    try:
+        return _download(client, url, max_bytes, timeout, param)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise MediaError(
+            f"cannot fetch media from {_short(url)}: {reason}",
+            param=param,
+            code="media_fetch_failed",
+        ) from exc
+    finally:
+        if own_client:
+            client.close()
+
+
+def make_http_client(timeout: float) -> httpx.Client:
+    import httpx
+
+    return httpx.Client(
+        timeout=httpx.Timeout(timeout),
+        follow_redirects=True,
+        max_redirects=MAX_REDIRECTS,
+        headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
+    )
+
+
+def _download(client: httpx.Client, url: str, max_bytes: int, timeout: float, param: str) -> bytes:
+    deadline = time.monotonic() + timeout
+    with client.stream("GET", url, timeout=timeout) as response:
+        if not response.is_success:
+            raise MediaError(
+                f"cannot fetch media from {_short(url)}: HTTP {response.status_code}",
+                param=param,
+                code="media_fetch_failed",
+            )
+        if _declared_length(response) > max_bytes:
+            raise _too_large(max_bytes, param)
+        return _read_body(response, max_bytes, deadline, url, param)
+
+
+def _declared_length(response: httpx.Response) -> int:
+    try:
+        return int(response.headers.get("content-length") or 0)
+    except ValueError:
+        return 0
+
+
+def _read_body(
+    response: httpx.Response, max_bytes: int, deadline: float, url: str, param: str
+) -> bytes:
+    body = bytearray()
+    for chunk in response.iter_bytes():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes, param)
+        if time.monotonic() > deadline:
+            raise MediaError(
+                f"fetching media from {_short(url)} took too long",
+                param=param,
+                code="media_timeout",
+            )
+    return bytes(body)
+
+
+# ---------------------------------------------------------------------------------------------
+# Local files
+# ---------------------------------------------------------------------------------------------
+
+
+def _file_url_path(url: str, param: str) -> str:
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise MediaError(
+            "file:// URLs must name a local path", param=param, code="invalid_media_url"
+        )
+    return unquote(parsed.path)
+
+
+def read_local_file(path: str, limits: MediaLimits, modality: Modality) -> bytes:
+    """Bytes of a file inside the allowed folder; everything else is refused with a 400."""
+    param = media_param(modality)
+    target = resolve_local_path(path, limits.allowed_local_media_path, param)
+    max_bytes = limits.max_bytes(modality)
+    if not os.path.isfile(target):  # also keeps FIFOs and devices out
+        raise MediaError(f"{path!r} is not a file", param=param, code="media_not_found")
+    try:
+        with open(target, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise MediaError(f"cannot read {path!r}", param=param, code="media_not_found") from exc
+    if len(data) > max_bytes:
+        raise _too_large(max_bytes, param)
+    return data
+
+
+def resolve_local_path(path: str, allowed: str | None, param: str) -> str:
+    """The real path of `path` if it lies inside `allowed` (after resolving symlinks and `..`)."""
+    if allowed is None:
+        raise MediaError(
+            "local media files are not allowed on this server",
+            param=param,
+            code="local_media_forbidden",
+        )
+    root = os.path.realpath(allowed)
+    target = os.path.realpath(os.path.join(root, path))
+    if os.path.commonpath([root, target]) != root:
+        raise MediaError(
+            f"{path!r} is outside the folder this server may read media from",
+            param=param,
+            code="local_media_forbidden",
+        )
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+# ---------------------------------------------------------------------------------------------
+
+
+def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
+    """Read only the image header and check its size; the pixels are not decoded yet."""
+    try:
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError as exc:
+        raise _too_many_pixels(str(exc)) from exc
+    except _PIL_ERRORS as exc:
+        formats = ", ".join(IMAGE_FORMATS)
+        raise MediaError(
+            f"cannot read the image: not a supported image file ({formats})",
+            param="image_url",
+            code="invalid_image",
+        ) from exc
+    check_image_size(image.size, limits)
+    return image
+
+
+def check_image_size(size: tuple[int, int], limits: MediaLimits) -> None:
+    width, height = size
+    if min(width, height) < max(1, limits.min_side):
+        raise MediaError(
+            f"image is {width}x{height}: each side must be at least {max(1, limits.min_side)} px",
+            param="image_url",
+            code="invalid_image",
+        )
+    if width * height > limits.max_pixels:
+        raise _too_many_pixels(f"image is {width}x{height} = {width * height} pixels")
+
+
+def _too_many_pixels(detail: str) -> MediaError:
+    return MediaError(
+        f"image is too large to decode ({detail}); the limit is in decoded pixels",
+        param="image_url",
+        code="image_too_large",
+    )
+
+
+def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
+    """Decode image bytes to an RGB PIL image; the size is checked before the pixels are read."""
+    image = open_image(data, limits)
+    try:
+        image.load()
+    except Image.DecompressionBombError as exc:
+        raise _too_many_pixels(str(exc)) from exc
+    except _PIL_ERRORS as exc:
+        raise MediaError(
+            f"cannot decode the image: the data is truncated or corrupt ({exc})",
+            param="image_url",
+            code="invalid_image",
+        ) from exc
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB copy of `image`; transparent pixels are laid on a white background."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
