@@ -17,10 +17,7 @@ from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 
 NEW_TOKENS = 10
-SYSTEM = (
-    "You are a careful assistant who looks at every picture twice and answers in one "
-    "short sentence about colors, shapes and the things that move."
-)
+SYSTEM = "You are a careful assistant who looks at every picture twice and answers briefly."
 QUESTIONS = ["What is this?", "Describe the colors.", "Is anything moving?", "Count the shapes."]
 
 
