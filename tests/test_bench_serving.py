@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py: metric aggregation, request generation, and a run against a fake server.
+"""scripts/bench_serving.py: metric aggregation, request generation, a run against a fake server.
 
 The fake server is a small FastAPI app on 127.0.0.1 (uvicorn in a background thread): it lists one
 model, streams a few content chunks with short sleeps and a usage chunk, and answers 400 with an
@@ -270,7 +270,10 @@ def fake_app(server: FakeServer) -> FastAPI:
 
 
 def free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """A socket bound to a free 127.0.0.1 port. The TCP protocol number matters: asyncio turns
+    Nagle off (TCP_NODELAY) only on accepted sockets whose proto is IPPROTO_TCP, and without that
+    the chunks of a reused keep-alive connection arrive together at the end (ITL of zero)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
@@ -326,6 +329,7 @@ def test_end_to_end_against_fake_server(fake_server: FakeServer, tmp_path: Path)
     assert m["total_output_tokens"] == 5 * 4
     assert m["total_input_tokens"] == 5 * (8 + TOKENS_PER_IMAGE)
     assert m["ttft_ms"]["mean"] > 0 and m["itl_ms"]["mean"] > 0 and m["tpot_ms"]["mean"] > 0
+    assert m["itl_ms"]["median"] >= 0.5 * CHUNK_SLEEP_S * 1000  # chunks really came one by one
     assert m["e2e_ms"]["median"] >= m["ttft_ms"]["median"]
     assert m["request_throughput"] > 0 and m["output_throughput"] > 0
     assert report["args"]["request_rate"] == "inf" and report["args"]["max_concurrency"] == 3
