@@ -72,11 +72,11 @@ class Supervisor:
         reader, writer = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(target=target, args=(*args, writer), name=name, daemon=True)
         proc.start()
+        logger.info("started %s (pid %d)", name, proc.pid)
         self.children.append((name, proc, reader))
 
     def start(self) -> None:
         from runtime.detokenizer import run_detokenizer_process
-
         from scheduler.process import run_scheduler_process
 
         args = self.args
@@ -128,9 +128,10 @@ class Supervisor:
 
 async def serve_http(args: ServerArgs) -> None:
     import uvicorn
-    from tokenizer_manager.mm_processor import AsyncMMDataProcessor, MediaLimits
 
     from tokenizer_manager.http_server import create_app
+    from tokenizer_manager.media import MediaLimits
+    from tokenizer_manager.mm_processor import AsyncMMDataProcessor
     from tokenizer_manager.tokenizer_manager import TokenizerManager
 
     limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
@@ -142,6 +143,7 @@ async def serve_http(args: ServerArgs) -> None:
         max_concurrent_calls=args.mm_max_concurrent_calls,
         per_request_timeout=args.mm_per_request_timeout,
     )
+    await mm.warmup()
     tm = TokenizerManager(args, mm)
     await tm.start()
     app = create_app(tm)

@@ -73,6 +73,9 @@ class Checkpoint:
         for piece in content:
             if isinstance(piece, str):
                 parts.append({"type": "text", "text": piece})
+            elif isinstance(piece, PreparedMedia):
+                parts.append({"type": "image" if piece.modality == Modality.IMAGE else "video"})
+                media.append(piece)
             elif isinstance(piece, Image.Image):
                 parts.append({"type": "image"})
                 media.append(self.image_media(piece))

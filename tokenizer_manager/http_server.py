@@ -12,11 +12,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from runtime.sampler import SamplingParams
+from pydantic import ValidationError
 
 from runtime.io_struct import StrOutput
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
+from runtime.sampler import SamplingParams
 from tokenizer_manager.mm_processor import MediaRef
 from tokenizer_manager.protocol import (
     APIError,
@@ -158,12 +159,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         app.state.counters.client_errors += 1
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(
-            APIError(message, param=".".join(loc) or None, code="invalid_request")
-        )
+        return error_response(validation_error(list(exc.errors())))
 
     @app.exception_handler(Exception)
     async def on_internal(request: Request, exc: Exception) -> JSONResponse:
@@ -264,7 +260,20 @@ async def parse_body(request: Request, model: type) -> Any:
         raise APIError("request body is not valid JSON", code="invalid_json") from e
     if not isinstance(data, dict):
         raise APIError("request body must be a JSON object", code="invalid_json")
-    return model.model_validate(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from e
+
+
+def validation_error(errors: list[Any]) -> APIError:
+    first = errors[0] if errors else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    return APIError(
+        f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+        param=loc or None,
+        code="invalid_request",
+    )
 
 
 def check_model(tm: TokenizerManager, name: str | None) -> None:

@@ -40,7 +40,7 @@ logger = get_logger(__name__)
 MiB = 1 << 20
 # Formats PIL may open. Others (EPS, PSD, ...) are refused: some call external programs or are
 # rarely used and poorly tested against hostile input.
-IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "MPO")
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG covers MPO
 MAX_REDIRECTS = 5
 USER_AGENT = "tessera-media-fetcher/0.1"
 

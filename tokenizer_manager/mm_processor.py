@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import io
 import json
 import multiprocessing
 import signal
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -217,15 +219,16 @@ def open_video_reader(data: bytes) -> Any:
     if not data:
         raise _bad_video("the video data is empty")
     try:
-        return decord.VideoReader(_BytesSource(data), ctx=decord.cpu(0), num_threads=1)
-    except (RuntimeError, OSError, ValueError) as exc:
+        return decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0), num_threads=1)
+    except _video_errors() as exc:
         raise _bad_video("cannot open the video: not a supported video file") from exc
 
 
-def _BytesSource(data: bytes) -> Any:  # noqa: N802 - reads like the io.BytesIO it returns
-    import io
+def _video_errors() -> tuple[type[Exception], ...]:
+    """What decord raises for bad data: its own DECORDError (not a RuntimeError) or I/O errors."""
+    import decord
 
-    return io.BytesIO(data)
+    return (decord.DECORDError, RuntimeError, OSError, ValueError)
 
 
 def _bad_video(message: str) -> MediaError:
@@ -242,7 +245,7 @@ def _sample(total: int, video_fps: float, cfg: VideoProcessingConfig) -> list[in
 def decode_frames(reader: Any, indices: list[int]) -> np.ndarray:
     try:
         frames = reader.get_batch(indices).asnumpy()
-    except (RuntimeError, OSError) as exc:
+    except _video_errors() as exc:
         raise _bad_video("cannot decode the video frames: the data is corrupt") from exc
     return np.ascontiguousarray(frames, dtype=np.uint8)
 
@@ -379,7 +382,9 @@ class AsyncMMDataProcessor:
         message = f"the server could not preprocess this request's media within {seconds:g} s"
         return MediaError(message, status=503, param="messages", code="media_timeout")
 
-    async def _process_all(self, parts: list[MediaRef], state: _RequestState) -> list[PreparedMedia]:
+    async def _process_all(
+        self, parts: list[MediaRef], state: _RequestState
+    ) -> list[PreparedMedia]:
         tasks = [
             asyncio.ensure_future(self._process_one(i, ref, state)) for i, ref in enumerate(parts)
         ]
@@ -431,12 +436,21 @@ class AsyncMMDataProcessor:
 
 
 def _stop_process_pool(pool: ProcessPoolExecutor) -> None:
-    """Shut a pool down without waiting forever: busy workers are terminated after a grace time."""
+    """Shut a pool down without waiting forever: busy workers are terminated after a grace time.
+
+    Reads the executor's private `_processes` map: the standard library has no public way to
+    terminate a worker that is stuck in a job.
+    """
     processes = list((pool._processes or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
+    stopper = threading.Thread(
+        target=pool.shutdown, kwargs={"wait": True, "cancel_futures": True}, daemon=True
+    )
+    stopper.start()
+    stopper.join(WORKER_STOP_TIMEOUT)
+    if not stopper.is_alive():
+        return
     for process in processes:
-        process.join(WORKER_STOP_TIMEOUT)
         if process.is_alive():
-            logger.warning("terminating media worker %d", process.pid)
+            logger.warning("terminating busy media worker %d", process.pid)
             process.terminate()
-            process.join()
+    stopper.join(WORKER_STOP_TIMEOUT)

@@ -1,0 +1,309 @@
+"""Media loading: data URLs, base64, local files, http(s) and image decoding limits."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import pickle
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from runtime.multimodal import Modality
+from tokenizer_manager.media import (
+    MediaError,
+    MediaLimits,
+    decode_image,
+    load_media_bytes,
+    looks_like_base64,
+    open_image,
+)
+
+IMAGE, VIDEO = Modality.IMAGE, Modality.VIDEO
+
+
+def png_bytes(size: tuple[int, int] = (20, 30), mode: str = "RGB", seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    channels = len(mode)
+    pixels = rng.integers(0, 256, (size[1], size[0], channels), dtype=np.uint8)
+    image = Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height but whose pixel data is tiny."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body))
+        return struct.pack(">I", len(body)) + kind + body + crc
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 16))
+    return b"\x89PNG\r\n\x1a\n" + body + chunk(b"IEND", b"")
+
+
+@contextmanager
+def expect_error(
+    param: str, code: str, status: int = 400
+) -> Iterator[pytest.ExceptionInfo[MediaError]]:
+    with pytest.raises(MediaError) as info:
+        yield info
+    err = info.value
+    assert (err.status, err.param, err.code) == (status, param, code), str(err)
+
+
+# ------------------------------------------------------------------------------ data URLs
+
+
+def test_data_url_roundtrip_and_decode() -> None:
+    data = png_bytes()
+    assert load_media_bytes(data_url(data), MediaLimits(), modality=IMAGE) == data
+    wrapped = data_url(data).replace("base64,", "base64,\n  ")
+    assert load_media_bytes(wrapped, MediaLimits(), modality=IMAGE) == data
+    image = decode_image(data, MediaLimits())
+    assert image.mode == "RGB" and image.size == (20, 30)
+
+
+def test_bad_base64_and_bad_data_urls() -> None:
+    with expect_error("image_url", "invalid_base64"):
+        load_media_bytes("data:image/png;base64,abc$def==", MediaLimits(), modality=IMAGE)
+    with expect_error("video_url", "invalid_base64"):
+        load_media_bytes("data:video/mp4;base64,abcde", MediaLimits(), modality=VIDEO)
+    with expect_error("image_url", "invalid_data_url"):
+        load_media_bytes("data:image/png,rawbytes", MediaLimits(), modality=IMAGE)
+    with expect_error("image_url", "invalid_data_url"):
+        load_media_bytes("data:image/png;base64", MediaLimits(), modality=IMAGE)
+    with expect_error("image_url", "invalid_media_url"):
+        load_media_bytes("   ", MediaLimits(), modality=IMAGE)
+
+
+def test_raw_base64_is_accepted_but_not_confused_with_paths() -> None:
+    data = png_bytes()
+    raw = base64.b64encode(data).decode()
+    assert load_media_bytes(raw, MediaLimits(), modality=IMAGE) == data
+    assert not looks_like_base64("/srv/media/cat.png")
+    assert not looks_like_base64("abcd")
+    with expect_error("image_url", "unsupported_media_url"):
+        load_media_bytes("/srv/media/cat.png", MediaLimits(), modality=IMAGE)
+    with expect_error("image_url", "unsupported_media_url"):
+        load_media_bytes("ftp://example.com/cat.png", MediaLimits(), modality=IMAGE)
+
+
+def test_too_many_bytes_is_refused_before_decoding() -> None:
+    data = png_bytes((64, 64))
+    small = MediaLimits(max_image_bytes=len(data) - 1, max_video_bytes=len(data))
+    with expect_error("image_url", "media_too_large"):
+        load_media_bytes(data_url(data), small, modality=IMAGE)
+    assert load_media_bytes(data_url(data), small, modality=VIDEO) == data
+    with expect_error("image_url", "media_too_large"):
+        load_media_bytes(data_url(b"x" * (len(data) + 10)), small, modality=IMAGE)
+
+
+# ------------------------------------------------------------------------------ images
+
+
+def test_not_an_image_zero_size_and_truncated() -> None:
+    with expect_error("image_url", "invalid_image"):
+        decode_image(b"definitely not an image", MediaLimits())
+    with expect_error("image_url", "invalid_image"):
+        decode_image(png_header_only(0, 0), MediaLimits())
+    with expect_error("image_url", "invalid_image"):
+        decode_image(png_header_only(7, 0), MediaLimits())
+    with expect_error("image_url", "invalid_image"):
+        decode_image(png_bytes((10, 10)), MediaLimits(min_side=11))
+    data = png_bytes((64, 64))
+    with expect_error("image_url", "invalid_image"):
+        decode_image(data[: len(data) // 2], MediaLimits())
+
+
+def test_pixel_limit_is_checked_from_the_header() -> None:
+    with expect_error("image_url", "image_too_large"):
+        decode_image(png_bytes((20, 30)), MediaLimits(max_pixels=20 * 30 - 1))
+    assert decode_image(png_bytes((20, 30)), MediaLimits(max_pixels=20 * 30)).size == (20, 30)
+    start = time.perf_counter()
+    with expect_error("image_url", "image_too_large"):  # 64 M pixels declared, ~100 bytes sent
+        open_image(png_header_only(8000, 8000), MediaLimits())
+    with expect_error("image_url", "image_too_large"):  # beyond PIL's own bomb check
+        decode_image(png_header_only(60000, 60000), MediaLimits())
+    assert time.perf_counter() - start < 1.0
+
+
+def test_transparency_and_palette_become_rgb() -> None:
+    clear = Image.new("RGBA", (4, 4), (10, 20, 30, 0))
+    buffer = io.BytesIO()
+    clear.save(buffer, "PNG")
+    image = decode_image(buffer.getvalue(), MediaLimits())
+    assert image.mode == "RGB" and image.getpixel((0, 0)) == (255, 255, 255)
+    buffer = io.BytesIO()
+    Image.new("P", (5, 3), 7).save(buffer, "GIF")
+    assert decode_image(buffer.getvalue(), MediaLimits()).mode == "RGB"
+    assert decode_image(png_bytes((6, 6), "L"), MediaLimits()).mode == "RGB"
+
+
+def test_media_error_pickles_with_its_fields() -> None:
+    err = MediaError("bad", status=400, param="video_url", code="invalid_video")
+    copy = pickle.loads(pickle.dumps(err))
+    assert (str(copy), copy.status, copy.param, copy.code) == (
+        "bad",
+        400,
+        "video_url",
+        "invalid_video",
+    )
+
+
+# ------------------------------------------------------------------------------ local files
+
+
+@pytest.fixture()
+def media_root(tmp_path: Path) -> Path:
+    root = tmp_path / "allowed"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "cat.png").write_bytes(png_bytes())
+    (tmp_path / "secret.png").write_bytes(png_bytes(seed=1))
+    os.symlink(tmp_path / "secret.png", root / "escape.png")
+    os.symlink(root / "sub" / "cat.png", root / "alias.png")
+    return root
+
+
+def test_local_files_inside_the_allowed_folder(media_root: Path) -> None:
+    limits = MediaLimits(allowed_local_media_path=str(media_root))
+    expected = png_bytes()
+    path = media_root / "sub" / "cat.png"
+    assert load_media_bytes(str(path), limits, modality=IMAGE) == expected
+    assert load_media_bytes(f"file://{path}", limits, modality=IMAGE) == expected
+    assert load_media_bytes("sub/cat.png", limits, modality=IMAGE) == expected
+    assert load_media_bytes(str(media_root / "alias.png"), limits, modality=IMAGE) == expected
+
+
+def test_local_files_outside_or_disabled_are_refused(media_root: Path) -> None:
+    limits = MediaLimits(allowed_local_media_path=str(media_root))
+    outside = media_root.parent / "secret.png"
+    for url in (
+        str(outside),
+        f"file://{outside}",
+        str(media_root / "escape.png"),
+        f"{media_root}/sub/../../secret.png",
+        "../secret.png",
+    ):
+        with expect_error("image_url", "local_media_forbidden"):
+            load_media_bytes(url, limits, modality=IMAGE)
+    with expect_error("video_url", "local_media_forbidden"):
+        load_media_bytes(f"file://{media_root}/sub/cat.png", MediaLimits(), modality=VIDEO)
+    with expect_error("image_url", "media_not_found"):
+        load_media_bytes(str(media_root / "missing.png"), limits, modality=IMAGE)
+    with expect_error("image_url", "media_not_found"):
+        load_media_bytes(str(media_root / "sub"), limits, modality=IMAGE)
+    with expect_error("image_url", "invalid_media_url"):
+        load_media_bytes(f"file://example.com{media_root}/sub/cat.png", limits, modality=IMAGE)
+
+
+def test_local_file_size_limit(media_root: Path) -> None:
+    limits = MediaLimits(allowed_local_media_path=str(media_root), max_image_bytes=10)
+    with expect_error("image_url", "media_too_large"):
+        load_media_bytes(str(media_root / "sub" / "cat.png"), limits, modality=IMAGE)
+
+
+# ------------------------------------------------------------------------------ http(s)
+
+IMAGE_BODY = png_bytes((16, 16), seed=3)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+        routes = {
+            "/cat.png": lambda: self._send(IMAGE_BODY),
+            "/big": lambda: self._send(b"x" * 50_000),
+            "/big-unsized": lambda: self._send(b"x" * 50_000, sized=False),
+            "/drip": self._drip,
+            "/redirect": self._redirect,
+        }
+        try:
+            routes.get(self.path, lambda: self.send_error(404))()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _send(self, body: bytes, sized: bool = True) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        if sized:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _drip(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        for _ in range(100):
+            self.wfile.write(b"x")
+            self.wfile.flush()
+            time.sleep(0.1)
+
+    def _redirect(self) -> None:
+        self.send_response(302)
+        self.send_header("Location", "/cat.png")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_http_image_and_redirect(server: str) -> None:
+    assert load_media_bytes(f"{server}/cat.png", MediaLimits(), modality=IMAGE) == IMAGE_BODY
+    assert load_media_bytes(f"{server}/redirect", MediaLimits(), modality=IMAGE) == IMAGE_BODY
+
+
+def test_http_errors_are_client_errors(server: str) -> None:
+    with expect_error("image_url", "media_fetch_failed") as info:
+        load_media_bytes(f"{server}/missing.png", MediaLimits(), modality=IMAGE)
+    assert "404" in str(info.value) and "/missing.png" in str(info.value)
+    limits = MediaLimits(max_image_bytes=10_000)
+    for path in ("/big", "/big-unsized"):
+        with expect_error("image_url", "media_too_large"):
+            load_media_bytes(f"{server}{path}", limits, modality=IMAGE)
+
+
+def test_http_slow_body_hits_the_deadline(server: str) -> None:
+    start = time.perf_counter()
+    with expect_error("video_url", "media_timeout"):
+        load_media_bytes(f"{server}/drip", MediaLimits(http_timeout=0.5), modality=VIDEO)
+    assert time.perf_counter() - start < 3.0
+
+
+def test_unreachable_url_is_a_quick_400() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/cat.png"
+    start = time.perf_counter()
+    with expect_error("image_url", "media_fetch_failed") as info:
+        load_media_bytes(url, MediaLimits(http_timeout=5.0), modality=IMAGE)
+    assert time.perf_counter() - start < 2.0
+    assert url in str(info.value)

@@ -1,0 +1,313 @@
+"""AsyncMMDataProcessor and its worker functions on a tiny checkpoint.
+
+The oracles: transformers' image processor for images, and our own `preprocess_video` over
+`read_video_frames` for videos.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+from make_tiny_checkpoint import make_checkpoint
+from PIL import Image
+
+from runtime.multimodal import Modality
+from tokenizer_manager.media import MediaError, MediaLimits
+from tokenizer_manager.mm_processor import (
+    AsyncMMDataProcessor,
+    MediaRef,
+    ProcessorSpec,
+    process_image_bytes,
+    process_video_bytes,
+)
+from tokenizer_manager.multimodal_inputs import PreparedMedia
+from tokenizer_manager.video_processor import (
+    VIDEO_MAX_PIXELS,
+    VIDEO_MIN_PIXELS,
+    preprocess_video,
+    read_video_frames,
+)
+
+IMAGE, VIDEO = Modality.IMAGE, Modality.VIDEO
+VIDEO_FPS, FRAMES = 8, 40  # 5 s: 10 frames sampled at 2 fps, decoded in two chunks
+
+
+def noise_image(size: tuple[int, int], seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def mp4_bytes(frames: int = FRAMES, size: tuple[int, int] = (64, 48)) -> bytes:
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=VIDEO_FPS)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for index in range(frames):
+            frame = np.ascontiguousarray(np.roll(base, 5 * index, axis=1))
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def mangled(data: bytes, seed: int = 0) -> bytes:
+    """Random bytes overwritten past the file's first quarter (decord raises DECORDError)."""
+    rng = np.random.default_rng(seed)
+    out = bytearray(data)
+    for position in rng.integers(len(out) // 4, len(out), 200):
+        out[position] = int(rng.integers(0, 256))
+    return bytes(out)
+
+
+def data_url(data: bytes, kind: str) -> str:
+    return f"data:{kind};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("tiny-qwen2-vl")))
+
+
+@pytest.fixture(scope="module")
+def video() -> bytes:
+    return mp4_bytes()
+
+
+def hf_image(checkpoint: str, image: Image.Image) -> tuple[np.ndarray, tuple[int, ...]]:
+    from transformers import AutoImageProcessor
+
+    out = AutoImageProcessor.from_pretrained(checkpoint)(images=[image], return_tensors="np")
+    return out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0])
+
+
+def reference_video(checkpoint: str, data: bytes, max_frames: int) -> tuple[np.ndarray, tuple]:
+    config = json.loads((Path(checkpoint) / "preprocessor_config.json").read_text())
+    frames, fps = read_video_frames(data, max_frames=max_frames)
+    pixels, grid = preprocess_video(
+        frames,
+        min_pixels=VIDEO_MIN_PIXELS,
+        max_pixels=VIDEO_MAX_PIXELS,
+        image_mean=config["image_mean"],
+        image_std=config["image_std"],
+    )
+    return pixels.numpy(), (*(int(x) for x in grid[0]), 2 / fps)
+
+
+# ------------------------------------------------------------------------------ worker functions
+
+
+def test_spec_reads_the_checkpoint_and_caps_frames(checkpoint: str) -> None:
+    spec = ProcessorSpec.from_checkpoint(checkpoint, MediaLimits(max_frames=6))
+    assert (spec.video.min_pixels, spec.video.max_pixels) == (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
+    assert (spec.video.patch_size, spec.video.merge_size, spec.video.max_frames) == (14, 2, 6)
+    custom = ProcessorSpec.from_checkpoint(checkpoint, MediaLimits(), video_max_pixels=28 * 28 * 4)
+    assert custom.video.max_pixels == 28 * 28 * 4
+
+
+def test_image_worker_matches_hf_processor(checkpoint: str) -> None:
+    spec, limits = ProcessorSpec.from_checkpoint(checkpoint, MediaLimits()), MediaLimits()
+    image = noise_image((70, 50), seed=0)
+    result = process_image_bytes(png_bytes(image), spec, limits)
+    pixels, grid = hf_image(checkpoint, image)
+    assert result.modality == IMAGE and result.grid_thw == grid
+    np.testing.assert_array_equal(result.pixel_values, pixels)
+    with pytest.raises(MediaError) as info:
+        process_image_bytes(png_bytes(noise_image((400, 1), seed=0)), spec, limits)
+    assert info.value.param == "image_url" and "aspect ratio" in str(info.value)
+
+
+@pytest.mark.parametrize("max_frames,grid_t", [(64, 5), (4, 2)])
+def test_video_worker_matches_preprocess_video(
+    checkpoint: str, video: bytes, max_frames: int, grid_t: int
+) -> None:
+    limits = MediaLimits(max_frames=max_frames)
+    spec = ProcessorSpec.from_checkpoint(checkpoint, limits)
+    result = process_video_bytes(video, spec, limits)
+    pixels, (t, h, w, seconds) = reference_video(checkpoint, video, max_frames)
+    assert result.modality == VIDEO and result.grid_thw == (t, h, w)
+    assert t == grid_t
+    assert result.second_per_grid_t == pytest.approx(seconds)
+    np.testing.assert_array_equal(result.pixel_values, pixels)
+
+
+def test_video_worker_refuses_bad_videos(checkpoint: str, video: bytes) -> None:
+    spec = ProcessorSpec.from_checkpoint(checkpoint, MediaLimits())
+    for data in (b"", b"not a video at all" * 10, video[: len(video) // 3], mangled(video)):
+        with pytest.raises(MediaError) as info:
+            process_video_bytes(data, spec, MediaLimits())
+        assert (info.value.status, info.value.param) == (400, "video_url")
+    with pytest.raises(MediaError, match="frame size"):
+        process_video_bytes(video, spec, MediaLimits(max_pixels=64 * 48 - 1))
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def assert_same(got: PreparedMedia, pixels: np.ndarray, grid: tuple[int, ...]) -> None:
+    assert got.grid_thw == grid
+    np.testing.assert_array_equal(got.pixel_values.numpy(), pixels)
+
+
+def test_async_processor_end_to_end(checkpoint: str, video: bytes) -> None:
+    images = [noise_image((70, 50), seed=1), noise_image((30, 90), seed=2)]
+    refs = [
+        MediaRef(IMAGE, data_url(png_bytes(images[0]), "image/png")),
+        MediaRef(VIDEO, data_url(video, "video/mp4")),
+        MediaRef(IMAGE, data_url(png_bytes(images[1]), "image/png")),
+    ]
+    limits = MediaLimits()
+    mm = AsyncMMDataProcessor(
+        checkpoint,
+        limits,
+        io_workers=2,
+        cpu_workers=1,
+        max_concurrent_calls=2,
+        per_request_timeout=60.0,
+    )
+
+    async def run() -> tuple[list[PreparedMedia], list[MediaError], list[int]]:
+        await mm.warmup()
+        out = await mm.process(refs)
+        errors = [await _error_of(mm.process(bad)) for bad in _bad_requests(refs, video)]
+        return out, errors, mm.worker_pids()
+
+    out, errors, pids = asyncio.run(run())
+    assert [m.modality for m in out] == [IMAGE, VIDEO, IMAGE]
+    for got, image in zip([out[0], out[2]], images):
+        assert_same(got, *hf_image(checkpoint, image))
+    pixels, (t, h, w, seconds) = reference_video(checkpoint, video, limits.max_frames)
+    assert_same(out[1], pixels, (t, h, w))
+    assert out[1].second_per_grid_t == pytest.approx(seconds)
+    params = [(e.status, e.param, e.code) for e in errors]
+    assert params == [
+        (400, "video_url", "invalid_video"),  # raised in the worker process
+        (400, "image_url", "invalid_image"),  # truncated: passes the header check, fails decoding
+        (400, "image_url", "invalid_base64"),
+    ]
+    assert len(pids) == 1
+    new_pids = asyncio.run(survive_a_worker_crash(mm, pids[0], refs[0]))
+    assert len(new_pids) == 1 and new_pids != pids
+    mm.shutdown()
+    assert_processes_gone(pids + new_pids)
+
+
+async def survive_a_worker_crash(mm: AsyncMMDataProcessor, pid: int, ref: MediaRef) -> list[int]:
+    """A worker killed (as a decord crash would) gives a RuntimeError, then a fresh pool."""
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="worker process died"):
+        await mm.process([ref])
+    assert (await mm.process([ref]))[0].modality == IMAGE
+    return mm.worker_pids()
+
+
+def _bad_requests(refs: list[MediaRef], video: bytes) -> list[list[MediaRef]]:
+    truncated = png_bytes(noise_image((64, 64), seed=4))[:3000]
+    return [
+        [refs[0], MediaRef(VIDEO, data_url(video[:500], "video/mp4"))],
+        [MediaRef(IMAGE, data_url(truncated, "image/png")), refs[1]],
+        [refs[2], MediaRef(IMAGE, "data:image/png;base64,###")],
+    ]
+
+
+async def _error_of(work: object) -> MediaError:
+    try:
+        await work  # type: ignore[misc]
+    except MediaError as err:
+        return err
+    raise AssertionError("expected a MediaError")
+
+
+def assert_processes_gone(pids: list[int]) -> None:
+    import multiprocessing
+
+    assert not {p.pid for p in multiprocessing.active_children()} & set(pids)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+# ------------------------------------------------------------------------------ limits and timeouts
+
+
+class SlowHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+        try:
+            time.sleep(1.5)  # longer than the request timeout below
+            self.send_error(404)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+@pytest.fixture(scope="module")
+def slow_server() -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), SlowHandler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_per_request_timeout_blames_the_slow_url(checkpoint: str, slow_server: str) -> None:
+    async def run() -> tuple[MediaError, float]:
+        async with AsyncMMDataProcessor(
+            checkpoint,
+            MediaLimits(http_timeout=30.0),
+            io_workers=2,
+            cpu_workers=1,
+            max_concurrent_calls=4,
+            per_request_timeout=0.5,
+        ) as mm:
+            start = time.perf_counter()
+            refs = [MediaRef(IMAGE, f"{slow_server}/a.png"), MediaRef(VIDEO, f"{slow_server}/b")]
+            err = await _error_of(mm.process(refs))
+            return err, time.perf_counter() - start
+
+    err, elapsed = asyncio.run(run())
+    assert (err.status, err.param, err.code) == (400, "image_url", "media_timeout")
+    assert elapsed < 2.0
+
+
+def test_request_byte_budget_and_closed_processor(checkpoint: str) -> None:
+    data = png_bytes(noise_image((40, 40), seed=6))
+    limits = MediaLimits(max_request_bytes=len(data) * 3 // 2)
+    mm = AsyncMMDataProcessor(checkpoint, limits, io_workers=1, cpu_workers=1)
+    mm._run_cpu = _never_called  # type: ignore[method-assign]  # keep the test off the CPU pool
+    refs = [MediaRef(IMAGE, data_url(data, "image/png"))] * 2
+
+    async def run() -> MediaError:
+        err = await _error_of(mm.process(refs))
+        await mm.close()
+        return err
+
+    err = asyncio.run(run())
+    assert (err.status, err.param, err.code) == (400, "image_url", "media_too_large")
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(mm.process(refs))
+
+
+async def _never_called(modality: Modality, data: bytes) -> None:
+    await asyncio.sleep(30)

@@ -1,0 +1,379 @@
+"""End to end: `launch.py --tp 2 --mm-enable-dp-encoder --device cpu` on a tiny checkpoint, used
+with the official openai client and raw HTTP; outputs against HF generate; bad input; teardown."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from dist_utils import free_port
+from make_tiny_checkpoint import make_checkpoint
+from PIL import Image
+from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
+
+from tokenizer_manager.media import MediaLimits
+from tokenizer_manager.mm_processor import ProcessorSpec, process_video_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 8
+QUESTION = "What is in the picture?"
+
+
+def png_url(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def mp4_bytes(frames: np.ndarray, fps: int = 4) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+class Server:
+    """launch.py in its own session, so teardown can check that no process is left."""
+
+    def __init__(self, folder: str, log: Path, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "--model-path",
+            folder,
+            "--tp",
+            "2",
+            "--mm-enable-dp-encoder",
+            "--device",
+            "cpu",
+            "--port",
+            str(self.port),
+            "--max-total-tokens",
+            "6000",
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+        )
+        self.wait_healthy(240)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server not healthy:\n{self.log.read_text()[-4000:]}")
+
+    def pid_of(self, name: str) -> int:
+        match = re.search(rf"started {name} \(pid (\d+)\)", self.log.read_text())
+        assert match, f"no pid logged for {name}"
+        return int(match.group(1))
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self.group_alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("server") / "qwen2_vl"))
+
+
+@pytest.fixture(scope="module")
+def server(folder: str, tmp_path_factory: pytest.TempPathFactory):
+    srv = Server(folder, tmp_path_factory.mktemp("log") / "server.log")
+    yield srv
+    srv.stop()
+    deadline = time.monotonic() + 10
+    while srv.group_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert srv.proc.returncode is not None
+    assert not srv.group_alive(), "SIGTERM left a process of the server behind"
+
+
+@pytest.fixture(scope="module")
+def oracle(folder: str) -> dict:
+    """HF greedy text for the messages the tests send."""
+    ckpt = Checkpoint(Path(folder))
+    video = mp4_bytes(video_frames(8, (56, 84)))
+    spec = ProcessorSpec.from_checkpoint(folder, MediaLimits())
+    prepared = process_video_bytes(video, spec, MediaLimits()).to_prepared()
+    cases = {
+        "one_image": ckpt.case("one_image", [noise_image(), QUESTION]),
+        "two_images": ckpt.case("two_images", [gradient_image(), noise_image(), "Compare."]),
+        "video": ckpt.case("video", [prepared, "What happens?"]),
+    }
+    model = load_hf(Path(folder))
+    for case in cases.values():
+        run_hf(model, case, NEW_TOKENS)
+    text = {
+        k: ckpt.tokenizer.decode(c.hf_tokens, skip_special_tokens=True) for k, c in cases.items()
+    }
+    return {"text": text, "video": video}
+
+
+def client(server: Server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def image_part(image: Image.Image) -> dict:
+    return {"type": "image_url", "image_url": {"url": png_url(image)}}
+
+
+def chat(server: Server, content: list[dict], **kw):
+    return client(server).chat.completions.create(
+        model="qwen2_vl",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        **kw,
+    )
+
+
+def test_chat_one_image_equals_hf(server: Server, oracle: dict) -> None:
+    out = chat(server, [image_part(noise_image()), {"type": "text", "text": QUESTION}])
+    assert out.choices[0].message.content == oracle["text"]["one_image"]
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == NEW_TOKENS
+
+
+def test_chat_two_images_equals_hf(server: Server, oracle: dict) -> None:
+    content = [
+        image_part(gradient_image()),
+        image_part(noise_image()),
+        {"type": "text", "text": "Compare."},
+    ]
+    assert chat(server, content).choices[0].message.content == oracle["text"]["two_images"]
+
+
+def test_chat_video_equals_hf(server: Server, oracle: dict) -> None:
+    url = "data:video/mp4;base64," + base64.b64encode(oracle["video"]).decode()
+    content = [
+        {"type": "video_url", "video_url": {"url": url}},
+        {"type": "text", "text": "What happens?"},
+    ]
+    out = client(server).chat.completions.create(
+        model="qwen2_vl",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+    )
+    assert out.choices[0].message.content == oracle["text"]["video"]
+
+
+def test_streaming_with_usage(server: Server, oracle: dict) -> None:
+    stream = chat(
+        server,
+        [image_part(noise_image()), {"type": "text", "text": QUESTION}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == oracle["text"]["one_image"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == NEW_TOKENS
+    assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+
+
+def test_repeated_prompt_reports_cached_tokens(server: Server) -> None:
+    content = [image_part(gradient_image()), {"type": "text", "text": "Once more."}]
+    first = chat(server, content)
+    second = chat(server, content)
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+
+
+def test_completions_and_native_generate(server: Server) -> None:
+    out = client(server).completions.create(
+        model="qwen2_vl", prompt="Hello there", max_tokens=4, temperature=0
+    )
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
+    body = {
+        "text": "Describe.",
+        "image_data": png_url(noise_image()),
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+    }
+    native = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    assert len(native["output_ids"]) == 3 and native["meta_info"]["prompt_tokens"] > 4
+
+
+def test_models_metrics_and_idle_server_info(server: Server) -> None:
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["qwen2_vl"]
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert "tessera_kv_total_tokens" in metrics
+    info = idle_info(server)
+    assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
+    assert info["kv_protected"] == 0 and info["encoder_cache"]["pins"] == 0
+
+
+def idle_info(server: Server) -> dict:
+    deadline = time.monotonic() + 10
+    while True:
+        info = httpx.get(server.url + "/server_info", timeout=10).json()
+        if (info["running"] == 0 and info["waiting"] == 0) or time.monotonic() > deadline:
+            return info
+        time.sleep(0.2)
+
+
+def huge_png() -> str:
+    return png_url(Image.new("RGB", (8000, 8000)))
+
+
+BAD = {
+    "malformed_json": (b"{not json", None),
+    "no_messages": ({"model": "qwen2_vl", "messages": []}, None),
+    "bad_base64": (
+        [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}],
+        "image_url",
+    ),
+    "not_an_image": (
+        [
+            {
+                "type": "image_url",
+                "image_url": {
+                    "url": "data:image/png;base64," + base64.b64encode(b"hello world").decode()
+                },
+            }
+        ],
+        "image_url",
+    ),
+    "too_many_pixels": ([{"type": "image_url", "image_url": {"url": huge_png()}}], "image_url"),
+    "unreachable_url": (
+        [{"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{free_port()}/x.png"}}],
+        "image_url",
+    ),
+    "local_file_refused": (
+        [{"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}],
+        "image_url",
+    ),
+    "too_many_images": ([{"type": "image_url", "image_url": {"url": "data:,"}}] * 17, "messages"),
+}
+
+
+def post_chat(server: Server, body: object) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(
+            server.url + "/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def bad_body(case: str) -> object:
+    body, _ = BAD[case]
+    if isinstance(body, list):
+        return {
+            "model": "qwen2_vl",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": [*body, {"type": "text", "text": "x"}]}],
+        }
+    return body
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_media_and_json_give_openai_errors(server: Server, case: str) -> None:
+    resp = post_chat(server, bad_body(case))
+    assert 400 <= resp.status_code < 500, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    expected = BAD[case][1]
+    if expected:
+        assert err["param"] == expected
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n", 2),
+        ("temperature", -1),
+        ("max_tokens", 10**7),
+        ("model", "gpt-4"),
+        ("top_p", 0),
+        ("presence_penalty", 1.0),
+    ],
+)
+def test_bad_fields_give_400(server: Server, field: str, value: object) -> None:
+    body = {
+        "model": "qwen2_vl",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}],
+        field: value,
+    }
+    resp = post_chat(server, body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_server_healthy_and_leak_free_after_bad_input(server: Server, oracle: dict) -> None:
+    for case in BAD:
+        post_chat(server, bad_body(case))
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    out = chat(server, [image_part(noise_image()), {"type": "text", "text": QUESTION}])
+    assert out.choices[0].message.content == oracle["text"]["one_image"]
+    info = idle_info(server)
+    assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
+    assert info["kv_protected"] == 0 and info["encoder_cache"]["pins"] == 0
+
+
+def test_killing_a_rank_stops_the_server(folder: str, tmp_path: Path) -> None:
+    srv = Server(folder, tmp_path / "kill.log")
+    try:
+        os.kill(srv.pid_of("scheduler-TP1"), signal.SIGKILL)
+        start = time.monotonic()
+        code = srv.proc.wait(15)
+        assert time.monotonic() - start < 10
+        assert code != 0
+        assert "scheduler-TP1 exited unexpectedly" in (tmp_path / "kill.log").read_text()
+    finally:
+        srv.stop()
+    deadline = time.monotonic() + 10
+    while srv.group_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not srv.group_alive()
