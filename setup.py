@@ -36,6 +36,7 @@ setup(
         "uvicorn>=0.29",
         "decord>=0.6.0; platform_machine == 'x86_64'",
         "av>=12",
+        "httpx>=0.27",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "openai>=1.40", "httpx", "ruff", "triton>=3.0"],

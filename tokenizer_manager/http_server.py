@@ -427,6 +427,10 @@ def finish_reason(out: StrOutput) -> str | None:
 
 
 class ChatFormatter:
+    """Chat completion objects; the completions formatter differs only in its choice shape."""
+
+    chunk_object, full_object = "chat.completion.chunk", "chat.completion"
+
     def __init__(self, model: str):
         self.model = model
         self.created = now()
@@ -434,74 +438,54 @@ class ChatFormatter:
     def event(self, payload: dict[str, Any] | None) -> bytes:
         return b"" if payload is None else f"data: {json.dumps(payload)}\n\n".encode()
 
-    def _base(self, rid: str, obj: str) -> dict[str, Any]:
-        return {"id": rid, "object": obj, "created": self.created, "model": self.model}
+    def _object(self, rid: str, obj: str, choices: list, last: StrOutput | None = None) -> dict:
+        body = {
+            "id": rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if last is not None:
+            body["usage"] = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        return body
 
-    def first_chunk(self, rid: str) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "delta": delta, "finish_reason": None}
-        return {**self._base(rid, "chat.completion.chunk"), "choices": [choice]}
+    def first_chunk(self, rid: str) -> dict[str, Any] | None:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return self._object(rid, self.chunk_object, [choice])
+
+    def chunk_choice(self, text: str, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": reason}
+
+    def full_choice(self, text: str, reason: str | None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "finish_reason": reason}
 
     def chunk(self, rid: str, out: StrOutput) -> dict[str, Any] | None:
         reason = finish_reason(out)
         if not out.text and reason is None:
             return None
-        choice = {
-            "index": 0,
-            "delta": {"content": out.text} if out.text else {},
-            "finish_reason": reason,
-        }
-        return {**self._base(rid, "chat.completion.chunk"), "choices": [choice]}
+        return self._object(rid, self.chunk_object, [self.chunk_choice(out.text, reason)])
 
     def usage_chunk(self, rid: str, out: StrOutput) -> dict[str, Any]:
-        return {
-            **self._base(rid, "chat.completion.chunk"),
-            "choices": [],
-            "usage": usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens),
-        }
+        return self._object(rid, self.chunk_object, [], out)
 
     def full(self, rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
-        last = outputs[-1]
-        message = {"role": "assistant", "content": "".join(o.text for o in outputs)}
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason(last)}
-        return {
-            **self._base(rid, "chat.completion"),
-            "choices": [choice],
-            "usage": usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
-        }
+        text = "".join(o.text for o in outputs)
+        choice = self.full_choice(text, finish_reason(outputs[-1]))
+        return self._object(rid, self.full_object, [choice], outputs[-1])
 
 
 class CompletionFormatter(ChatFormatter):
+    chunk_object = full_object = "text_completion"
+
     def first_chunk(self, rid: str) -> None:
         return None
 
-    def chunk(self, rid: str, out: StrOutput) -> dict[str, Any] | None:
-        reason = finish_reason(out)
-        if not out.text and reason is None:
-            return None
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason}
-        return {**self._base(rid, "text_completion"), "choices": [choice]}
+    def chunk_choice(self, text: str, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
-    def usage_chunk(self, rid: str, out: StrOutput) -> dict[str, Any]:
-        return {
-            **self._base(rid, "text_completion"),
-            "choices": [],
-            "usage": usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens),
-        }
-
-    def full(self, rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
-        last = outputs[-1]
-        choice = {
-            "index": 0,
-            "text": "".join(o.text for o in outputs),
-            "logprobs": None,
-            "finish_reason": finish_reason(last),
-        }
-        return {
-            **self._base(rid, "text_completion"),
-            "choices": [choice],
-            "usage": usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
-        }
+    full_choice = chunk_choice
 
 
 # ---------------------------------------------------------------------- native route

@@ -136,14 +136,16 @@ def _open_video(data: bytes | str) -> Any:
     source = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
     try:
         return decord.VideoReader(source, ctx=decord.cpu(0), num_threads=1)
-    except (RuntimeError, OSError) as exc:
+    except (decord.DECORDError, RuntimeError, OSError) as exc:
         raise ValueError(f"cannot open video: {_describe(data)}") from exc
 
 
 def _decode_frames(reader: Any, indices: list[int]) -> np.ndarray:
+    import decord
+
     try:
         frames = reader.get_batch(indices).asnumpy()
-    except (RuntimeError, OSError) as exc:
+    except (decord.DECORDError, RuntimeError, OSError) as exc:
         raise ValueError("cannot decode video frames") from exc
     return np.ascontiguousarray(frames, dtype=np.uint8)
 

@@ -1,0 +1,283 @@
+"""Triton attention over tessera's token-indexed KV pool.
+
+Both kernels read K/V straight from the pool buffers ([slots + 1, kv_heads, head_dim] per layer):
+the slot of a request's j-th token is `req_to_token[req_pool_index, j]`. No K/V is gathered into a
+contiguous copy first. Scores and the running softmax are kept in float32 (online softmax: a
+running max and running sum per query row, rescaled as each block of keys arrives), and every load
+is upcast to float32 so bf16 pools work in the interpreter too.
+
+- extend: the new tokens of each request attend to its cached prefix and, causally, to each other.
+  Their K/V are written to the pool first, so one loop over the request's slots covers both parts.
+- decode: one new token per request attends to all of its tokens; the q heads that share a kv head
+  are handled together, so each K/V block is loaded once per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention.base import AttentionLayer
+from runtime.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from runtime.forward_batch import ForwardBatch
+
+LOG2E = 1.4426950408889634
+NEG_BIG = -1.0e30  # start value of the running max: finite, so a fully masked block gives no NaN
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-request device tensors (int32), built once per model forward and shared by all layers."""
+
+    q_starts: torch.Tensor  # offset of each request's first new token in q / out
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    req_pool_indices: torch.Tensor
+    max_extend_len: int
+
+    @staticmethod
+    def from_batch(batch: ForwardBatch, device: torch.device) -> AttentionMetadata:
+        extend = batch.extend_lens_list
+        starts = [0]
+        for n in extend[:-1]:
+            starts.append(starts[-1] + n)
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+        return AttentionMetadata(
+            q_starts=as_tensor(starts),
+            prefix_lens=as_tensor(batch.prefix_lens_list),
+            extend_lens=as_tensor(extend),
+            seq_lens=as_tensor(batch.seq_lens_list),
+            req_pool_indices=as_tensor(batch.req_pool_indices_list),
+            max_extend_len=max(extend, default=0),
+        )
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, out_ptr, k_buf, v_buf, req_to_token,
+    q_starts, prefix_lens, extend_lens, req_pool_indices,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_req, qk_scale, head_dim,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    block_m = tl.program_id(2)
+    extend_len = tl.load(extend_lens + req)
+    if block_m * BLOCK_M >= extend_len:
+        return
+    q_start = tl.load(q_starts + req)
+    prefix_len = tl.load(prefix_lens + req)
+    row = tl.load(req_pool_indices + req).to(tl.int64)
+    seq_len = prefix_len + extend_len
+    kv_head = head // GROUP
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < extend_len
+    d_mask = offs_d < head_dim
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q_pos = prefix_len + offs_m  # position of each query row within its request
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = tl.minimum(seq_len, prefix_len + (block_m + 1) * BLOCK_M)
+    for n0 in range(0, kv_end, BLOCK_N):
+        kv_pos = n0 + offs_n
+        n_mask = kv_pos < kv_end
+        slots = tl.load(req_to_token + row * stride_req + kv_pos, mask=n_mask, other=0)
+        slots = slots.to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_ptrs = k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = (q_pos[:, None] >= kv_pos[None, :]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v_ptrs = v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, out_ptr, k_buf, v_buf, req_to_token,
+    seq_lens, req_pool_indices,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_req, qk_scale, head_dim,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + req)
+    row = tl.load(req_pool_indices + req).to(tl.int64)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < head_dim
+    heads = kv_head * GROUP + offs_h  # the q heads that read this kv head
+    q_ptrs = q_ptr + req.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(0, seq_len, BLOCK_N):
+        kv_pos = n0 + offs_n
+        n_mask = kv_pos < seq_len
+        slots = tl.load(req_to_token + row * stride_req + kv_pos, mask=n_mask, other=0)
+        slots = slots.to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_ptrs = k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v_ptrs = v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+
+
+def _check_pool(k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor) -> None:
+    if k_buf.stride(-1) != 1 or v_buf.stride(-1) != 1 or req_to_token.stride(-1) != 1:
+        raise ValueError("KV buffers and req_to_token need a contiguous last dimension")
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    meta: AttentionMetadata,
+    scaling: float,
+    block_m: int = 32,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """q: [tokens, heads, head_dim] (new tokens of all requests, in order) -> same shape.
+
+    The new tokens' K/V must already be in the pool at their slots.
+    """
+    _check_pool(k_buf, v_buf, req_to_token)
+    tokens, heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    num_reqs = meta.q_starts.numel()
+    if tokens == 0 or num_reqs == 0:
+        return out
+    grid = (num_reqs, heads, triton.cdiv(meta.max_extend_len, block_m))
+    _extend_kernel[grid](
+        q, out, k_buf, v_buf, req_to_token,
+        meta.q_starts, meta.prefix_lens, meta.extend_lens, meta.req_pool_indices,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0), scaling * LOG2E, head_dim,
+        GROUP=heads // k_buf.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    )
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    scaling: float,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """q: [requests, heads, head_dim], one new token per request (already in the pool)."""
+    _check_pool(k_buf, v_buf, req_to_token)
+    num_reqs, heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if num_reqs == 0:
+        return out
+    kv_heads = k_buf.shape[1]
+    group = heads // kv_heads
+    _decode_kernel[(num_reqs, kv_heads)](
+        q, out, k_buf, v_buf, req_to_token,
+        seq_lens, req_pool_indices,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0), scaling * LOG2E, head_dim,
+        GROUP=group, BLOCK_H=triton.next_power_of_2(group), BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    return out
+
+
+class TritonAttentionBackend:
+    """The AttentionBackend protocol on the two kernels above."""
+
+    def __init__(self, block_m: int = 32, block_n: int = 32) -> None:
+        self.block_m = block_m
+        self.block_n = block_n
+        self._meta_batch: ForwardBatch | None = None
+        self._meta: AttentionMetadata | None = None
+
+    def metadata(self, batch: ForwardBatch, device: torch.device) -> AttentionMetadata:
+        """Build the per-request tensors on the first layer of a forward; reuse them after."""
+        if self._meta is None or self._meta_batch is not batch:
+            self._meta = AttentionMetadata.from_batch(batch, device)
+            self._meta_batch = batch
+        return self._meta
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        if layer.num_heads % layer.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        kv = batch.kv_pool
+        shape = (-1, layer.num_kv_heads, layer.head_dim)
+        kv.set_kv(layer.layer_id, batch.out_cache_loc, k.view(shape), v.view(shape))
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        meta = self.metadata(batch, q.device)
+        k_buf, v_buf = kv.k_buffers[layer.layer_id], kv.v_buffers[layer.layer_id]
+        if batch.mode == ForwardMode.DECODE:
+            out = decode_attention(
+                q, k_buf, v_buf, batch.req_to_token, meta.seq_lens, meta.req_pool_indices,
+                layer.scaling, self.block_n,
+            )
+        else:
+            out = extend_attention(
+                q, k_buf, v_buf, batch.req_to_token, meta, layer.scaling,
+                self.block_m, self.block_n,
+            )
+        return out.view(-1, layer.num_heads * layer.head_dim)

@@ -1,0 +1,266 @@
+"""Triton kernels (attention, RMSNorm, rotary) against tessera's torch references.
+
+On a CPU machine the kernels run in Triton's interpreter: TRITON_INTERPRET=1 must be set before
+the kernel modules are imported (triton reads it when a kernel is decorated), so it is set here
+at the top, and the kernel modules are imported inside the fixture. Sizes are tiny because the
+interpreter costs about 1 ms per program instance.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses  # noqa: E402
+import types  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kernels.attention.base import AttentionLayer  # noqa: E402
+from kernels.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from kernels.rotary import apply_rotary, mrope_cos_sin  # noqa: E402
+from runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from runtime.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+@pytest.fixture(scope="module")
+def tk() -> types.SimpleNamespace:
+    """The kernel modules, or a skip when they cannot run here."""
+    triton = pytest.importorskip("triton")
+    from kernels.triton import attention, norm, rotary
+
+    if not CUDA:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(attention._extend_kernel, InterpretedFunction):
+            pytest.skip(
+                "no CUDA and the Triton kernels were built without the interpreter: "
+                "kernels.triton was imported before TRITON_INTERPRET=1 was set "
+                f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}, "
+                f"triton {triton.__version__})"
+            )
+    return types.SimpleNamespace(attention=attention, norm=norm, rotary=rotary)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.float()
+    return ((actual.float() - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+
+
+# ---------------------------------------------------------------- attention
+
+
+@dataclasses.dataclass
+class AttnCase:
+    batch: ForwardBatch
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layer: AttentionLayer
+
+
+def make_case(
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+    mode: ForwardMode = ForwardMode.EXTEND,
+    seed: int = 0,
+) -> AttnCase:
+    """A batch over a real KVPool/ReqToTokenPool whose cached prefixes sit at shuffled slots."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(prefix_lens) + sum(extend_lens)
+    layer = AttentionLayer(1, heads, kv_heads, head_dim, head_dim**-0.5)
+    req_pool = ReqToTokenPool(len(prefix_lens) + 2, 128, device=DEVICE)
+    kv_pool = KVPool(total + 16, 2, kv_heads, head_dim, dtype, device=DEVICE)
+    kv_pool._free = kv_pool._free[torch.randperm(kv_pool.size, generator=gen)]
+    req_pool.alloc()  # leave row 0 unused so pool rows differ from batch positions
+    rows, new_slots = [], []
+    for prefix, extend in zip(prefix_lens, extend_lens):
+        row = req_pool.alloc()
+        assert row is not None
+        slots = kv_pool.alloc(prefix + extend)
+        assert slots is not None
+        req_pool.write(row, 0, slots.to(DEVICE))
+        cached = torch.randn(2, prefix, kv_heads, head_dim, generator=gen).to(DEVICE)
+        kv_pool.set_kv(layer.layer_id, slots[:prefix].to(DEVICE), cached[0], cached[1])
+        rows.append(row)
+        new_slots.append(slots[prefix:])
+    tokens = sum(extend_lens)
+    batch = ForwardBatch(
+        mode=mode,
+        input_ids=torch.zeros(tokens, dtype=torch.int64, device=DEVICE),
+        positions=torch.zeros(3, tokens, dtype=torch.int64, device=DEVICE),
+        out_cache_loc=torch.cat(new_slots).to(DEVICE),
+        req_pool_indices_list=rows,
+        prefix_lens_list=prefix_lens,
+        extend_lens_list=extend_lens,
+        req_pool=req_pool,
+        kv_pool=kv_pool,
+    )
+
+    def rand(h: int) -> torch.Tensor:
+        return torch.randn(tokens, h * head_dim, generator=gen).to(DEVICE, dtype)
+
+    return AttnCase(batch, rand(heads), rand(kv_heads), rand(kv_heads), layer)
+
+
+def check_backend(case: AttnCase, backend: object, dtype: torch.dtype) -> None:
+    """Run the Triton backend and the torch reference on copies of the same pool."""
+    ref_batch = dataclasses.replace(case.batch, kv_pool=_copy_pool(case.batch.kv_pool))
+    expected = TorchAttentionBackend().forward(case.q, case.k, case.v, case.layer, ref_batch)
+    actual = backend.forward(case.q, case.k, case.v, case.layer, case.batch)  # type: ignore[attr-defined]
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert rel_err(actual, expected) < TOL[dtype]
+    lid = case.layer.layer_id
+    assert torch.equal(case.batch.kv_pool.k_buffers[lid], ref_batch.kv_pool.k_buffers[lid])
+    assert torch.equal(case.batch.kv_pool.v_buffers[lid], ref_batch.kv_pool.v_buffers[lid])
+
+
+def _copy_pool(pool: KVPool) -> KVPool:
+    copy = KVPool.__new__(KVPool)
+    copy.__dict__.update(pool.__dict__)
+    copy.k_buffers = [b.clone() for b in pool.k_buffers]
+    copy.v_buffers = [b.clone() for b in pool.v_buffers]
+    return copy
+
+
+def test_extend_backend_fp32(tk: types.SimpleNamespace) -> None:
+    case = make_case([0, 5], [7, 3])
+    check_backend(case, tk.attention.TritonAttentionBackend(block_m=16, block_n=16), torch.float32)
+
+
+def test_extend_multiple_blocks(tk: types.SimpleNamespace) -> None:
+    """Query and key blocks split inside the extend part, so causality crosses block edges."""
+    case = make_case([11, 0, 3], [20, 17, 1], heads=4, kv_heads=1, seed=1)
+    check_backend(case, tk.attention.TritonAttentionBackend(block_m=16, block_n=16), torch.float32)
+
+
+def test_extend_bf16_pool(tk: types.SimpleNamespace) -> None:
+    case = make_case([0, 5], [7, 3], dtype=torch.bfloat16, seed=2)
+    backend = tk.attention.TritonAttentionBackend(block_m=16, block_n=16)
+    check_backend(case, backend, torch.bfloat16)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4), (3, 1)])
+def test_decode_backend(tk: types.SimpleNamespace, heads: int, kv_heads: int) -> None:
+    case = make_case(
+        [0, 8, 36, 19], [1, 1, 1, 1], heads, kv_heads, mode=ForwardMode.DECODE, seed=heads
+    )
+    check_backend(case, tk.attention.TritonAttentionBackend(block_n=16), torch.float32)
+
+
+def test_metadata_built_once_per_forward(tk: types.SimpleNamespace) -> None:
+    case = make_case([2, 4], [1, 1], mode=ForwardMode.DECODE)
+    backend = tk.attention.TritonAttentionBackend(block_n=16)
+    meta = backend.metadata(case.batch, torch.device(DEVICE))
+    assert backend.metadata(case.batch, torch.device(DEVICE)) is meta
+    assert meta.q_starts.tolist() == [0, 1] and meta.seq_lens.tolist() == [3, 5]
+    other = dataclasses.replace(case.batch)
+    assert backend.metadata(other, torch.device(DEVICE)) is not meta
+
+
+def test_extend_kernel_direct(tk: types.SimpleNamespace) -> None:
+    """The kernel entry point alone, on q that is a non-contiguous view of a fused qkv."""
+    case = make_case([4, 0], [5, 6], seed=5)
+    b, layer = case.batch, case.layer
+    shape = (-1, layer.num_kv_heads, layer.head_dim)
+    b.kv_pool.set_kv(layer.layer_id, b.out_cache_loc, case.k.view(shape), case.v.view(shape))
+    qkv = torch.cat((case.q, case.k, case.v), dim=1)
+    q = qkv[:, : case.q.shape[1]].view(-1, layer.num_heads, layer.head_dim)
+    meta = tk.attention.AttentionMetadata.from_batch(b, torch.device(DEVICE))
+    lid = layer.layer_id
+    out = tk.attention.extend_attention(
+        q, b.kv_pool.k_buffers[lid], b.kv_pool.v_buffers[lid], b.req_to_token, meta,
+        layer.scaling, block_m=16, block_n=16,
+    )
+    ref_batch = dataclasses.replace(b, kv_pool=_copy_pool(b.kv_pool))
+    expected = TorchAttentionBackend().forward(case.q, case.k, case.v, layer, ref_batch)
+    assert rel_err(out.reshape(expected.shape), expected) < TOL[torch.float32]
+
+
+# ---------------------------------------------------------------- norm and rotary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(tk: types.SimpleNamespace, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, generator=gen).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(40, generator=gen)).to(DEVICE, dtype)
+    out = tk.norm.rms_norm(x, w, 1e-6)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_err(out, rms_norm(x, w, 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm(tk: types.SimpleNamespace, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, res = torch.randn(2, 5, 64, generator=gen).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(64, generator=gen)).to(DEVICE, dtype)
+    out, new_res = tk.norm.fused_add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = fused_add_rms_norm(x, res, w, 1e-6)
+    assert new_res.dtype == dtype
+    if CUDA or dtype == torch.float32:
+        assert torch.equal(new_res, ref_res)
+    else:  # the interpreter's fp32 -> bf16 cast may round differently: allow one bf16 ulp
+        torch.testing.assert_close(new_res, ref_res, rtol=2**-7, atol=0.0)
+    assert rel_err(out, ref_out) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mrope_rotary(tk: types.SimpleNamespace, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    tokens, head_dim = 6, 16
+    positions = torch.randint(0, 50, (3, tokens), generator=gen).to(DEVICE)
+    cos, sin = mrope_cos_sin(positions, head_dim, 10000.0, (2, 3, 3))
+    qkv = torch.randn(tokens, (4 + 2 + 2) * head_dim, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, : 4 * head_dim].view(tokens, 4, head_dim)  # strided views, as in a model
+    k = qkv[:, 4 * head_dim : 6 * head_dim].view(tokens, 2, head_dim)
+    q_out, k_out = tk.rotary.apply_rotary_qk(q, k, cos, sin)
+    assert q_out.dtype == dtype and q_out.shape == q.shape
+    assert rel_err(q_out, apply_rotary(q, cos, sin)) < TOL[dtype]
+    assert rel_err(k_out, apply_rotary(k, cos, sin)) < TOL[dtype]
+
+
+# ---------------------------------------------------------------- GPU only: native, larger, bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_extend_backend_gpu(tk: types.SimpleNamespace, dtype: torch.dtype) -> None:
+    case = make_case([0, 100, 37], [300, 64, 129], 16, 4, 128, dtype=dtype, seed=7)
+    check_backend(case, tk.attention.TritonAttentionBackend(), dtype)
+
+
+@pytest.mark.gpu
+def test_decode_backend_gpu(tk: types.SimpleNamespace) -> None:
+    prefix = [0, 5, 63, 64, 120, 127]
+    case = make_case(
+        prefix, [1] * len(prefix), 28, 4, 128, torch.bfloat16, ForwardMode.DECODE, seed=8
+    )
+    check_backend(case, tk.attention.TritonAttentionBackend(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_norm_and_rotary_gpu(tk: types.SimpleNamespace) -> None:
+    gen = torch.Generator().manual_seed(9)
+    x, res = torch.randn(2, 257, 3584, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(3584, generator=gen).to(DEVICE, torch.bfloat16)
+    out, new_res = tk.norm.fused_add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = fused_add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(new_res, ref_res) and rel_err(out, ref_out) < TOL[torch.bfloat16]
+    positions = torch.randint(0, 4000, (3, 257), generator=gen).to(DEVICE)
+    cos, sin = mrope_cos_sin(positions, 128, 1e6, (16, 24, 24))
+    q = torch.randn(257, 28, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    assert rel_err(tk.rotary.apply_rotary(q, cos, sin), apply_rotary(q, cos, sin)) < 2e-2
