@@ -18,6 +18,7 @@ setup(
         "vision",
         "kernels",
         "kernels.attention",
+        "kernels.triton",
     ],
     py_modules=["launch"],
     # torch is deliberately unpinned here: a GPU user's CUDA build satisfies it untouched.

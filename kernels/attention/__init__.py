@@ -14,6 +14,10 @@ def create_attention_backend(name: str) -> AttentionBackend:
         from kernels.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "triton":
+        from kernels.triton.attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}")
 
 

@@ -9,7 +9,7 @@ is upcast to float32 so bf16 pools work in the interpreter too.
 - extend: the new tokens of each request attend to its cached prefix and, causally, to each other.
   Their K/V are written to the pool first, so one loop over the request's slots covers both parts.
 - decode: one new token per request attends to all of its tokens; the q heads that share a kv head
-  are handled together, so each K/V block is loaded once per group.
+  are handled together (padded to 16 rows for tl.dot), so each K/V block is loaded once per group.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_req, qk_scale, head_dim,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -104,7 +105,7 @@ def _extend_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_ptrs = k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = (q_pos[:, None] >= kv_pos[None, :]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -112,7 +113,7 @@ def _extend_kernel(
         p = tl.exp2(s - m_new[:, None])
         v_ptrs = v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
@@ -128,6 +129,7 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_req, qk_scale, head_dim,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -154,20 +156,29 @@ def _decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_ptrs = k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         v_ptrs = v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
+
+
+def _precision(kv_dtype: torch.dtype) -> str:
+    """Exact float32 dots for a float32 pool; tf32 otherwise (bf16/fp16 values fit in tf32)."""
+    return "ieee" if kv_dtype == torch.float32 else "tf32"
 
 
 def _check_pool(k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor) -> None:
@@ -203,7 +214,7 @@ def extend_attention(
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), scaling * LOG2E, head_dim,
         GROUP=heads // k_buf.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=_block_d(head_dim), PRECISION=_precision(k_buf.dtype),
     )
     return out
 
@@ -232,8 +243,8 @@ def decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), scaling * LOG2E, head_dim,
-        GROUP=group, BLOCK_H=triton.next_power_of_2(group), BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=_block_d(head_dim), PRECISION=_precision(k_buf.dtype),
     )
     return out
 
