@@ -1,0 +1,41 @@
+"""The whole tiny model on the Triton attention backend (interpreter on CPU) against torch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vlm_cases import Checkpoint, noise_image  # noqa: E402
+
+from make_tiny_checkpoint import make_checkpoint  # noqa: E402
+from runtime.distributed import TPGroup  # noqa: E402
+from scheduler.model_runner import ModelRunner, Sequence, greedy_generate  # noqa: E402
+from vision.qwen2_vl import build_model  # noqa: E402
+
+
+def run(folder: str, backend: str, ids: list[int], mm) -> tuple[torch.Tensor, list[int]]:
+    model = build_model(folder, TPGroup(), attention_backend=backend, dtype="float32")
+    runner = ModelRunner(model, max_total_tokens=512, max_running_requests=2, max_context_len=256)
+    seq = Sequence(list(ids), mm)
+    runner.admit(seq)
+    logits = torch.cat([runner.extend([seq], [20], True), runner.extend([seq], [len(ids) - 20],
+                                                                         True)])
+    runner.release(seq)
+    return logits, greedy_generate(runner, Sequence(list(ids), mm), 6)
+
+
+def test_triton_backend_matches_torch_backend(tmp_path: Path) -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("triton was configured without the interpreter in this process")
+    folder = str(make_checkpoint("qwen2_5_vl", tmp_path / "ck"))
+    case = Checkpoint(Path(folder)).case("image", [noise_image(), "What is it?"])
+    ref_logits, ref_tokens = run(folder, "torch", case.input_ids, case.mm)
+    logits, tokens = run(folder, "triton", case.input_ids, case.mm)
+    assert (logits - ref_logits).abs().max().item() < 1e-4
+    assert tokens == ref_tokens
