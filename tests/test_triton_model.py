@@ -11,9 +11,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from make_tiny_checkpoint import make_checkpoint  # noqa: E402
 from vlm_cases import Checkpoint, noise_image  # noqa: E402
 
-from make_tiny_checkpoint import make_checkpoint  # noqa: E402
 from runtime.distributed import TPGroup  # noqa: E402
 from scheduler.model_runner import ModelRunner, Sequence, greedy_generate  # noqa: E402
 from vision.qwen2_vl import build_model  # noqa: E402
