@@ -5,9 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from runtime.sampler import SamplingParams
-
 from runtime.io_struct import TokenizedGenerateReq
+from runtime.sampler import SamplingParams
 from scheduler.model_runner import Sequence
 
 
@@ -34,7 +33,6 @@ class Req(Sequence):
     finish_detail: str = ""
     sent_len: int = 0  # output tokens already reported to the detokenizer
     retractions: int = 0
-    _pinned: list[int] = field(default_factory=list)
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq, eos: tuple[int, ...], arrival: int) -> Req:

@@ -377,3 +377,44 @@ def test_killing_a_rank_stops_the_server(folder: str, tmp_path: Path) -> None:
     while srv.group_alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not srv.group_alive()
+
+
+def test_client_disconnect_aborts_on_every_rank(server: Server) -> None:
+    body = {
+        "model": "qwen2_vl",
+        "max_tokens": 3000,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Tell a long story."}],
+    }
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"content": ""' not in line:
+                break  # one real token arrived; now hang up
+    info = idle_info(server)
+    assert info["running"] == 0 and info["waiting"] == 0
+    assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
+    assert info["kv_protected"] == 0
+    assert info["counters"]["aborted"] >= 1
+
+
+def test_api_key_is_checked() -> None:
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from runtime.server_args import ServerArgs
+    from tokenizer_manager.http_server import create_app
+
+    args = ServerArgs(model_path="/models/demo", api_key="sekret")
+    app = create_app(SimpleNamespace(args=args, context_length=128))
+    http = TestClient(app)
+    assert http.get("/health").status_code == 200
+    denied = http.get("/v1/models")
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    wrong = http.get("/v1/models", headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    ok = http.get("/v1/models", headers={"authorization": "Bearer sekret"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "demo"
