@@ -7,24 +7,17 @@ batches of one world size run inside a single spawned group to keep the spawn co
 
 from __future__ import annotations
 
-import os
-import pickle
-import queue as queue_mod
 import random
-import socket
 import threading
-import time
-import traceback
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from dist_utils import run_on_ranks
 from torch import nn
 
-from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
+from runtime.distributed import TPGroup
 from vision.dp_encoder import (
     get_dp_encoder_lb_assignment,
     inverse_permutation,
@@ -285,78 +278,6 @@ def test_simulated_ranks_random_batches(seed: int) -> None:
 
 # ---------------------------------------------------------------- real Gloo ranks
 
-SPAWN_TIMEOUT_S = 90.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(fn: Callable, rank: int, world: int, port: int, results: Any) -> None:
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        tp = init_tp_group(rank, world, f"tcp://127.0.0.1:{port}", use_cuda=False, timeout_s=60)
-        try:
-            results.put((rank, "ok", pickle.dumps(fn(tp))))  # bytes: no tensor fd sharing
-        finally:
-            destroy_tp_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def spawn_ranks(fn: Callable[[TPGroup], Any], world: int) -> list[Any]:
-    """Run fn(tp) on `world` spawned Gloo ranks; per-rank results in rank order.
-
-    Raises on the first rank error, on a rank that dies without reporting, and on the overall
-    timeout; every child is joined, then terminated or killed if it lingers.
-    """
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world, port, results), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        return _collect(results, procs, time.monotonic() + SPAWN_TIMEOUT_S)
-    finally:
-        _reap(procs)
-
-
-def _collect(results: Any, procs: list, deadline: float) -> list[Any]:
-    got: dict[int, Any] = {}
-    while len(got) < len(procs):
-        try:
-            rank, status, value = results.get(timeout=0.5)
-        except queue_mod.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
-            if dead:
-                raise RuntimeError(f"ranks {dead} died without reporting") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(got))}") from None
-            continue
-        if status == "error":
-            raise RuntimeError(f"rank {rank} failed:\n{value}")
-        got[rank] = pickle.loads(value)
-    return [got[r] for r in range(len(procs))]
-
-
-def _reap(procs: list) -> None:
-    for p in procs:
-        p.join(timeout=5)
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
 def gloo_worker(tp: TPGroup) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
     """Every batch on this rank: (sharded output, direct output, number of tower calls)."""
     out = {}
@@ -369,7 +290,7 @@ def gloo_worker(tp: TPGroup) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"ws{n}")
 def gloo_results(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
-    return request.param, spawn_ranks(gloo_worker, request.param)
+    return request.param, run_on_ranks(gloo_worker, request.param, timeout=90)
 
 
 @pytest.mark.parametrize("name", list(BATCHES))

@@ -6,18 +6,13 @@ load the tower weights from a temporary .pt file written by the parent.
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-import traceback
 from dataclasses import replace
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from dist_utils import run_on_ranks
 
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig, VisionConfig
@@ -251,65 +246,11 @@ def test_config_shapes() -> None:
 # ---------------------------------------------------------------- tensor parallel
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_worker(rank: int, world_size: int, port: int, data_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    try:
-        from runtime.distributed import destroy_tp_group, init_tp_group
-
-        tp = init_tp_group(rank, world_size, f"tcp://127.0.0.1:{port}", use_cuda=False)
-        data = torch.load(data_path, weights_only=False)
-        outs = {
-            arch: run_cases(build_tower(arch, d["state"], tp), d["cases"])
-            for arch, d in data.items()
-        }
-        torch.save(outs, os.path.join(out_dir, f"rank{rank}.pt"))
-        destroy_tp_group()
-    except BaseException:
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-
-
-def spawn_ranks(world_size: int, data_path: str, out_dir: str, timeout: float) -> None:
-    """Run `_tp_worker` on every rank; raise on a failed rank or on timeout; never leak a child."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_tp_worker, args=(r, world_size, port, data_path, out_dir), daemon=True)
-        for r in range(world_size)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        _wait_all(procs, out_dir, time.monotonic() + timeout)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
-def _wait_all(procs: list, out_dir: str, deadline: float) -> None:
-    pending = list(procs)
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"{len(pending)} TP rank(s) still running at the deadline")
-        wait([p.sentinel for p in pending], timeout=remaining)
-        for p in [p for p in pending if not p.is_alive()]:
-            pending.remove(p)
-            if p.exitcode != 0:
-                errors = sorted(Path(out_dir).glob("*.err"))
-                details = "\n".join(e.read_text() for e in errors)
-                raise RuntimeError(f"a TP rank exited with code {p.exitcode}:\n{details}")
+def tp_worker(tp: TPGroup, data_path: str) -> dict[str, list[torch.Tensor]]:
+    data = torch.load(data_path, weights_only=False)
+    return {
+        arch: run_cases(build_tower(arch, d["state"], tp), d["cases"]) for arch, d in data.items()
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -321,10 +262,9 @@ def test_tp_shards_match_one_rank(world_size: int, oracle: dict, tmp_path: Path)
         arch: run_cases(build_tower(arch, d["state"], TPGroup()), d["cases"])
         for arch, d in data.items()
     }
-    spawn_ranks(world_size, str(data_path), str(tmp_path), timeout=120)
+    per_rank = run_on_ranks(tp_worker, world_size, str(data_path), timeout=120)
     worst = 0.0
-    for rank in range(world_size):
-        outs = torch.load(tmp_path / f"rank{rank}.pt")
+    for outs in per_rank:
         for arch, refs in expected.items():
             for out, ref in zip(outs[arch], refs, strict=True):
                 worst = max(worst, assert_close(out, ref))
