@@ -1,10 +1,18 @@
 from __future__ import annotations
 
+import os
 import sys
-from pathlib import Path
 
-import pytest
-import torch
+# Triton kernels run on CPU only in its interpreter, which must be chosen before anything in this
+# process imports triton (some libraries do so on import). A machine with NVIDIA devices runs them
+# natively.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 for path in (ROOT, ROOT / "scripts", ROOT / "tests"):

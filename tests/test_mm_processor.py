@@ -182,7 +182,7 @@ def test_async_processor_end_to_end(checkpoint: str, video: bytes) -> None:
         io_workers=2,
         cpu_workers=1,
         max_concurrent_calls=2,
-        per_request_timeout=60.0,
+        per_request_timeout=300.0,
     )
 
     async def run() -> tuple[list[PreparedMedia], list[MediaError], list[int]]:
