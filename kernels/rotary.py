@@ -41,3 +41,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x32 = x.float()
     out = x32 * cos[:, None, :] + rotate_half(x32) * sin[:, None, :]
     return out.to(dtype)
+
+
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] by the same angles."""
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

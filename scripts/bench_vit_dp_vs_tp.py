@@ -28,12 +28,12 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tokenizer_manager.video_processor import smart_resize  # noqa: E402
-from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
-
+from kernels.ops import get_kernel_ops  # noqa: E402
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group  # noqa: E402
 from runtime.model_config import ModelConfig  # noqa: E402
 from runtime.model_loader import iterate_weights  # noqa: E402
+from tokenizer_manager.video_processor import smart_resize  # noqa: E402
+from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
 from vision.qwen2_vl import VISION_TOWERS, normalize_checkpoint_name  # noqa: E402
 
 
@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="vision attention (auto: triton on CUDA, torch on CPU)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart here (needs matplotlib)")
     return p.parse_args(argv)
@@ -106,9 +112,11 @@ def make_batch(cfg: ModelConfig, sizes: list[tuple[int, int]], seed: int):
     return torch.randn(total, v.patch_dim, generator=gen), grids
 
 
-def build_tower(cfg: ModelConfig, model_path: str, tp: TPGroup, device: str, dtype: torch.dtype):
+def build_tower(
+    cfg: ModelConfig, model_path: str, tp: TPGroup, device: str, dtype: torch.dtype, backend: str
+):
     with torch.device(device):
-        tower = VISION_TOWERS[cfg.arch](cfg.vision, tp).to(dtype)
+        tower = VISION_TOWERS[cfg.arch](cfg.vision, tp, get_kernel_ops(backend)).to(dtype)
     weights = []
     for name, w in iterate_weights(model_path):
         name = normalize_checkpoint_name(name)
@@ -173,13 +181,13 @@ def run_rank(args: argparse.Namespace, model_path: str, base: TPGroup, device: s
     results = []
     with torch.inference_mode():
         tp_group = CountingGroup(base)
-        tower = build_tower(cfg, model_path, tp_group, device, dtype)
+        tower = build_tower(cfg, model_path, tp_group, device, dtype, args.attention_backend)
         times = time_mode(lambda: tower(pixels, grid_t), base, args.warmup, args.repeat, device)
         per_batch = tp_group.counter[0] // (args.warmup + args.repeat)
         results.append(summarize("tp", times, len(grids), [sum(sizes)] * base.size, per_batch))
         del tower
         dp_group = CountingGroup(base)
-        tower = build_tower(cfg, model_path, TPGroup(), device, dtype)
+        tower = build_tower(cfg, model_path, TPGroup(), device, dtype, args.attention_backend)
         merge = cfg.vision.spatial_merge_size
 
         def run_dp() -> torch.Tensor:
@@ -253,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.device_count() >= args.tp else "cpu"
+    if args.attention_backend == "auto":
+        args.attention_backend = "triton" if args.device == "cuda" else "torch"
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model_path or tiny_checkpoint(args.arch, tmp)
         results = spawn(args, model_path)

@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 
 from kernels.attention.base import AttentionLayer  # noqa: E402
 from kernels.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from kernels.attention.varlen import varlen_attention  # noqa: E402
 from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernels.rotary import apply_rotary, mrope_cos_sin  # noqa: E402
 from runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -36,7 +37,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 def tk() -> types.SimpleNamespace:
     """The kernel modules, or a skip when they cannot run here."""
     triton = pytest.importorskip("triton")
-    from kernels.triton import attention, norm, rotary
+    from kernels.triton import attention, norm, rotary, varlen_attention
 
     if not CUDA:
         from triton.runtime.interpreter import InterpretedFunction
@@ -48,7 +49,9 @@ def tk() -> types.SimpleNamespace:
                 f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}, "
                 f"triton {triton.__version__})"
             )
-    return types.SimpleNamespace(attention=attention, norm=norm, rotary=rotary)
+    return types.SimpleNamespace(
+        attention=attention, norm=norm, rotary=rotary, varlen=varlen_attention
+    )
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -190,6 +193,56 @@ def test_extend_kernel_direct(tk: types.SimpleNamespace) -> None:
     assert rel_err(out.reshape(expected.shape), expected) < TOL[torch.float32]
 
 
+# ---------------------------------------------------------------- vision varlen attention
+
+
+def varlen_case(
+    lengths: list[int], heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q/k/v as strided views of one merged QKV output, as the vision towers make them."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    qkv = torch.randn(tokens, 3, heads, head_dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize(
+    ("lengths", "dtype"),
+    [
+        ([16, 40, 7], torch.float32),  # frames of mixed sizes; 40 spans two query blocks
+        ([16, 16, 0, 4, 16, 9], torch.float32),  # windows, one of them empty
+        ([24, 33], torch.bfloat16),
+    ],
+)
+def test_varlen_attention(
+    tk: types.SimpleNamespace, lengths: list[int], dtype: torch.dtype
+) -> None:
+    q, k, v, cu = varlen_case(lengths, 2, 20, dtype, seed=sum(lengths))
+    out = tk.varlen.varlen_attention(q, k, v, cu, 20**-0.5)
+    expected = varlen_attention(q.float(), k.float(), v.float(), cu, 20**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_varlen_attention_stays_in_segments(tk: types.SimpleNamespace) -> None:
+    """Changing one segment's keys changes that segment's output only."""
+    q, k, v, cu = varlen_case([12, 20], 2, 16, torch.float32, seed=3)
+    before = tk.varlen.varlen_attention(q, k, v, cu, 0.25)
+    k2 = k.clone()
+    k2[12:] += 1.0
+    after = tk.varlen.varlen_attention(q, k2, v, cu, 0.25)
+    assert torch.equal(after[:12], before[:12])
+    assert not torch.allclose(after[12:], before[12:])
+
+
+def test_varlen_attention_rejects_bad_bounds(tk: types.SimpleNamespace) -> None:
+    q, k, v, _ = varlen_case([8, 8], 1, 16, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="cu_seqlens ends at 12"):
+        tk.varlen.varlen_attention(q, k, v, torch.tensor([0, 4, 12]), 0.25)
+
+
 # ---------------------------------------------------------------- norm and rotary
 
 
@@ -250,6 +303,16 @@ def test_decode_backend_gpu(tk: types.SimpleNamespace) -> None:
         prefix, [1] * len(prefix), 28, 4, 128, torch.bfloat16, ForwardMode.DECODE, seed=8
     )
     check_backend(case, tk.attention.TritonAttentionBackend(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_attention_gpu(tk: types.SimpleNamespace, dtype: torch.dtype) -> None:
+    lengths = [1024, 64, 64, 64, 64, 256, 4096, 0, 300]  # frames and windows of a real batch
+    q, k, v, cu = varlen_case(lengths, 16, 80, dtype, seed=10)
+    out = tk.varlen.varlen_attention(q, k, v, cu, 80**-0.5)
+    expected = varlen_attention(q.float(), k.float(), v.float(), cu, 80**-0.5)
+    assert rel_err(out, expected) < TOL[dtype]
 
 
 @pytest.mark.gpu

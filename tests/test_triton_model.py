@@ -1,4 +1,7 @@
-"""The whole tiny model on the Triton attention backend (interpreter on CPU) against torch."""
+"""The whole tiny model on the Triton kernels (interpreter on CPU) against the torch ones.
+
+With `attention_backend="triton"` the decoder's attention, RMSNorm and rotary and the vision
+tower's segment attention, rotary and RMSNorm all run as Triton kernels."""
 
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ from vision.qwen2_vl import build_model  # noqa: E402
 
 def run(folder: str, backend: str, ids: list[int], mm) -> tuple[torch.Tensor, list[int]]:
     model = build_model(folder, TPGroup(), attention_backend=backend, dtype="float32")
+    # the decoder's norms and rotary and the vision tower follow the backend too
+    assert model.visual.blocks[0].attn.ops.name == backend
+    assert model.language_model.model.norm.ops.name == backend
     runner = ModelRunner(model, max_total_tokens=512, max_running_requests=2, max_context_len=256)
     seq = Sequence(list(ids), mm)
     runner.admit(seq)
@@ -30,10 +36,11 @@ def run(folder: str, backend: str, ids: list[int], mm) -> tuple[torch.Tensor, li
     return logits, greedy_generate(runner, Sequence(list(ids), mm), 6)
 
 
-def test_triton_backend_matches_torch_backend(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_triton_backend_matches_torch_backend(tmp_path: Path, arch: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("triton was configured without the interpreter in this process")
-    folder = str(make_checkpoint("qwen2_5_vl", tmp_path / "ck"))
+    folder = str(make_checkpoint(arch, tmp_path / "ck"))
     case = Checkpoint(Path(folder)).case("image", [noise_image(), "What is it?"])
     ref_logits, ref_tokens = run(folder, "torch", case.input_ids, case.mm)
     logits, tokens = run(folder, "triton", case.input_ids, case.mm)

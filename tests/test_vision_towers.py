@@ -14,11 +14,12 @@ import pytest
 import torch
 from dist_utils import run_on_ranks
 
+from kernels.attention.varlen import varlen_attention
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig, VisionConfig
 from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer, window_index
 from vision.qwen2_vl_vit import Qwen2VisionTransformer
-from vision.vit_common import varlen_attention, vision_position_ids
+from vision.vit_common import vision_position_ids
 
 ATOL = RTOL = 1e-4
 TEXT = dict(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import get_activation
+from kernels.ops import TORCH_OPS, KernelOps
 from runtime.distributed import TPGroup
 from runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from runtime.layers.norm import RMSNorm
@@ -91,11 +92,11 @@ class Qwen2_5_VisionMLP(nn.Module):
 
 
 class Qwen2_5_VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig, tp: TPGroup):
+    def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.embed_dim, eps=NORM_EPS)
-        self.norm2 = RMSNorm(cfg.embed_dim, eps=NORM_EPS)
-        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp)
+        self.norm1 = RMSNorm(cfg.embed_dim, NORM_EPS, ops)
+        self.norm2 = RMSNorm(cfg.embed_dim, NORM_EPS, ops)
+        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp, ops)
         self.mlp = Qwen2_5_VisionMLP(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act, tp)
 
     def forward(
@@ -109,7 +110,7 @@ class Qwen2_5_VisionBlock(nn.Module):
 
 
 class Qwen2_5_VisionTransformer(nn.Module):
-    def __init__(self, cfg: VisionConfig, tp: TPGroup):
+    def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps = TORCH_OPS):
         super().__init__()
         check_heads(cfg.num_heads, tp)
         self.cfg = cfg
@@ -119,8 +120,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.full_attention_blocks = frozenset(cfg.fullatt_block_indexes)
         self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim, cfg.patch_kernel)
         self.rotary = VisionRotary(cfg.head_dim)
-        self.blocks = nn.ModuleList([Qwen2_5_VisionBlock(cfg, tp) for _ in range(cfg.depth)])
-        norm = RMSNorm(cfg.embed_dim, eps=NORM_EPS)
+        self.blocks = nn.ModuleList(
+            [Qwen2_5_VisionBlock(cfg, tp, ops) for _ in range(cfg.depth)]
+        )
+        norm = RMSNorm(cfg.embed_dim, NORM_EPS, ops)
         self.merger = VisionPatchMerger(
             norm, cfg.embed_dim, cfg.out_hidden_size, cfg.spatial_merge_size, tp
         )

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionBackend, create_attention_backend
+from kernels.ops import TORCH_OPS, KernelOps, get_kernel_ops
 from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.weights import LazyWeight
@@ -35,14 +36,15 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         tp: TPGroup,
         backend: AttentionBackend,
         mm_enable_dp_encoder: bool = False,
+        ops: KernelOps = TORCH_OPS,
     ):
         super().__init__()
         self.config = config
         self.tp = tp
         self.dp_encoder = mm_enable_dp_encoder and tp.size > 1
         vision_tp = TPGroup() if self.dp_encoder else tp
-        self.visual = VISION_TOWERS[config.arch](config.vision, vision_tp)
-        self.language_model = Qwen2ForCausalLM(config.text, tp, backend)
+        self.visual = VISION_TOWERS[config.arch](config.vision, vision_tp, ops)
+        self.language_model = Qwen2ForCausalLM(config.text, tp, backend, ops)
         # The scheduler may route encoding through its encoder cache (same signature).
         self.item_encoder: Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]] = (
             self.encode_items
@@ -135,7 +137,11 @@ def build_model(
     try:
         with torch.device(device):
             model = MODEL_CLASSES[config.arch](
-                config, tp, create_attention_backend(attention_backend), mm_enable_dp_encoder
+                config,
+                tp,
+                create_attention_backend(attention_backend),
+                mm_enable_dp_encoder,
+                get_kernel_ops(attention_backend),
             )
     finally:
         torch.set_default_dtype(previous)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kernels.activation import get_activation
+from kernels.ops import TORCH_OPS, KernelOps
 from runtime.distributed import TPGroup
 from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from runtime.layers.norm import LayerNorm
@@ -46,11 +47,11 @@ class Qwen2VisionMLP(nn.Module):
 
 
 class Qwen2VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig, tp: TPGroup):
+    def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps):
         super().__init__()
         self.norm1 = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
         self.norm2 = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
-        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp)
+        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp, ops)
         self.mlp = Qwen2VisionMLP(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act, tp)
 
     def forward(
@@ -64,7 +65,7 @@ class Qwen2VisionBlock(nn.Module):
 
 
 class Qwen2VisionTransformer(nn.Module):
-    def __init__(self, cfg: VisionConfig, tp: TPGroup):
+    def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps = TORCH_OPS):
         super().__init__()
         check_heads(cfg.num_heads, tp)
         self.cfg = cfg
@@ -73,7 +74,7 @@ class Qwen2VisionTransformer(nn.Module):
         self.out_hidden_size = cfg.out_hidden_size
         self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim, cfg.patch_kernel)
         self.rotary = VisionRotary(cfg.head_dim)
-        self.blocks = nn.ModuleList([Qwen2VisionBlock(cfg, tp) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([Qwen2VisionBlock(cfg, tp, ops) for _ in range(cfg.depth)])
         norm = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
         self.merger = VisionPatchMerger(
             norm, cfg.embed_dim, cfg.out_hidden_size, cfg.spatial_merge_size, tp

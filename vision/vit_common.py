@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.rotary import apply_rotary
+from kernels.ops import TORCH_OPS, KernelOps
 from runtime.distributed import TPGroup
 from runtime.layers.linear import (
     ColumnParallelLinear,
@@ -115,43 +115,19 @@ class VisionRotary(nn.Module):
         return angles.cos(), angles.sin()
 
 
-# ---------------------------------------------------------------- variable-length attention
-
-
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Bidirectional attention inside each segment of `cu_seqlens`; q/k/v: [N, heads, head_dim].
-
-    Segments of equal length are batched into one call, so the many same-sized windows or frames
-    of a batch cost one kernel launch each length."""
-    bounds = cu_seqlens.long().cpu()
-    starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
-    out = torch.empty_like(q)
-    for length in lengths.unique().tolist():
-        if length == 0:
-            continue
-        index = starts[lengths == length][:, None] + torch.arange(length)  # [segments, length]
-        index = index.to(q.device)
-        out[index] = _batched_attention(q[index], k[index], v[index], scale)
-    return out
-
-
-def _batched_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q/k/v: [segments, length, heads, head_dim] -> the same shape."""
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, scale=scale)
-    return out.transpose(1, 2)
-
-
 class VisionAttention(nn.Module):
     """Merged QKV (column-parallel by heads), 2-D rotary, segment attention, row-parallel proj."""
 
-    def __init__(self, embed_dim: int, num_heads: int, tp: TPGroup):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        tp: TPGroup,
+        ops: KernelOps = TORCH_OPS,
+    ):
         super().__init__()
         check_heads(num_heads, tp)
+        self.ops = ops
         self.head_dim = embed_dim // num_heads
         self.local_heads = num_heads // tp.size
         self.scale = self.head_dim**-0.5
@@ -166,8 +142,8 @@ class VisionAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.local_heads, self.head_dim).unbind(1)
         cos, sin = rotary
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = varlen_attention(q, k, v, cu_seqlens, self.scale)
+        q, k = self.ops.apply_rotary_qk(q, k, cos, sin)
+        out = self.ops.varlen_attention(q, k, v, cu_seqlens, self.scale)
         return self.proj(out.reshape(x.shape[0], -1))
 
 

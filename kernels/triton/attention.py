@@ -63,6 +63,22 @@ class AttentionMetadata:
 
 
 @triton.jit
+def online_softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """Fold one block of keys/values into the running (max, sum, weighted values) of q's rows.
+
+    q: [M, D], k and v: [N, D], visible: a mask broadcastable to [M, N]; m_i, l_i: [M];
+    acc: [M, D]. qk_scale includes log2(e), so exp2 gives the softmax weights."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr, out_ptr, k_buf, v_buf, req_to_token,
     q_starts, prefix_lens, extend_lens, req_pool_indices,
@@ -105,17 +121,10 @@ def _extend_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_ptrs = k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = (q_pos[:, None] >= kv_pos[None, :]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
         v_ptrs = v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        visible = (q_pos[:, None] >= kv_pos[None, :]) & n_mask[None, :]
+        m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
@@ -156,16 +165,10 @@ def _decode_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_ptrs = k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
         v_ptrs = v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        visible = n_mask[None, :]  # [1, BLOCK_N], broadcast over the group's heads
+        m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]

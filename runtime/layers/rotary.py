@@ -5,12 +5,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rotary import apply_rotary, mrope_cos_sin
+from kernels.ops import TORCH_OPS, KernelOps
+from kernels.rotary import mrope_cos_sin
 
 
 class MRotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...]):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        mrope_section: tuple[int, ...],
+        ops: KernelOps = TORCH_OPS,
+    ):
         super().__init__()
+        self.ops = ops
         self.head_dim = head_dim
         self.theta = theta
         self.mrope_section = tuple(mrope_section)
@@ -22,4 +30,4 @@ class MRotaryEmbedding(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k: [tokens, heads, head_dim]."""
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.ops.apply_rotary_qk(q, k, cos, sin)

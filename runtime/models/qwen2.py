@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionLayer
+from kernels.ops import TORCH_OPS, KernelOps
 from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch
 from runtime.layers.activation import SiluAndMul
@@ -29,7 +30,14 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_id: int, tp: TPGroup, backend: AttentionBackend):
+    def __init__(
+        self,
+        cfg: TextConfig,
+        layer_id: int,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        ops: KernelOps = TORCH_OPS,
+    ):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, tp
@@ -42,7 +50,7 @@ class Qwen2Attention(nn.Module):
             head_dim=cfg.head_dim,
             scaling=cfg.head_dim**-0.5,
         )
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, ops)
         self.backend = backend
 
     def forward(
@@ -58,12 +66,19 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_id: int, tp: TPGroup, backend: AttentionBackend):
+    def __init__(
+        self,
+        cfg: TextConfig,
+        layer_id: int,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        ops: KernelOps = TORCH_OPS,
+    ):
         super().__init__()
-        self.self_attn = Qwen2Attention(cfg, layer_id, tp, backend)
+        self.self_attn = Qwen2Attention(cfg, layer_id, tp, backend, ops)
         self.mlp = Qwen2MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(
         self,
@@ -82,13 +97,15 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, cfg: TextConfig, tp: TPGroup, backend: AttentionBackend):
+    def __init__(
+        self, cfg: TextConfig, tp: TPGroup, backend: AttentionBackend, ops: KernelOps = TORCH_OPS
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Qwen2DecoderLayer(cfg, i, tp, backend) for i in range(cfg.num_hidden_layers)
+            Qwen2DecoderLayer(cfg, i, tp, backend, ops) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, embeds: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(batch.positions)
@@ -102,10 +119,12 @@ class Qwen2Model(nn.Module):
 class Qwen2ForCausalLM(nn.Module):
     """Decoder plus LM head; `forward` takes input embeddings (text and vision already fused)."""
 
-    def __init__(self, cfg: TextConfig, tp: TPGroup, backend: AttentionBackend):
+    def __init__(
+        self, cfg: TextConfig, tp: TPGroup, backend: AttentionBackend, ops: KernelOps = TORCH_OPS
+    ):
         super().__init__()
         self.cfg = cfg
-        self.model = Qwen2Model(cfg, tp, backend)
+        self.model = Qwen2Model(cfg, tp, backend, ops)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
