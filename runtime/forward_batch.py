@@ -38,6 +38,10 @@ class ForwardBatch:
     return_all_logits: bool = False
 
     @property
+    def is_decode(self) -> bool:
+        return self.mode == ForwardMode.DECODE
+
+    @property
     def batch_size(self) -> int:
         return len(self.req_pool_indices_list)
 

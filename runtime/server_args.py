@@ -31,7 +31,10 @@ class ServerArgs:
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     attention_backend: str = _opt(
-        "attention backend", default="auto", choices=["auto", "torch", "triton"]
+        "kernels: torch, or triton for attention, RMSNorm, rotary and vision attention "
+        "(auto: triton on CUDA, torch on CPU)",
+        default="auto",
+        choices=["auto", "torch", "triton"],
     )
     chunked_prefill_size: int = _opt("max prompt tokens of one request per step", default=2048)
     max_prefill_tokens: int = _opt("max prompt tokens of one prefill batch", default=8192)

@@ -164,6 +164,24 @@ def test_decode_backend(tk: types.SimpleNamespace, heads: int, kv_heads: int) ->
     check_backend(case, tk.attention.TritonAttentionBackend(block_n=16), torch.float32)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (3, 1)])
+def test_torch_decode_is_batched_extend(heads: int, kv_heads: int) -> None:
+    """The torch backend's batched decode equals its per-request extend path on the same
+    tokens, and padding never reads a slot no request owns (those hold NaN here)."""
+    case = make_case([0, 8, 36, 19], [1, 1, 1, 1], heads, kv_heads, mode=ForwardMode.DECODE)
+    pool = case.batch.kv_pool
+    owned = torch.zeros(pool.k_buffers[1].shape[0], dtype=torch.bool, device=DEVICE)
+    for row, n in zip(case.batch.req_pool_indices_list, case.batch.seq_lens_list):
+        owned[case.batch.req_to_token[row, :n].long()] = True
+    for buf in (pool.k_buffers[1], pool.v_buffers[1]):
+        buf[~owned] = float("nan")
+    extend = dataclasses.replace(case.batch, mode=ForwardMode.EXTEND, kv_pool=_copy_pool(pool))
+    expected = TorchAttentionBackend().forward(case.q, case.k, case.v, case.layer, extend)
+    actual = TorchAttentionBackend().forward(case.q, case.k, case.v, case.layer, case.batch)
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_metadata_built_once_per_forward(tk: types.SimpleNamespace) -> None:
     case = make_case([2, 4], [1, 1], mode=ForwardMode.DECODE)
     backend = tk.attention.TritonAttentionBackend(block_n=16)

@@ -1,4 +1,10 @@
-"""Reference attention in plain torch: one request at a time, causal over prefix + extend."""
+"""Reference attention in plain torch, in float32.
+
+Extend (prefill) runs one request at a time, causal over its cached prefix and new tokens. Decode
+(one new token per request) runs as one batched call: each request's K/V slots are gathered into
+a [requests, longest, kv_heads, head_dim] block with a mask over the padding, built once per
+forward and shared by all layers.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,10 @@ if TYPE_CHECKING:
 
 
 class TorchAttentionBackend:
+    def __init__(self) -> None:
+        self._decode_batch: ForwardBatch | None = None
+        self._decode_index: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def forward(
         self,
         q: torch.Tensor,
@@ -30,6 +40,8 @@ class TorchAttentionBackend:
             v.view(-1, layer.num_kv_heads, layer.head_dim),
         )
         q = q.view(-1, layer.num_heads, layer.head_dim)
+        if batch.is_decode:
+            return self._decode(q, layer, batch).view(-1, layer.num_heads * layer.head_dim)
         out = torch.empty_like(q)
         start = 0
         for i, (seq_len, ext_len) in enumerate(zip(batch.seq_lens_list, batch.extend_lens_list)):
@@ -38,6 +50,35 @@ class TorchAttentionBackend:
             out[start : start + ext_len] = _attend(q[start : start + ext_len], k_all, v_all, layer)
             start += ext_len
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+
+    def decode_index(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [requests, longest], valid [requests, 1, 1, longest]), once per forward.
+
+        Padding positions point at the request's first slot, so every gathered value is finite
+        and the mask alone keeps it out of the softmax."""
+        if self._decode_index is None or self._decode_batch is not batch:
+            lens = torch.tensor(batch.seq_lens_list, device=batch.req_to_token.device)
+            rows = torch.tensor(batch.req_pool_indices_list, device=lens.device)
+            slots = batch.req_to_token[rows, : int(lens.max())]
+            valid = torch.arange(slots.shape[1], device=lens.device)[None, :] < lens[:, None]
+            slots = torch.where(valid, slots, slots[:, :1])
+            self._decode_index = (slots, valid[:, None, None, :])
+            self._decode_batch = batch
+        return self._decode_index
+
+    def _decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        slots, valid = self.decode_index(batch)
+        k, v = batch.kv_pool.get_kv(layer.layer_id, slots)  # [requests, longest, kv_heads, dim]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :].float(),  # [requests, heads, 1, dim]
+            k.transpose(1, 2).float(),
+            v.transpose(1, 2).float(),
+            attn_mask=valid,
+            scale=layer.scaling,
+            enable_gqa=True,
+        )
+        return out[:, :, 0, :].to(q.dtype)
 
 
 def _attend(

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from kernels.attention.base import AttentionLayer
-from runtime.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from runtime.forward_batch import ForwardBatch
@@ -284,7 +283,7 @@ class TritonAttentionBackend:
         q = q.view(-1, layer.num_heads, layer.head_dim)
         meta = self.metadata(batch, q.device)
         k_buf, v_buf = kv.k_buffers[layer.layer_id], kv.v_buffers[layer.layer_id]
-        if batch.mode == ForwardMode.DECODE:
+        if batch.is_decode:
             out = decode_attention(
                 q, k_buf, v_buf, batch.req_to_token, meta.seq_lens, meta.req_pool_indices,
                 layer.scaling, self.block_n,
