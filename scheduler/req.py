@@ -33,6 +33,7 @@ class Req(Sequence):
     finish_detail: str = ""
     sent_len: int = 0  # output tokens already reported to the detokenizer
     retractions: int = 0
+    encoder_pins: frozenset[int] = frozenset()  # items pinned in the encoder cache mid-prefill
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq, eos: tuple[int, ...], arrival: int) -> Req:

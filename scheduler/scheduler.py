@@ -232,6 +232,8 @@ class Scheduler:
         self.counters.prefill_steps += 1
         self.counters.prompt_tokens_computed += sum(lens)
         self.ensure_free(sum(lens))
+        for req, n in zip(reqs, lens):
+            self.pin_items_in_progress(req, req.kv_len + n)
         logits = self.runner.extend(reqs, lens)
         done = [i for i, r in enumerate(reqs) if r.extend_len == 0]
         for i, req in enumerate(reqs):
@@ -245,6 +247,26 @@ class Scheduler:
                 self.counters.cached_prompt_tokens += req.cached_tokens
             if not req.finished:
                 self.running.append(req)
+
+    def pin_items_in_progress(self, req: Req, chunk_end: int) -> None:
+        """Before a chunk runs: pin the encoder-cache entries of items that this chunk enters
+        but does not finish (the pin holds from the moment the embedding is stored), so the next
+        chunk reads the embedding instead of encoding the item again; unpin the rest. Every rank
+        takes the same decisions, so the pins agree across ranks."""
+        pins = set()
+        for item in req.mm.items if req.mm is not None else []:
+            start = min(s for s, _ in item.offsets)
+            end = max(e for _, e in item.offsets)
+            if start < chunk_end < end:
+                pins.add(item.hash)
+        self.set_encoder_pins(req, frozenset(pins))
+
+    def set_encoder_pins(self, req: Req, pins: frozenset[int]) -> None:
+        for key in pins - req.encoder_pins:
+            self.encoder_cache.acquire(key)
+        for key in req.encoder_pins - pins:
+            self.encoder_cache.release(key)
+        req.encoder_pins = pins
 
     def cache_chunk(self, req: Req) -> None:
         """A request cut by chunking: put its computed tokens in the tree and keep going."""
@@ -302,7 +324,9 @@ class Scheduler:
         self._touched[req.rid] = req
 
     def release_kv(self, req: Req) -> None:
-        """Hand the request's KV to the radix tree (which frees duplicates) and its slot back."""
+        """Hand the request's KV to the radix tree (which frees duplicates) and its slot back;
+        drop its encoder-cache pins."""
+        self.set_encoder_pins(req, frozenset())
         if req.req_pool_index < 0:
             return
         key = req.token_ids[: req.kv_len]
@@ -355,6 +379,9 @@ class Scheduler:
                 f"{self.radix.evictable_size} != total {kv.size} "
                 f"(protected {self.radix.protected_size})"
             )
+        pins = self.encoder_cache.stats()["pins"]
+        if pins:
+            raise AssertionError(f"encoder-cache pin leak while idle: {pins} pins held")
 
     def flush_cache(self) -> FlushCacheOut:
         if not self.idle:

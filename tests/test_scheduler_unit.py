@@ -1,9 +1,14 @@
-"""Scheduler decisions in-process on one rank (no ZMQ): retraction order and its outputs."""
+"""Scheduler decisions in-process on one rank (no ZMQ): retraction order and its outputs, and
+encoder-cache pins held across the chunks of an image."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from make_tiny_checkpoint import make_checkpoint
+from vlm_cases import Checkpoint, gradient_image
 
 from runtime.distributed import TPGroup
 from runtime.io_struct import TokenizedGenerateReq
@@ -16,19 +21,30 @@ from vision.qwen2_vl import build_model
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("unit") / "ck")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("unit") / "ck")
+
+
+@pytest.fixture(scope="module")
+def model(folder: Path):
     return build_model(str(folder), TPGroup(), dtype="float32")
 
 
-def make_scheduler(model, kv_tokens: int) -> Scheduler:
+def make_scheduler(
+    model, kv_tokens: int, chunk: int = 512, encoder_cache_bytes: int = 0
+) -> Scheduler:
     runner = ModelRunner(
         model, max_total_tokens=kv_tokens, max_running_requests=8, max_context_len=256
     )
     cfg = SchedulerConfig(
-        max_running_requests=8, max_prefill_tokens=512, chunked_prefill_size=512, context_length=200
+        max_running_requests=8,
+        max_prefill_tokens=512,
+        chunked_prefill_size=chunk,
+        context_length=200,
     )
-    return Scheduler(cfg, TPGroup(), runner, RadixCache(runner.kv_pool), EncoderCache(0), Sampler())
+    cache = EncoderCache(encoder_cache_bytes)
+    model.item_encoder = cache.wrap(model.encode_items, TPGroup())
+    return Scheduler(cfg, TPGroup(), runner, RadixCache(runner.kv_pool), cache, Sampler())
 
 
 def prompts() -> list[TokenizedGenerateReq]:
@@ -67,3 +83,30 @@ def test_retracts_newest_first_and_outputs_do_not_change(model) -> None:
     assert outputs == roomy
     kv = tight.runner.kv_pool
     assert kv.available_size + tight.radix.evictable_size == kv.size
+
+
+def test_an_image_cut_by_chunks_stays_pinned_until_its_last_row(model, folder: Path) -> None:
+    case = Checkpoint(folder).case("image", [gradient_image((112, 112)), "What is it?"])
+    (item,) = case.mm.items
+    start, end = item.offsets[0]
+    assert end - start >= 16  # the image spans several 6-token chunks
+    scheduler = make_scheduler(model, 1000, chunk=6, encoder_cache_bytes=1 << 20)
+    cache = scheduler.encoder_cache
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    scheduler.step([TokenizedGenerateReq("img", case.input_ids, params, case.mm)])
+    pinned_steps = 0
+    while scheduler.chunked is not None or scheduler.waiting:
+        req = scheduler.chunked
+        inside = req is not None and start < req.kv_len < end
+        assert (cache.stats()["pins"] == 1) == inside, (req and req.kv_len, start, end)
+        if inside:
+            pinned_steps += 1
+            # a pinned entry survives a store that needs all of the capacity
+            assert not cache.put(-1, torch.zeros(1 << 18))  # 1 MiB of float32
+            assert item.hash in cache
+        scheduler.step([])
+    assert pinned_steps >= 2
+    assert cache.counters.items_encoded == 1  # every chunk after the first read the cache
+    while not scheduler.idle:
+        scheduler.step([])
+    assert cache.stats()["pins"] == 0
