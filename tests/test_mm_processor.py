@@ -212,7 +212,14 @@ def test_async_processor_end_to_end(checkpoint: str, video: bytes) -> None:
 
 
 async def survive_a_worker_crash(mm: AsyncMMDataProcessor, pid: int, ref: MediaRef) -> list[int]:
-    """A worker killed (as a decord crash would) gives a RuntimeError, then a fresh pool."""
+    """A worker killed (as a decord crash would) gives a RuntimeError, then a fresh pool.
+
+    The worker must be idle when it is killed: a job of an earlier request that failed early
+    (its sibling item was cancelled in the event loop, not in the worker) may still be running
+    and writing its result, and a worker killed in the middle of writing a result leaves the
+    standard library's pool manager blocked on the half-written message for good. One round
+    trip through the single worker (FIFO) waits for such leftovers."""
+    await mm.warmup()
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match="worker process died"):
         await mm.process([ref])
