@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for engine in ("tessera", "hf"):
             for r in results.get(engine, {}).values():
                 r.pop("tokens")
-        results["args"] = {k: v for k, v in vars(args).items()}
+        results["args"] = dict(vars(args))
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     return results
 

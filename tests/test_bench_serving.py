@@ -9,46 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
 import io
 import json
 import socket
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import bench_serving as bench  # scripts/ is on sys.path (conftest)
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
 MODEL_ID = "fake-vlm"
 CHUNK_SLEEP_S = 0.005
 TOKENS_PER_IMAGE = 10
-
-
-def load_script() -> ModuleType:
-    """Import scripts/bench_serving.py by path (scripts/ is not a package)."""
-    name = "bench_serving"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_script()
 
 
 # ---------------------------------------------------------------- metric aggregation

@@ -7,36 +7,17 @@ Qwen2.5-VL checkpoint, and its greedy outputs must depend on the image and on th
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import make_tiny_checkpoint as mtc  # scripts/ is on sys.path (conftest)
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl")
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_checkpoint.py"
-
-
-def load_script() -> ModuleType:
-    """Import scripts/make_tiny_checkpoint.py by path (scripts/ is not a package)."""
-    name = "make_tiny_checkpoint"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-mtc = load_script()
 
 
 def file_hashes(folder: Path) -> dict[str, str]:

@@ -78,6 +78,22 @@ def online_softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION: t
 
 
 @triton.jit
+def load_pool_kv(
+    k_buf, v_buf, token_slots, kv_pos, n_mask, kv_head, offs_d, d_mask,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+):
+    """K and V ([N, D], float32) of one kv head at a request's token positions `kv_pos`, read
+    from the pool at the slots its req_to_token row (`token_slots`) names."""
+    slots = tl.load(token_slots + kv_pos, mask=n_mask, other=0).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k_ptrs = k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    v_ptrs = v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr, out_ptr, k_buf, v_buf, req_to_token,
     q_starts, prefix_lens, extend_lens, req_pool_indices,
@@ -115,13 +131,10 @@ def _extend_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         kv_pos = n0 + offs_n
         n_mask = kv_pos < kv_end
-        slots = tl.load(req_to_token + row * stride_req + kv_pos, mask=n_mask, other=0)
-        slots = slots.to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_ptrs = k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        v_ptrs = v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v = load_pool_kv(
+            k_buf, v_buf, req_to_token + row * stride_req, kv_pos, n_mask, kv_head, offs_d,
+            d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
+        )
         visible = (q_pos[:, None] >= kv_pos[None, :]) & n_mask[None, :]
         m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
 
@@ -159,13 +172,10 @@ def _decode_kernel(
     for n0 in range(0, seq_len, BLOCK_N):
         kv_pos = n0 + offs_n
         n_mask = kv_pos < seq_len
-        slots = tl.load(req_to_token + row * stride_req + kv_pos, mask=n_mask, other=0)
-        slots = slots.to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_ptrs = k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        v_ptrs = v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v = load_pool_kv(
+            k_buf, v_buf, req_to_token + row * stride_req, kv_pos, n_mask, kv_head, offs_d,
+            d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
+        )
         visible = n_mask[None, :]  # [1, BLOCK_N], broadcast over the group's heads
         m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
 
