@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-from setuptools import setup
+from setuptools import find_packages, setup
+
+# The mission's top-level folders; every package below them ships (tests import them all).
+TOP_LEVEL = ["runtime", "tokenizer_manager", "scheduler", "vision", "kernels"]
 
 setup(
     name="tessera",
     version="0.1.0",
     description="Serve Qwen2-VL / Qwen2.5-VL over tensor-parallel ranks with a data-parallel ViT",
     python_requires=">=3.10",
-    packages=[
-        "runtime",
-        "runtime.layers",
-        "runtime.models",
-        "tokenizer_manager",
-        "scheduler",
-        "vision",
-        "kernels",
-        "kernels.attention",
-        "kernels.triton",
-    ],
+    packages=find_packages(include=[p for top in TOP_LEVEL for p in (top, f"{top}.*")]),
     py_modules=["launch"],
     # torch is deliberately unpinned here: a GPU user's CUDA build satisfies it untouched.
     # scripts/install.sh installs the CPU build 2.13.0 first on a machine that has no torch.
@@ -34,13 +27,22 @@ setup(
         "jinja2",
         "pyzmq>=25",
         "fastapi>=0.110",
+        "pydantic>=2",
         "uvicorn>=0.29",
         "decord>=0.6.0; platform_machine == 'x86_64'",
         "av>=12",
         "httpx>=0.27",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "openai>=1.40", "httpx", "ruff", "triton>=3.0"],
+        # what only the tests and the benchmarks under scripts/ import
+        "test": [
+            "pytest>=8",
+            "pytest-timeout",
+            "openai>=1.40",
+            "ruff",
+            "triton>=3.0",
+            "matplotlib",
+        ],
         "gpu": ["triton>=3.0", "flashinfer-python"],
     },
 )

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+import httpx
 import numpy as np
 from PIL import Image
 
@@ -305,12 +305,12 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 async def first_model_id(
-    session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]
+    session: httpx.AsyncClient, base_url: str, headers: dict[str, str]
 ) -> str:
     try:
-        async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
-            body = await resp.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+        resp = await session.get(f"{base_url}/v1/models", headers=headers)
+        body = resp.json()
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise BenchError(f"cannot list models at {base_url}/v1/models: {reason}") from exc
     models = body.get("data") if isinstance(body, dict) else None
@@ -319,19 +319,19 @@ async def first_model_id(
     return str(models[0]["id"])
 
 
-async def http_error(resp: aiohttp.ClientResponse) -> str:
-    text = await resp.text()
+async def http_error(resp: httpx.Response) -> str:
+    text = (await resp.aread()).decode("utf-8", errors="replace")
     try:
         message = error_message(json.loads(text))
     except json.JSONDecodeError:
         message = None
-    return f"HTTP {resp.status}: {message or text[:300]}"
+    return f"HTTP {resp.status_code}: {message or text[:300]}"
 
 
-async def read_stream(resp: aiohttp.ClientResponse, trace: StreamTrace) -> None:
+async def read_stream(resp: httpx.Response, trace: StreamTrace) -> None:
     """Split the body into lines as bytes arrive; each line is stamped with its arrival time."""
     pending = b""
-    async for piece in resp.content.iter_any():
+    async for piece in resp.aiter_raw():
         now = time.perf_counter()
         *lines, pending = (pending + piece).split(b"\n")
         for line in lines:
@@ -341,25 +341,25 @@ async def read_stream(resp: aiohttp.ClientResponse, trace: StreamTrace) -> None:
 
 
 async def send_request(
-    session: aiohttp.ClientSession, url: str, payload: dict[str, Any], headers: dict[str, str]
+    session: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str]
 ) -> RequestRecord:
     body = json.dumps(payload).encode()  # serialized before the clock starts
     headers = {**headers, "Content-Type": "application/json"}
     trace = StreamTrace()
     start = time.perf_counter()
     try:
-        async with session.post(url, data=body, headers=headers) as resp:
-            if resp.status != 200:
+        async with session.stream("POST", url, content=body, headers=headers) as resp:
+            if resp.status_code != 200:
                 trace.error = await http_error(resp)
             else:
                 await read_stream(resp, trace)
-    except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
+    except (httpx.HTTPError, UnicodeDecodeError) as exc:
         trace.error = f"{type(exc).__name__}: {exc}"
     return finish_trace(trace, start, time.perf_counter())
 
 
 async def run_requests(
-    session: aiohttp.ClientSession,
+    session: httpx.AsyncClient,
     url: str,
     payloads: Sequence[dict[str, Any]],
     headers: dict[str, str],
@@ -398,9 +398,10 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     offsets = arrival_offsets(len(measured), args.request_rate, args.seed)
     headers = auth_headers(args.api_key)
     url = f"{args.base_url}/v1/chat/completions"
-    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
-    connector = aiohttp.TCPConnector(limit=0)  # the semaphore, not aiohttp's pool, caps load
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    timeout = httpx.Timeout(args.request_timeout)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # the semaphore, not the client's pool, caps load; the environment's proxies are not used
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as session:
         model = args.model or await first_model_id(session, args.base_url, headers)
         warm_payloads = [build_payload(r, model, args.ignore_eos) for r in warmup]
         warm, _ = await run_requests(
@@ -541,7 +542,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=positive_int, default=None)
     p.add_argument("--warmup", type=non_negative_int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may wait on the server at any one point (connect, each read)",
+    )
     p.add_argument("--label", default="", help="a tag stored in the report")
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args(argv)
