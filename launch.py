@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from runtime.allocator import keep_freed_memory  # noqa: E402
 from runtime.logging_utils import configure_logging, get_logger  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 
@@ -164,6 +165,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli(argv)
     configure_logging(args.log_level, "main")
+    keep_freed_memory()  # the children call it too, first thing
     if args.model_path is None:
         args = dataclasses.replace(args, model_path=ensure_tiny_checkpoint())
     if args.tp_size % args.nnodes:

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import zmq
 
+from runtime.allocator import keep_freed_memory
 from runtime.io_struct import BatchStrOut, BatchTokenOut, ReqOutput, ShutdownReq, StrOutput
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.server_args import ServerArgs
@@ -301,6 +302,7 @@ def serve(manager: DetokenizerManager, channel: DetokenizerChannel) -> None:
 def run_detokenizer_process(server_args: ServerArgs, ready: Connection) -> None:
     """Entry point of the detokenizer process: load, bind, report ready (or why not), loop."""
     configure_logging(server_args.log_level, prefix="detokenizer")
+    keep_freed_memory()
     try:
         manager = DetokenizerManager(load_tokenizer(server_args.model_path))
         channel = DetokenizerChannel(server_args)

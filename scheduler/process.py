@@ -9,6 +9,7 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
+from runtime.allocator import keep_freed_memory
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
 from runtime.io_struct import BatchTokenOut, ShutdownReq
 from runtime.logging_utils import configure_logging, get_logger
@@ -129,6 +130,7 @@ def run_scheduler_process(
 ) -> None:
     """Entry point of one TP rank: load the shard, report ready (or why not), then loop."""
     configure_logging(args.log_level, prefix=f"TP{tp_rank}")
+    keep_freed_memory()
     if not args.use_cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
     else:

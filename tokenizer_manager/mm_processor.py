@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.allocator import keep_freed_memory
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
 from tokenizer_manager.media import (
@@ -152,6 +153,7 @@ def image_processor(model_path: str) -> Any:
 def init_worker(model_path: str) -> None:
     """Process-pool initializer: leave Ctrl-C to the parent and build the processor up front."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_freed_memory()
     image_processor(model_path)
 
 

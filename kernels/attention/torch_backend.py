@@ -84,14 +84,20 @@ class TorchAttentionBackend:
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer
 ) -> torch.Tensor:
-    """q: [n, H, D] are the last n of the k/v rows [s, Hkv, D]; causal."""
+    """q: [n, H, D] are the last n of the k/v rows [s, Hkv, D]; causal.
+
+    4-D inputs with grouped K/V heads (no repeated copies) keep SDPA on its fused kernels; with no
+    cached prefix the causal mask is implicit, else a boolean mask aligns it bottom-right."""
     n, s = q.shape[0], k.shape[0]
-    group = layer.num_heads // layer.num_kv_heads
-    k = k.repeat_interleave(group, dim=1).transpose(0, 1)
-    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    q_pos = torch.arange(s - n, s, device=q.device)[:, None]
-    mask = q_pos >= torch.arange(s, device=q.device)[None, :]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.float(), v.float(), attn_mask=mask, scale=layer.scaling
-    )
-    return out.transpose(0, 1).to(q.dtype)
+    q4, k4, v4 = (x.transpose(0, 1)[None].float() for x in (q, k, v))  # [1, heads, len, D]
+    if n == s:
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, is_causal=True, scale=layer.scaling, enable_gqa=True
+        )
+    else:
+        q_pos = torch.arange(s - n, s, device=q.device)[:, None]
+        mask = q_pos >= torch.arange(s, device=q.device)[None, :]
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=mask, scale=layer.scaling, enable_gqa=True
+        )
+    return out[0].transpose(0, 1).to(q.dtype)

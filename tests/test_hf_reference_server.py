@@ -1,0 +1,70 @@
+"""scripts/hf_reference_server.py: plain transformers behind the chat API gives HF's own greedy
+text for image chats (inputs built independently by the test helpers), streamed or not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from hf_reference_server import Reference, create_app
+from make_tiny_checkpoint import make_checkpoint
+from test_server import png_url
+from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf
+
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("ref") / "qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def client(folder: Path) -> TestClient:
+    import torch
+
+    return TestClient(create_app(Reference(str(folder), "cpu", torch.float32)))
+
+
+def oracle_text(folder: Path, parts: list) -> str:
+    ckpt = Checkpoint(folder)
+    case = ckpt.case("c", parts)
+    run_hf(load_hf(folder), case, NEW_TOKENS)
+    return ckpt.tokenizer.decode(case.hf_tokens, skip_special_tokens=True)
+
+
+def body(images: list, text: str, **extra: object) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": png_url(i)}} for i in images]
+    content.append({"type": "text", "text": text})
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("images", [[noise_image()], [gradient_image(), noise_image()]])
+def test_greedy_text_equals_hf(client: TestClient, folder: Path, images: list) -> None:
+    expected = oracle_text(folder, [*images, "Describe."])
+    out = client.post("/v1/chat/completions", json=body(images, "Describe.")).json()
+    assert out["choices"][0]["message"]["content"] == expected
+    assert out["usage"]["completion_tokens"] <= NEW_TOKENS
+
+
+def test_stream_equals_full_response(client: TestClient) -> None:
+    request = body([noise_image()], "Describe.", ignore_eos=True)
+    full = client.post("/v1/chat/completions", json=request).json()
+    streamed = request | {"stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=streamed) as resp:
+        lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == full["choices"][0]["message"]["content"]
+    assert chunks[-1]["usage"] == full["usage"]
+    assert full["usage"]["completion_tokens"] == NEW_TOKENS
+    assert full["choices"][0]["finish_reason"] == "length"
+    assert client.get("/v1/models").json()["data"][0]["id"] == "qwen2_vl"
