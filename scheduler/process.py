@@ -15,6 +15,7 @@ from runtime.io_struct import BatchTokenOut, ShutdownReq
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.sampler import Sampler
 from runtime.server_args import ServerArgs
+from runtime.transport import Frame, broadcast_frames, from_frames
 from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
@@ -37,15 +38,17 @@ class SchedulerChannel:
         self.send_sock = self.ctx.socket(zmq.PUSH)
         self.send_sock.connect(args.detokenizer_ipc)
 
-    def recv_all(self, wait_ms: int) -> list[object]:
-        msgs: list[object] = []
+    def recv_all(self, wait_ms: int) -> list[list[Frame]]:
+        """Every waiting message, each as its frames (see runtime/transport.py), not decoded."""
+        msgs: list[list[Frame]] = []
         if wait_ms and not self.recv_sock.poll(wait_ms):
             return msgs
         while True:
             try:
-                msgs.append(self.recv_sock.recv_pyobj(zmq.NOBLOCK))
+                parts = self.recv_sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return msgs
+            msgs.append([part.buffer for part in parts])
 
     def send(self, result: StepResult) -> None:
         if result.outputs:
@@ -114,10 +117,11 @@ def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
 
 def serve(scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None) -> None:
     while True:
-        msgs = None
+        frames = None
         if channel is not None:
-            msgs = channel.recv_all(IDLE_POLL_MS if scheduler.idle else 0)
-        msgs = tp.broadcast_pyobj(msgs)
+            frames = channel.recv_all(IDLE_POLL_MS if scheduler.idle else 0)
+        frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size)
+        msgs = [from_frames(f) for f in frames]
         if any(isinstance(m, ShutdownReq) for m in msgs):
             return
         result = scheduler.step(msgs)

@@ -20,6 +20,7 @@ from runtime.io_struct import (
     TokenizedGenerateReq,
 )
 from runtime.server_args import ServerArgs
+from runtime.transport import to_frames
 from scheduler.process import run_scheduler_process
 
 
@@ -62,7 +63,7 @@ class SchedulerHarness:
                 raise RuntimeError(f"rank {msg['rank']} failed:\n{msg['error']}")
 
     def send(self, msg: object) -> None:
-        self.inp.send_pyobj(msg)
+        self.inp.send_multipart(to_frames(msg))
 
     def recv(self, timeout: float) -> object:
         if not self.out.poll(int(timeout * 1000)):

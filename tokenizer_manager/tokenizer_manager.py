@@ -34,6 +34,7 @@ from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.transport import to_frames
 from tokenizer_manager.media import MediaError
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor, MediaRef
 from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_inputs
@@ -123,7 +124,7 @@ class TokenizerManager:
         state.queue.put_nowait(out)
 
     def _send(self, msg: object) -> None:
-        self._to_scheduler.send_pyobj(msg)
+        self._to_scheduler.send_multipart(to_frames(msg), copy=False)
 
     # ------------------------------------------------------------------ prompts
     def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[MediaRef]]:
