@@ -8,11 +8,11 @@ from multiprocessing.connection import Connection
 
 import torch
 import zmq
-from runtime.sampler import Sampler
 
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
 from runtime.io_struct import BatchTokenOut, ShutdownReq
 from runtime.logging_utils import configure_logging, get_logger
+from runtime.sampler import Sampler
 from runtime.server_args import ServerArgs
 from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner

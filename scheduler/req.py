@@ -17,7 +17,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-@dataclass
+@dataclass(eq=False)
 class Req(Sequence):
     """token_ids = prompt + outputs; kv_len tokens of it sit in the KV pool (the first
     `cached_prefix_len` of those came from the radix cache when the request was first admitted)."""

@@ -80,7 +80,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.counters = Counters()
         self._arrivals = 0
-        self._touched: dict[str, Req] = {}
+        self._touched: dict[int, Req] = {}  # by id(req): a reused rid never hides another's output
         self._was_idle = True
 
     # ------------------------------------------------------------------ the loop body
@@ -123,7 +123,7 @@ class Scheduler:
         if problem:
             self.counters.refused += 1
             req.abort(FinishReason.ERROR, problem)
-            self._touched[req.rid] = req
+            self.touch(req)
             return
         self.waiting.append(req)
 
@@ -148,9 +148,9 @@ class Scheduler:
     def abort(self, rid: str) -> None:
         for req in self.waiting:
             if req.rid == rid:
-                self.waiting.remove(req)
+                self.waiting = [r for r in self.waiting if r is not req]
                 req.abort()
-                self._touched[rid] = req
+                self.touch(req)
                 self.counters.aborted += 1
                 return
         for req in [*self.running, *([self.chunked] if self.chunked else [])]:
@@ -184,9 +184,8 @@ class Scheduler:
                 break
             reqs.append(req)
             lens.append(n)
-        for req in reqs:
-            if req in self.waiting:
-                self.waiting.remove(req)
+        taken = {id(r) for r in reqs}
+        self.waiting = [r for r in self.waiting if id(r) not in taken]
         return (reqs, lens) if reqs else None
 
     def make_adder(self) -> PrefillAdder:
@@ -294,7 +293,7 @@ class Scheduler:
 
     def retract(self, req: Req) -> None:
         self.counters.retractions += 1
-        self.running.remove(req)
+        self.running = [r for r in self.running if r is not req]
         self.release_kv(req)
         req.retractions += 1
         self.waiting.append(req)
@@ -310,18 +309,21 @@ class Scheduler:
         for req, token in zip(reqs, tokens):
             req.append_token(int(token))
             self.counters.generated_tokens += 1
-            self._touched[req.rid] = req
+            self.touch(req)
             if req.finished:
                 self.finish_request(req)
 
+    def touch(self, req: Req) -> None:
+        """Report this request's news (tokens, finish) in this step's outputs."""
+        self._touched[id(req)] = req
+
     def finish_request(self, req: Req) -> None:
-        if req in self.running:
-            self.running.remove(req)
+        self.running = [r for r in self.running if r is not req]
         if self.chunked is req:
             self.chunked = None
         self.release_kv(req)
         self.counters.finished += req.finish in (FinishReason.STOP, FinishReason.LENGTH)
-        self._touched[req.rid] = req
+        self.touch(req)
 
     def release_kv(self, req: Req) -> None:
         """Hand the request's KV to the radix tree (which frees duplicates) and its slot back;
