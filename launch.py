@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -67,6 +68,8 @@ class Supervisor:
         self.args = args
         self.ctx = mp.get_context("spawn")
         self.children: list[tuple[str, mp.Process, Connection]] = []
+        self.ready_info: dict[str, dict] = {}
+        self._fatal_hooks: list[Callable[[str], None]] = []
         self._stopping = False
 
     def spawn(self, name: str, target, *args: object) -> None:
@@ -100,6 +103,7 @@ class Supervisor:
             msg = reader.recv()
             if msg.get("status") != "ready":
                 raise RuntimeError(f"{name} failed to start:\n{msg.get('error')}")
+            self.ready_info[name] = msg
         logger.info("all %d child processes are ready", len(self.children))
 
     def watch(self) -> None:
@@ -107,12 +111,23 @@ class Supervisor:
         while not self._stopping:
             for name, proc, _ in self.children:
                 if not proc.is_alive() and not self._stopping:
-                    logger.error(
-                        "%s exited unexpectedly with code %s; shutting down", name, proc.exitcode
-                    )
+                    reason = f"{name} exited unexpectedly with code {proc.exitcode}"
+                    logger.error("%s; shutting down", reason)
+                    self.run_fatal_hooks(reason)
                     self.stop()
                     os._exit(1)
             time.sleep(0.25)
+
+    def on_fatal(self, hook: Callable[[str], None]) -> None:
+        """Run `hook(reason)` (in the watch thread) before the children are stopped."""
+        self._fatal_hooks.append(hook)
+
+    def run_fatal_hooks(self, reason: str) -> None:
+        for hook in self._fatal_hooks:
+            try:
+                hook(reason)
+            except Exception:  # noqa: BLE001 - the shutdown goes on whatever a hook does
+                logger.exception("shutdown hook failed")
 
     def stop(self) -> None:
         self._stopping = True
@@ -127,7 +142,21 @@ class Supervisor:
                 proc.join()
 
 
-async def serve_http(args: ServerArgs) -> None:
+def fail_everything(loop: asyncio.AbstractEventLoop, tm: object, mm: object, reason: str) -> None:
+    """A child died: every client in flight gets a 503 error, then the media workers stop."""
+    done = threading.Event()
+
+    def fail() -> None:
+        tm.fail_all(f"the server is shutting down: {reason}")
+        done.set()
+
+    loop.call_soon_threadsafe(fail)
+    if done.wait(2):
+        time.sleep(0.5)  # let the responses reach the clients
+    mm.shutdown()
+
+
+async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     import uvicorn
 
     from tokenizer_manager.http_server import create_app
@@ -145,8 +174,11 @@ async def serve_http(args: ServerArgs) -> None:
         per_request_timeout=args.mm_per_request_timeout,
     )
     await mm.warmup()
-    tm = TokenizerManager(args, mm)
+    kv_total = supervisor.ready_info.get("scheduler-TP0", {}).get("kv_total")
+    tm = TokenizerManager(args, mm, kv_total=kv_total)
     await tm.start()
+    loop = asyncio.get_running_loop()
+    supervisor.on_fatal(lambda reason: fail_everything(loop, tm, mm, reason))
     app = create_app(tm)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
@@ -176,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         supervisor.start()
         threading.Thread(target=supervisor.watch, daemon=True).start()
         if args.node_rank == 0:
-            asyncio.run(serve_http(args))
+            asyncio.run(serve_http(args, supervisor))
         else:
             while True:
                 time.sleep(1)

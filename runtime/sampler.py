@@ -6,6 +6,11 @@ How TP ranks agree on tokens (design invariant 9): only the entry rank (rank 0) 
 Sampling is also deterministic on its own: with identical logits, params and steps, samplers
 built with the same `Sampler(seed=...)` draw identical tokens, on any rank.
 
+Numerical safety: a temperature below TEMPERATURE_FLOOR is greedy (dividing by a float32 zero
+would give inf/NaN), a top-p below TOP_P_FLOOR is raised to it and the best token is always kept,
+and a logits row with NaN or +inf (or nothing finite) fails that request alone: `sample_safe`
+returns FAILED_TOKEN for it with a reason, and samples the other rows as usual.
+
 Seeds: a request that carries a seed draws decode step t from a fresh generator seeded from
 (seed, t), so its tokens depend only on its own logits, seed and step: not on which requests
 share the batch or which row it occupies. Requests without a seed share the sampler's generator.
@@ -19,6 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 _MASK64 = 2**64 - 1
+TEMPERATURE_FLOOR = 1e-5  # below this a request is greedy
+TOP_P_FLOOR = 1e-6  # float32 holds it; smaller values are raised to it
+FAILED_TOKEN = -1  # sample_safe's token for a row that could not be sampled
+MAX_STOP_STRINGS = 16  # documented limits on stop strings (400 beyond them)
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+SEED_RANGE = (-(2**63), 2**64)
 
 
 @dataclass
@@ -42,7 +54,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < TEMPERATURE_FLOOR or self.top_k == 1
 
     def normalize(self) -> SamplingParams:
         """Coerce types and check ranges in place; raise ValueError naming the bad field."""
@@ -54,6 +66,8 @@ class SamplingParams:
         self.seed = None if self.seed is None else _integer("seed", self.seed)
         self.stop = _strings(self.stop or [])
         self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids or []]
+        self.ignore_eos = _flag("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
         for message in range_errors(self):
             raise ValueError(message)
         return self
@@ -62,19 +76,40 @@ class SamplingParams:
 def range_errors(p: SamplingParams) -> list[str]:
     """Messages for every out-of-range field (empty when the params are valid)."""
     checks = [
-        (p.temperature >= 0, f"temperature must be >= 0, got {p.temperature}"),
+        (0 <= p.temperature <= 2, f"temperature must be in [0, 2], got {p.temperature}"),
         (0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}"),
         (p.top_k == -1 or p.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {p.top_k}"),
         (0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}"),
-        (p.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {p.max_new_tokens}"),
+        (p.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {p.max_new_tokens}"),
+        (
+            p.seed is None or SEED_RANGE[0] <= p.seed < SEED_RANGE[1],
+            f"seed must fit in 64 bits, got {p.seed}",
+        ),
+        (
+            len(p.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in p.stop),
+            f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+            "characters each",
+        ),
+        (
+            len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids",
+        ),
     ]
     return [message for ok, message in checks if not ok]
 
 
 def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 def _integer(name: str, value: object) -> int:
@@ -121,6 +156,37 @@ class Sampler:
             tokens[rows] = self._sample_rows(logits[rows], *picked)
         return tokens
 
+    def sample_safe(
+        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+    ) -> tuple[list[int], dict[int, str]]:
+        """Like `sample`, but a row that cannot be sampled fails alone: its token is FAILED_TOKEN
+        and its index maps to the reason. Rows with NaN/+inf logits fail up front; if the batch
+        still raises, each row is sampled on its own so the fault is pinned on its request."""
+        errors = {i: "non-finite logits" for i in bad_rows(logits)}
+        good = [i for i in range(len(params)) if i not in errors]
+        tokens = [FAILED_TOKEN] * len(params)
+        try:
+            picked = self._sample_subset(logits, params, steps, good)
+        except Exception:  # noqa: BLE001 - retried row by row to find the request at fault
+            picked = []
+            for i in good:
+                try:
+                    picked += self._sample_subset(logits, params, steps, [i])
+                except Exception as exc:  # noqa: BLE001 - this request's sampling fault
+                    errors[i] = f"sampling failed: {exc!r}"
+                    picked.append(FAILED_TOKEN)
+        for i, token in zip(good, picked):
+            tokens[i] = token
+        return tokens, errors
+
+    def _sample_subset(
+        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int], rows: list[int]
+    ) -> list[int]:
+        if not rows:
+            return []
+        sub = [params[i] for i in rows], [steps[i] for i in rows]
+        return self.sample(logits[rows], *sub).tolist()
+
     def _sample_rows(
         self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
     ) -> torch.Tensor:
@@ -155,10 +221,10 @@ def filtered_probs(
     """Float32 probabilities after temperature, top-k, top-p and min-p, over each row's tokens
     sorted by logit (highest first, ties by token id), plus that order. Dropped tokens get 0;
     the best token is always kept. Rows are not renormalised (multinomial does not need it)."""
-    temps = _column([p.temperature for p in params], logits.device)
+    temps = _column([max(p.temperature, TEMPERATURE_FLOOR) for p in params], logits.device)
     ranked, order = (logits.float() / temps).sort(dim=-1, descending=True, stable=True)
     probs = _top_k(ranked, [p.top_k for p in params]).softmax(dim=-1)
-    probs = _top_p(probs, _column([p.top_p for p in params], logits.device))
+    probs = _top_p(probs, _column([max(p.top_p, TOP_P_FLOOR) for p in params], logits.device))
     probs = _min_p(probs, _column([p.min_p for p in params], logits.device))
     return probs, order
 
@@ -173,12 +239,21 @@ def _top_k(ranked: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest head of the ranking whose mass reaches top_p (top_p 1 keeps all)."""
     mass_before = probs.cumsum(dim=-1) - probs
-    return probs.masked_fill((mass_before >= top_p) & (top_p < 1), 0.0)
+    drop = (mass_before >= top_p) & (top_p < 1)
+    drop[:, 0] = False  # the best token stays, whatever rounding did to the mass
+    return probs.masked_fill(drop, 0.0)
 
 
 def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens less likely than min_p times the best token (column 0 of the ranking)."""
     return probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
+
+
+def bad_rows(logits: torch.Tensor) -> list[int]:
+    """Rows with a NaN or +inf logit, or no finite logit at all."""
+    bad = logits.isnan().any(dim=-1) | (logits == math.inf).any(dim=-1)
+    bad |= ~logits.isfinite().any(dim=-1)
+    return bad.nonzero().flatten().tolist()
 
 
 def _column(values: list[float] | list[int], device: torch.device) -> torch.Tensor:

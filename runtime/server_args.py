@@ -60,6 +60,18 @@ class ServerArgs:
     dist_init_addr: str | None = _opt("host:port of the torch.distributed rendezvous")
     ipc_dir: str | None = _opt("folder for ipc:// sockets (default: a fresh temp folder)")
     ready_timeout: float = _opt("seconds to wait for every child to report ready", default=600.0)
+    max_queued_requests: int = _opt(
+        "requests waiting for their first token beyond which new ones get 503", default=256
+    )
+    health_stall_timeout: float = _opt(
+        "seconds without any output while requests are in flight before /health says 503",
+        default=60.0,
+    )
+    fault_injection_rate: float = _opt(
+        "testing only: chance per request and step that its input check fails on the last "
+        "TP rank (deterministic from --random-seed)",
+        default=0.0,
+    )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -120,6 +132,10 @@ class ServerArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_queued_requests < 1:
+            raise ValueError("--max-queued-requests must be at least 1")
+        if not 0 <= self.fault_injection_rate <= 1:
+            raise ValueError("--fault-injection-rate must be in [0, 1]")
         if self.mm_cache_size_mb < 0:
             raise ValueError("--mm-cache-size-mb must be 0 (off) or positive")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

@@ -19,9 +19,12 @@ class OutOfKVError(RuntimeError):
     """Not enough free KV slots for the requested forward."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """What the runner needs of one request: its tokens so far and how many sit in the KV pool."""
+    """What the runner needs of one request: its tokens so far and how many sit in the KV pool.
+
+    Identity semantics (eq=False): two requests are the same only if they are the same object, so
+    `in`, `remove` and `index` over lists of them never compare fields (tensors among them)."""
 
     token_ids: list[int]
     mm: MultimodalInputs | None = None

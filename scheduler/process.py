@@ -110,6 +110,8 @@ def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
         context_length=context,
         schedule_policy=args.schedule_policy,
         eos_token_ids=config.eos_token_ids,
+        fault_injection_rate=args.fault_injection_rate,
+        random_seed=args.random_seed,
     )
     radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
     return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))
@@ -124,9 +126,24 @@ def serve(scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None) -
         msgs = [from_frames(f) for f in frames]
         if any(isinstance(m, ShutdownReq) for m in msgs):
             return
-        result = scheduler.step(msgs)
+        result = step_or_die(scheduler, tp, msgs)
         if channel is not None:
             channel.send(result)
+
+
+def step_or_die(scheduler: Scheduler, tp: TPGroup, msgs: list[object]) -> StepResult:
+    """A fault the scheduler could not pin on a request (a collective, the device, a bug) ends
+    this rank; the supervisor then fails every client and stops the server."""
+    try:
+        return scheduler.step(msgs)
+    except Exception:
+        logger.critical(
+            "TP rank %d: a fault that belongs to no single request; this rank exits and the "
+            "server stops:\n%s",
+            tp.rank,
+            traceback.format_exc(),
+        )
+        raise
 
 
 def run_scheduler_process(

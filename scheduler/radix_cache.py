@@ -286,6 +286,16 @@ class RadixCache:
         self._cache(key, _as_slots(slots), old_last_node)
         self.dec_lock_ref(old_last_node)
 
+    def release_failed_req(self, slots: torch.Tensor, old_last_node: TreeNode) -> None:
+        """A request failed: free the slots it owns (those past its locked cached prefix)
+        without caching them, since their KV may be wrong, and drop its lock."""
+        slots = _as_slots(slots)
+        if self.disable:
+            self._free(slots)
+            return
+        self._free(slots[self._path_slots(old_last_node).numel() :])
+        self.dec_lock_ref(old_last_node)
+
     def cache_unfinished_req(
         self, key: list[int], slots: torch.Tensor, old_last_node: TreeNode
     ) -> tuple[torch.Tensor, TreeNode]:

@@ -17,7 +17,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-@dataclass
+@dataclass(eq=False)
 class Req(Sequence):
     """token_ids = prompt + outputs; kv_len tokens of it sit in the KV pool (the first
     `cached_prefix_len` of those came from the radix cache when the request was first admitted)."""
@@ -34,6 +34,7 @@ class Req(Sequence):
     sent_len: int = 0  # output tokens already reported to the detokenizer
     retractions: int = 0
     encoder_pins: frozenset[int] = frozenset()  # items pinned in the encoder cache mid-prefill
+    refused: bool = False  # its error finish is a refusal (the client's to fix), not a fault
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq, eos: tuple[int, ...], arrival: int) -> Req:

@@ -4,6 +4,12 @@ Each step: take the messages rank 0 received (broadcast to all ranks), admit wha
 prefill batch (or else decode the running batch), run the model, and append one token per
 finished-prefill or decoding request. Rank 0 samples; the tokens are broadcast, so every rank
 keeps the same state and joins the same collectives.
+
+Fault isolation: a fault that belongs to one request (its inputs before a forward, its sampling)
+fails that request alone with an error finish; `isolate` makes every rank agree on which requests
+failed (one flag per request, max-reduced over the CPU group) before any of them is freed, and
+`fail` frees everything the request held without caching its KV. Anything else raised by a step
+cannot be pinned on a request and ends the server (see scheduler/process.py).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from runtime.io_struct import (
 from runtime.logging_utils import get_logger
 from runtime.sampler import Sampler
 from scheduler.encoder_cache import EncoderCache
+from scheduler.faults import FaultInjector, check_inputs
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.req import FinishReason, Req
@@ -42,6 +49,8 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"
     eos_token_ids: tuple[int, ...] = ()
     check_integrity_when_idle: bool = True
+    fault_injection_rate: float = 0.0  # testing only: see scheduler/faults.py
+    random_seed: int = 0
 
 
 @dataclass
@@ -55,6 +64,8 @@ class Counters:
     finished: int = 0
     aborted: int = 0
     refused: int = 0
+    failed: int = 0  # requests ended by a fault of their own
+    faults_injected: int = 0
 
 
 @dataclass
@@ -80,8 +91,11 @@ class Scheduler:
         self.chunked: Req | None = None
         self.counters = Counters()
         self._arrivals = 0
-        self._touched: dict[str, Req] = {}
+        self._touched: dict[int, Req] = {}  # by id(req): a reused rid never hides another's output
         self._was_idle = True
+        self.faults = FaultInjector(
+            cfg.fault_injection_rate, cfg.random_seed, raises_here=tp.rank == tp.size - 1
+        )
 
     # ------------------------------------------------------------------ the loop body
     def step(self, messages: list[object]) -> StepResult:
@@ -123,7 +137,8 @@ class Scheduler:
         if problem:
             self.counters.refused += 1
             req.abort(FinishReason.ERROR, problem)
-            self._touched[req.rid] = req
+            req.refused = True
+            self.touch(req)
             return
         self.waiting.append(req)
 
@@ -148,9 +163,9 @@ class Scheduler:
     def abort(self, rid: str) -> None:
         for req in self.waiting:
             if req.rid == rid:
-                self.waiting.remove(req)
+                self.waiting = [r for r in self.waiting if r is not req]
                 req.abort()
-                self._touched[rid] = req
+                self.touch(req)
                 self.counters.aborted += 1
                 return
         for req in [*self.running, *([self.chunked] if self.chunked else [])]:
@@ -184,9 +199,8 @@ class Scheduler:
                 break
             reqs.append(req)
             lens.append(n)
-        for req in reqs:
-            if req in self.waiting:
-                self.waiting.remove(req)
+        taken = {id(r) for r in reqs}
+        self.waiting = [r for r in self.waiting if id(r) not in taken]
         return (reqs, lens) if reqs else None
 
     def make_adder(self) -> PrefillAdder:
@@ -229,6 +243,11 @@ class Scheduler:
         req.req_pool_index, req.kv_len = -1, 0
 
     def run_prefill(self, reqs: list[Req], lens: list[int]) -> None:
+        kept = {id(r) for r in self.isolate(reqs)}
+        lens = [n for r, n in zip(reqs, lens) if id(r) in kept]
+        reqs = [r for r in reqs if id(r) in kept]
+        if not reqs:
+            return
         self.counters.prefill_steps += 1
         self.counters.prompt_tokens_computed += sum(lens)
         self.ensure_free(sum(lens))
@@ -282,6 +301,9 @@ class Scheduler:
         self.make_room_for_decode()
         if not self.running:
             return
+        self.isolate(list(self.running))
+        if not self.running:
+            return
         self.ensure_free(len(self.running))
         logits = self.runner.decode(self.running)
         self.sample_and_append(list(self.running), logits)
@@ -294,7 +316,7 @@ class Scheduler:
 
     def retract(self, req: Req) -> None:
         self.counters.retractions += 1
-        self.running.remove(req)
+        self.running = [r for r in self.running if r is not req]
         self.release_kv(req)
         req.retractions += 1
         self.waiting.append(req)
@@ -302,26 +324,81 @@ class Scheduler:
 
     # ------------------------------------------------------------------ tokens and finishing
     def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        tokens = None
+        """Rank 0 samples (a row that cannot be sampled fails its request) and broadcasts the
+        tokens and failures, so every rank appends and fails the same."""
+        picked = None
         if self.tp.is_first:
             steps = [len(r.output_ids) for r in reqs]
-            tokens = self.sampler.sample(logits, [r.params for r in reqs], steps).tolist()
-        tokens = self.tp.broadcast_pyobj(tokens)
-        for req, token in zip(reqs, tokens):
+            picked = self.sampler.sample_safe(logits, [r.params for r in reqs], steps)
+        tokens, errors = self.tp.broadcast_pyobj(picked)
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
+            if i in errors:
+                self.fail(req, errors[i])
+                continue
             req.append_token(int(token))
             self.counters.generated_tokens += 1
-            self._touched[req.rid] = req
+            self.touch(req)
             if req.finished:
                 self.finish_request(req)
 
+    # ------------------------------------------------------------------ fault isolation
+    def isolate(self, reqs: list[Req]) -> list[Req]:
+        """Check each request's inputs on this rank, agree across ranks on which failed, fail
+        those on every rank alike; returns the others in order."""
+        errors = {i: problem for i, r in enumerate(reqs) if (problem := self.input_problem(r))}
+        failed = self.agree_on_failures(len(reqs), errors)
+        for i, rank in failed.items():
+            self.fail(reqs[i], f"request fault on TP rank {rank}: {errors.get(i, 'see its log')}")
+        return [r for i, r in enumerate(reqs) if i not in failed]
+
+    def input_problem(self, req: Req) -> str:
+        """Why this request cannot run its next forward ("" when it can); logged with its rid."""
+        self.counters.faults_injected += self.faults.hits(req)
+        try:
+            if req.kv_len <= req.cached_tokens and req.retractions == 0:
+                check_inputs(req)  # once, before its first chunk
+            self.faults.check(req)
+        except Exception as exc:  # noqa: BLE001 - this request's fault, reported as its error
+            logger.warning("request %s failed its input check: %r", req.rid, exc)
+            return repr(exc)
+        return ""
+
+    def agree_on_failures(self, n: int, errors: dict[int, str]) -> dict[int, int]:
+        """Index -> the highest TP rank that failed it, agreed by every rank (max all-reduce)."""
+        if self.tp.size == 1:
+            return {i: 0 for i in errors}
+        flags = torch.zeros(n, dtype=torch.int64)
+        for i in errors:
+            flags[i] = self.tp.rank + 1
+        flags = self.tp.all_reduce_cpu(flags, op="max")
+        return {i: int(f) - 1 for i, f in enumerate(flags.tolist()) if f}
+
+    def fail(self, req: Req, detail: str) -> None:
+        """End the request with an error; free its slot, pins and KV without caching its KV."""
+        req.abort(FinishReason.ERROR, detail)
+        self.counters.failed += 1
+        self.waiting = [r for r in self.waiting if r is not req]
+        self.running = [r for r in self.running if r is not req]
+        if self.chunked is req:
+            self.chunked = None
+        self.set_encoder_pins(req, frozenset())
+        if req.req_pool_index >= 0:
+            self.radix.release_failed_req(self.req_slots(req), req.last_node)
+            self.runner.req_pool.free(req.req_pool_index)
+            req.req_pool_index, req.kv_len, req.last_node = -1, 0, None
+        self.touch(req)
+
+    def touch(self, req: Req) -> None:
+        """Report this request's news (tokens, finish) in this step's outputs."""
+        self._touched[id(req)] = req
+
     def finish_request(self, req: Req) -> None:
-        if req in self.running:
-            self.running.remove(req)
+        self.running = [r for r in self.running if r is not req]
         if self.chunked is req:
             self.chunked = None
         self.release_kv(req)
         self.counters.finished += req.finish in (FinishReason.STOP, FinishReason.LENGTH)
-        self._touched[req.rid] = req
+        self.touch(req)
 
     def release_kv(self, req: Req) -> None:
         """Hand the request's KV to the radix tree (which frees duplicates) and its slot back;
@@ -342,9 +419,7 @@ class Scheduler:
         for req in self._touched.values():
             new = req.output_ids[req.sent_len :]
             req.sent_len = len(req.output_ids)
-            finish = None
-            if req.finished:
-                finish = {"type": req.finish.value, "detail": req.finish_detail}
+            finish = finish_info(req) if req.finished else None
             outputs.append(
                 ReqOutput(
                     req.rid,
@@ -403,3 +478,13 @@ class Scheduler:
             encoder_cache=self.encoder_cache.stats(),
             counters=dict(vars(self.counters)),
         )
+
+
+def finish_info(req: Req) -> dict:
+    """The finish as the client's side reads it; an error says whether it was a refusal (the
+    client's to fix, 400) or a fault (500)."""
+    info = {"type": req.finish.value, "detail": req.finish_detail}
+    if req.finish == FinishReason.ERROR:
+        info["status"] = 400 if req.refused else 500
+        info["code"] = "request_refused" if req.refused else "internal_error"
+    return info

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from runtime.sampler import Sampler, SamplingParams, filtered_probs, mix_seed
+from runtime.sampler import (
+    FAILED_TOKEN,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    Sampler,
+    SamplingParams,
+    filtered_probs,
+    mix_seed,
+)
 
 VOCAB = 64
 
@@ -152,8 +160,10 @@ def test_seeded_requests_follow_softmax_across_seeds() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("temperature", -0.1, "temperature must be >= 0"),
-        ("temperature", math.nan, "temperature must be a number"),
+        ("temperature", -0.1, r"temperature must be in \[0, 2\]"),
+        ("temperature", 2.5, r"temperature must be in \[0, 2\]"),
+        ("temperature", math.nan, "temperature must be a finite number"),
+        ("top_p", math.inf, "top_p must be a finite number"),
         ("temperature", "hot", "temperature must be a number"),
         ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
         ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
@@ -162,7 +172,13 @@ def test_seeded_requests_follow_softmax_across_seeds() -> None:
         ("top_k", 2.5, "top_k must be an integer"),
         ("min_p", -0.1, r"min_p must be in \[0, 1\]"),
         ("min_p", 1.01, r"min_p must be in \[0, 1\]"),
-        ("max_new_tokens", -1, "max_new_tokens must be >= 0"),
+        ("max_new_tokens", -1, "max_new_tokens must be >= 1"),
+        ("max_new_tokens", 0, "max_new_tokens must be >= 1"),
+        ("seed", 2**64, "seed must fit in 64 bits"),
+        ("stop", ["x"] * (MAX_STOP_STRINGS + 1), "stop takes at most"),
+        ("stop", ["x" * (MAX_STOP_CHARS + 1)], "stop takes at most"),
+        ("stop_token_ids", list(range(65)), "stop_token_ids takes at most"),
+        ("ignore_eos", "yes", "ignore_eos must be true or false"),
         ("seed", "x", "seed must be an integer"),
         ("stop", [1], "stop must be a string or a list of strings"),
     ],
@@ -173,7 +189,7 @@ def test_out_of_range_values_are_refused(field: str, value: object, message: str
 
 
 def test_edge_values_are_accepted_and_coerced() -> None:
-    params = SamplingParams(temperature=0, top_p=1, min_p=1, max_new_tokens=0, stop="END")
+    params = SamplingParams(temperature=0, top_p=1, min_p=1, max_new_tokens=1, stop="END")
     assert params.normalize() is params
     assert params.stop == ["END"] and isinstance(params.temperature, float) and params.is_greedy
     assert SamplingParams(top_k=3.0, stop_token_ids=(7,)).normalize().top_k == 3
@@ -182,3 +198,47 @@ def test_edge_values_are_accepted_and_coerced() -> None:
 def test_mismatched_batch_lengths_are_refused() -> None:
     with pytest.raises(ValueError, match="logit rows"):
         Sampler().sample(random_logits(2), [SamplingParams()], [0, 0])
+
+
+# ---------------------------------------------------------------------- numerical safety
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_temperature_that_rounds_to_zero_is_greedy(seed: int | None) -> None:
+    """Issue 10, seen 2: temperature 1e-39 is 0 in float32; it used to give inf/NaN probs and
+    torch.multinomial raised, killing rank 0."""
+    logits = random_logits(8, seed=2)
+    params = SamplingParams(temperature=1e-39, seed=seed).normalize()
+    assert params.is_greedy
+    assert torch.equal(sample(logits, params), logits.argmax(dim=-1))
+    sampled = SamplingParams(temperature=2e-5, seed=seed).normalize()  # above the floor
+    assert torch.equal(sample(logits, sampled), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_top_p_that_rounds_to_zero_keeps_the_best_token(seed: int | None) -> None:
+    """Issue 10, seen 2: top_p 1e-50 is 0 in float32 and used to mask every token."""
+    logits = random_logits(8, seed=4)
+    params = SamplingParams(top_p=1e-50, seed=seed).normalize()
+    assert torch.equal(sample(logits, params), logits.argmax(dim=-1))
+
+
+def test_non_finite_rows_fail_alone() -> None:
+    logits = random_logits(4, seed=5)
+    logits[1, 3] = math.nan
+    logits[2, 0] = math.inf
+    params = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(), SamplingParams()]
+    tokens, errors = Sampler().sample_safe(logits, params, [0, 0, 0, 0])
+    assert set(errors) == {1, 2} and "non-finite" in errors[1]
+    assert tokens[1] == tokens[2] == FAILED_TOKEN
+    assert tokens[0] == int(logits[0].argmax())
+    assert 0 <= tokens[3] < VOCAB
+
+
+def test_a_row_with_nothing_to_draw_fails_alone() -> None:
+    """A row of all -inf has nothing to draw: that request fails, its neighbours sample."""
+    logits = random_logits(3, seed=6)
+    logits[0] = -math.inf
+    tokens, errors = Sampler().sample_safe(logits, [SamplingParams()] * 3, [0, 0, 0])
+    assert list(errors) == [0] and tokens[0] == FAILED_TOKEN
+    assert all(0 <= t < VOCAB for t in tokens[1:])

@@ -16,6 +16,7 @@ from runtime.sampler import Sampler, SamplingParams
 from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
+from scheduler.req import Req
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from vision.qwen2_vl import build_model
 
@@ -110,3 +111,13 @@ def test_an_image_cut_by_chunks_stays_pinned_until_its_last_row(model, folder: P
     while not scheduler.idle:
         scheduler.step([])
     assert cache.stats()["pins"] == 0
+
+
+def test_requests_compare_by_identity_not_by_fields() -> None:
+    """Two requests with equal fields (tensors included) are still two requests: membership,
+    removal and equality never touch the fields (which would raise on the tensors)."""
+    a = Req(token_ids=[1, 2, 3], mm=torch.ones(2, 2), rid="x")
+    b = Req(token_ids=[1, 2, 3], mm=torch.ones(2, 2), rid="x")
+    assert a != b and a == a
+    assert b not in [a] and a in [b, a]
+    assert [b, a].index(a) == 1

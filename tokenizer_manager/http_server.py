@@ -312,7 +312,7 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager) -> None:
         if isinstance(req.prompt, list):
             ids = list(req.prompt)
             check_token_ids(tm, ids)
-            params = sampling_params(req, req.max_tokens, tm.context_length - len(ids))
+            params = sampling_params(req, req.max_tokens, tm.room(len(ids)))
             tokenized = tm.build_request(new_id("cmpl"), ids, [], params, req.stream)
         else:
             tokenized = await tokenize(tm, req.prompt, [], req, req.max_tokens, "cmpl")
@@ -335,7 +335,7 @@ async def tokenize(
 ) -> Any:
     media = await tm.prepare_media(refs)
     ids = tm.tokenize(prompt, media)
-    params = sampling_params(req, max_tokens, max(0, tm.context_length - len(ids)))
+    params = sampling_params(req, max_tokens, tm.room(len(ids)))
     return tm.build_request(new_id(prefix), ids, media, params, req.stream)
 
 
@@ -359,13 +359,30 @@ async def respond(
 
 
 async def first_output(stream: AsyncIterator[StrOutput]) -> StrOutput:
-    """The first output, so a refusal becomes an HTTP error before any stream starts."""
+    """The first output, so a refusal or a fault becomes an HTTP error before any stream starts."""
     first = await anext(stream)
-    reason = first.finish_reason or {}
-    if reason.get("type") == "error":
+    err = finish_error(first)
+    if err is not None:
         await stream.aclose()
-        raise APIError(reason.get("detail") or "request refused", code="request_refused")
+        raise err
     return first
+
+
+def finish_error(out: StrOutput) -> APIError | None:
+    """The client's error for an error finish: 400 for a refusal, 5xx for a fault."""
+    reason = out.finish_reason or {}
+    if reason.get("type") != "error":
+        return None
+    status = int(reason.get("status", 500))
+    return APIError(
+        reason.get("detail") or "the request failed",
+        status=status,
+        code=reason.get("code") or ("request_refused" if status < 500 else "internal_error"),
+    )
+
+
+def error_event(err: APIError) -> bytes:
+    return f"data: {json.dumps(err.body())}\n\n".encode()
 
 
 async def collect_until_done(
@@ -388,6 +405,9 @@ async def collect_until_done(
     if task is not None:
         task.result()
     await stream.aclose()
+    err = finish_error(outputs[-1])
+    if err is not None:
+        raise err
     return outputs
 
 
@@ -411,6 +431,11 @@ async def sse(
         yield fmt.event(fmt.chunk(rid, first))
         async for out in stream:
             last = out
+            err = finish_error(out)
+            if err is not None:
+                yield error_event(err)
+                yield b"data: [DONE]\n\n"
+                return
             yield fmt.event(fmt.chunk(rid, out))
         record_usage(counters, last)
         if include_usage:
@@ -423,7 +448,7 @@ async def sse(
 def finish_reason(out: StrOutput) -> str | None:
     if out.finish_reason is None:
         return None
-    return FINISH.get(out.finish_reason.get("type"), "stop")
+    return FINISH[out.finish_reason["type"]]  # errors never get here: see finish_error
 
 
 class ChatFormatter:
@@ -526,7 +551,7 @@ async def native_request(tm: TokenizerManager, req: GenerateRequest) -> Any:
             text = "<|vision_start|><|image_pad|><|vision_end|>" * len(refs) + text
         media = await tm.prepare_media(refs)
         ids = tm.tokenize(text, media)
-    params = native_params(req.sampling_params, max(0, tm.context_length - len(ids)))
+    params = native_params(req.sampling_params, tm.room(len(ids)))
     return tm.build_request(req.rid or new_id("gen"), ids, media, params, req.stream)
 
 
@@ -553,6 +578,10 @@ async def native_sse(
         yield f"data: {json.dumps(native_body(rid, outputs))}\n\n".encode()
         async for out in stream:
             outputs.append(out)
+            err = finish_error(out)
+            if err is not None:
+                yield error_event(err)
+                break
             yield f"data: {json.dumps(native_body(rid, outputs))}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from runtime.sampler import SEED_RANGE
+
 
 class APIError(Exception):
     """An error the client sees as OpenAI's {"error": {...}} JSON with an HTTP status."""
@@ -70,27 +72,27 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
+    stop: str | list[str] | None = None  # limits: runtime/sampler.py (MAX_STOP_*)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logprobs: bool | int | None = None
     user: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None

@@ -65,7 +65,12 @@ class ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, args: ServerArgs, mm: AsyncMMDataProcessor | None = None):
+    def __init__(
+        self,
+        args: ServerArgs,
+        mm: AsyncMMDataProcessor | None = None,
+        kv_total: int | None = None,
+    ):
         from transformers import AutoTokenizer
 
         self.args = args
@@ -74,7 +79,10 @@ class TokenizerManager:
         self.chat_template = load_chat_template(args.model_path, self.tokenizer)
         self.mm = mm
         self.context_length = args.context_length or self.config.text.max_position_embeddings
+        # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
+        self.token_limit = min(self.context_length, kv_total or self.context_length)
         self.states: dict[str, ReqState] = {}
+        self.fatal: str | None = None  # set when the server is going down: new requests get 503
         self._replies: dict[type, asyncio.Future] = {}
         self._reply_lock = asyncio.Lock()
         self._ctx = zmq.asyncio.Context()
@@ -122,6 +130,15 @@ class TokenizerManager:
             if "matched" in out.finish_reason or out.finish_reason.get("type") == "error":
                 self._send(AbortReq(out.rid))
         state.queue.put_nowait(out)
+
+    def fail_all(self, reason: str) -> None:
+        """The server is going down: every request in flight ends with a 503 error."""
+        self.fatal = reason
+        finish = {"type": "error", "detail": reason, "status": 503, "code": "server_shutdown"}
+        for rid, state in list(self.states.items()):
+            if not state.finished:
+                state.finished = True
+                state.queue.put_nowait(StrOutput(rid, "", [], 0, 0, 0, finish))
 
     def _send(self, msg: object) -> None:
         self._to_scheduler.send_multipart(to_frames(msg), copy=False)
@@ -205,21 +222,34 @@ class TokenizerManager:
     ) -> TokenizedGenerateReq:
         if not input_ids:
             raise APIError("the prompt is empty", param="messages")
-        if len(input_ids) + params.max_new_tokens > self.context_length:
+        if len(input_ids) + params.max_new_tokens > self.token_limit:
             raise APIError(
-                f"this model's context length is {self.context_length} tokens; the prompt has "
-                f"{len(input_ids)} and max_tokens asks for {params.max_new_tokens}",
+                f"one request may hold {self.token_limit} tokens (context length "
+                f"{self.context_length}, KV pool included); the prompt has {len(input_ids)} "
+                f"and max_tokens asks for {params.max_new_tokens}",
                 param="messages",
                 code="context_length_exceeded",
             )
         ids, mm = build_multimodal_inputs(input_ids, media, self.config)
         return TokenizedGenerateReq(rid, ids, params, mm, stream)
 
+    def room(self, prompt_len: int) -> int:
+        """Default max_tokens: the most that fits the context and the KV pool (at least 1, so
+        an over-long prompt is refused by `build_request` as too long)."""
+        return max(1, self.token_limit - prompt_len)
+
     # ------------------------------------------------------------------ requests
     async def generate(self, req: TokenizedGenerateReq) -> AsyncIterator[StrOutput]:
         """Send to the scheduler and yield outputs until finished; abort if abandoned."""
+        if self.fatal is not None:
+            raise APIError(self.fatal, status=503, code="server_shutdown")
         if req.rid in self.states:
-            raise APIError(f"duplicate request id {req.rid}", param="rid")
+            raise APIError(
+                f"a request with id {req.rid} is still in flight",
+                status=409,
+                param="rid",
+                code="duplicate_request_id",
+            )
         state = self.states[req.rid] = ReqState()
         self._send(req)
         try:

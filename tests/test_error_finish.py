@@ -1,0 +1,64 @@
+"""An error finish reaches the client as an error, never as finish_reason "stop" (issue 10):
+5xx OpenAI error JSON when not streaming, an error event before [DONE] when streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from runtime.io_struct import StrOutput
+from tokenizer_manager.http_server import (
+    ApiCounters,
+    ChatFormatter,
+    collect_until_done,
+    native_sse,
+    sse,
+)
+from tokenizer_manager.protocol import APIError
+
+FAULT = {"type": "error", "detail": "request fault on TP rank 1", "status": 500, "code": "x"}
+
+
+def out(text: str, finish: dict | None = None) -> StrOutput:
+    return StrOutput("r1", text, [1], 3, 1, 0, finish)
+
+
+async def outputs(*items: StrOutput) -> AsyncIterator[StrOutput]:
+    for item in items:
+        yield item
+
+
+async def drain(body: AsyncIterator[bytes]) -> list[str]:
+    return [chunk.decode() async for chunk in body if chunk]
+
+
+def test_stream_gets_an_error_event_before_done() -> None:
+    body = sse(
+        ChatFormatter("m"), "r1", out("a"), outputs(out("b"), out("", FAULT)), True, ApiCounters()
+    )
+    events = asyncio.run(drain(body))
+    assert events[-1] == "data: [DONE]\n\n"
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert error["error"]["message"] == FAULT["detail"] and error["error"]["code"] == "x"
+    assert not any('"finish_reason": "stop"' in e for e in events)
+    assert not any('"usage"' in e for e in events)
+
+
+def test_native_stream_gets_an_error_event_before_done() -> None:
+    events = asyncio.run(drain(native_sse("r1", out("a"), outputs(out("", FAULT)))))
+    assert events[-1] == "data: [DONE]\n\n"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "internal_server_error"
+
+
+class Connected:
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def test_non_streaming_error_finish_raises_a_5xx() -> None:
+    with pytest.raises(APIError) as info:
+        asyncio.run(collect_until_done(Connected(), out("a"), outputs(out("", FAULT))))
+    assert info.value.status == 500 and info.value.body()["error"]["code"] == "x"

@@ -1,0 +1,75 @@
+"""One request's fault fails that request alone, on every TP rank alike (issue 10).
+
+Real scheduler ranks at tp 2 with the DP encoder, a small KV pool and chunked prefill, and the
+test-only `--fault-injection-rate`: the last rank's input check fails some requests (before
+their prefill or in the middle of their decode). Rank 0 must report those as errors from rank 1,
+finish the rest correctly, and free everything: the ranks agreed, or the next collective would
+hang."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from make_tiny_checkpoint import make_checkpoint
+from scheduler_harness import SchedulerHarness
+from vlm_cases import Checkpoint, gradient_image, noise_image
+
+from runtime.io_struct import TokenizedGenerateReq
+from runtime.sampler import SamplingParams
+from runtime.server_args import ServerArgs
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list]:
+    folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("faults") / "qwen2_vl")
+    ckpt = Checkpoint(Path(folder))
+    cases = [
+        ckpt.case("text", ["Tell me something."]),
+        ckpt.case("image", [noise_image(), "What is this?"]),
+        ckpt.case("big_image", [noise_image((168, 168), seed=3), "Describe it."]),
+        ckpt.case("two_images", [gradient_image(), noise_image(), "Compare."]),
+    ]
+    return str(folder), cases
+
+
+def request(case: object, rid: str) -> TokenizedGenerateReq:
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    return TokenizedGenerateReq(rid, list(case.input_ids), params, case.mm)
+
+
+def test_injected_faults_fail_their_requests_only_at_tp2(prompts: tuple[str, list]) -> None:
+    folder, cases = prompts
+    args = ServerArgs(
+        model_path=folder,
+        tp_size=2,
+        mm_enable_dp_encoder=True,
+        chunked_prefill_size=64,
+        max_total_tokens=600,
+        fault_injection_rate=0.03,
+        random_seed=1,
+    )
+    reqs = [request(c, f"{c.name}-{k}") for k in range(6) for c in cases]
+    with SchedulerHarness(args) as h:
+        results = h.generate(reqs)
+        info = h.info()
+        assert all(p.is_alive() for p in h.procs)
+    failed = {rid for rid, r in results.items() if r["finish"]["type"] == "error"}
+    assert failed and len(failed) < len(reqs)
+    for rid in failed:
+        assert results[rid]["finish"]["detail"].startswith("request fault on TP rank 1")
+        assert results[rid]["finish"]["status"] == 500
+    assert any(results[rid]["tokens"] for rid in failed), "no fault hit a decoding request"
+    for case in cases:
+        done = [
+            r["tokens"]
+            for rid, r in results.items()
+            if rid.rsplit("-", 1)[0] == case.name and rid not in failed
+        ]
+        assert all(t == done[0] and len(t) == NEW_TOKENS for t in done)
+    assert info.counters["failed"] == len(failed) == info.counters["faults_injected"]
+    assert info.running == info.waiting == 0
+    assert info.kv_free + info.kv_evictable == info.kv_total and info.kv_protected == 0
+    assert info.encoder_cache["pins"] == 0
