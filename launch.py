@@ -134,7 +134,7 @@ async def serve_http(args: ServerArgs) -> None:
     from tokenizer_manager.mm_processor import AsyncMMDataProcessor
     from tokenizer_manager.tokenizer_manager import TokenizerManager
 
-    limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
+    limits = MediaLimits.from_server_args(args)
     mm = AsyncMMDataProcessor(
         args.model_path,
         limits,

@@ -40,7 +40,15 @@ setup(
         "httpx>=0.27",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "openai>=1.40", "httpx", "ruff", "triton>=3.0"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout",
+            "openai>=1.40",
+            "httpx",
+            "ruff",
+            "triton>=3.0",
+            "aiohttp",
+        ],
         "gpu": ["triton>=3.0", "flashinfer-python"],
     },
 )

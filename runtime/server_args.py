@@ -51,6 +51,20 @@ class ServerArgs:
         "seconds to fetch and preprocess one request's media", default=30.0
     )
     allowed_local_media_path: str | None = _opt("folder from which file:// media may be read")
+    allow_private_media_urls: bool = _opt(
+        "let media URLs reach loopback, private and link-local addresses (off: refused)",
+        default=False,
+    )
+    allowed_media_domains: str | None = _opt(
+        "comma-separated host names media URLs may name (default: any public host)"
+    )
+    media_trust_env: bool = _opt(
+        "let media fetches use proxies, .netrc and SSL_CERT_FILE from the environment",
+        default=False,
+    )
+    media_fetch_timeout: float = _opt(
+        "seconds for one media URL fetch: connect, headers, body and redirects", default=10.0
+    )
     api_key: str | None = _opt("bearer token required by the HTTP API")
     served_model_name: str | None = _opt("model name reported by the API")
     log_level: str = _opt("log level", default="info")

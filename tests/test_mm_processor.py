@@ -26,6 +26,7 @@ from PIL import Image
 
 from runtime.multimodal import Modality
 from tokenizer_manager.media import MediaError, MediaLimits
+from tokenizer_manager.media_fetch import MediaUrlPolicy
 from tokenizer_manager.mm_processor import (
     AsyncMMDataProcessor,
     MediaRef,
@@ -282,7 +283,7 @@ def test_per_request_timeout_blames_the_slow_url(checkpoint: str, slow_server: s
     async def run() -> tuple[MediaError, float]:
         async with AsyncMMDataProcessor(
             checkpoint,
-            MediaLimits(http_timeout=30.0),
+            MediaLimits(http_timeout=30.0, url_policy=MediaUrlPolicy(allow_private=True)),
             io_workers=2,
             cpu_workers=1,
             max_concurrent_calls=4,

@@ -47,10 +47,10 @@ from tokenizer_manager.media import (
     MediaLimits,
     decode_image,
     load_media_bytes,
-    make_http_client,
     media_param,
     open_image,
 )
+from tokenizer_manager.media_fetch import MediaFetcher
 from tokenizer_manager.multimodal_inputs import PreparedMedia
 from tokenizer_manager.video_processor import (
     MAX_ASPECT_RATIO,
@@ -310,7 +310,7 @@ class AsyncMMDataProcessor:
         self.per_request_timeout = per_request_timeout
         self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="tessera-media-io")
         self._cpu = self._new_cpu_pool()
-        self._http = make_http_client(limits.http_timeout)
+        self._fetcher = MediaFetcher(limits.url_policy, limits.http_timeout)
         self._slots = asyncio.Semaphore(max_concurrent_calls)
         self._closed = False
         logger.info("media: %d I/O threads, %d CPU worker processes", io_workers, cpu_workers)
@@ -345,7 +345,7 @@ class AsyncMMDataProcessor:
         self._closed = True
         _stop_process_pool(self._cpu)
         self._io.shutdown(wait=False, cancel_futures=True)
-        self._http.close()
+        self._fetcher.close()
 
     async def __aenter__(self) -> AsyncMMDataProcessor:
         return self
@@ -410,7 +410,7 @@ class AsyncMMDataProcessor:
 
     def _fetch(self, ref: MediaRef) -> bytes:
         """I/O thread: the bytes, plus a header check for images (no pixels decoded yet)."""
-        data = load_media_bytes(ref.url, self.limits, modality=ref.modality, client=self._http)
+        data = load_media_bytes(ref.url, self.limits, modality=ref.modality, fetcher=self._fetcher)
         if ref.modality == Modality.IMAGE:
             open_image(data, self.limits).close()
         return data
