@@ -142,6 +142,8 @@ async def serve_http(args: ServerArgs) -> None:
         cpu_workers=max(1, min(4, os.cpu_count() or 1)),
         max_concurrent_calls=args.mm_max_concurrent_calls,
         per_request_timeout=args.mm_per_request_timeout,
+        fetches_per_request=args.mm_max_fetches_per_request,
+        max_inflight_bytes=args.mm_max_inflight_mb << 20,
     )
     await mm.warmup()
     tm = TokenizerManager(args, mm)

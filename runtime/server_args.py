@@ -50,6 +50,13 @@ class ServerArgs:
     mm_per_request_timeout: float = _opt(
         "seconds to fetch and preprocess one request's media", default=30.0
     )
+    mm_max_fetches_per_request: int = _opt(
+        "media URLs of one request fetched at once (of 16 fetch threads)", default=4
+    )
+    mm_max_inflight_mb: int = _opt(
+        "decoded media bytes in flight across all requests, in MiB (beyond: wait, then 503)",
+        default=4096,
+    )
     allowed_local_media_path: str | None = _opt("folder from which file:// media may be read")
     allow_private_media_urls: bool = _opt(
         "let media URLs reach loopback, private and link-local addresses (off: refused)",

@@ -333,7 +333,7 @@ async def tokenize(
     max_tokens: int | None,
     prefix: str,
 ) -> Any:
-    media = await tm.prepare_media(refs)
+    media = await tm.prepare_media(refs, prompt, max_tokens)
     ids = tm.tokenize(prompt, media)
     params = sampling_params(req, max_tokens, max(0, tm.context_length - len(ids)))
     return tm.build_request(new_id(prefix), ids, media, params, req.stream)
@@ -524,7 +524,7 @@ async def native_request(tm: TokenizerManager, req: GenerateRequest) -> Any:
         text = req.text
         if refs and "<|image_pad|>" not in text:
             text = "<|vision_start|><|image_pad|><|vision_end|>" * len(refs) + text
-        media = await tm.prepare_media(refs)
+        media = await tm.prepare_media(refs, text, req.sampling_params.get("max_new_tokens"))
         ids = tm.tokenize(text, media)
     params = native_params(req.sampling_params, max(0, tm.context_length - len(ids)))
     return tm.build_request(req.rid or new_id("gen"), ids, media, params, req.stream)

@@ -163,14 +163,25 @@ class TokenizerManager:
         if refs and self.mm is None:
             raise APIError("this server has no media processor", status=500)
 
-    async def prepare_media(self, refs: list[MediaRef]) -> list[PreparedMedia]:
+    async def prepare_media(
+        self, refs: list[MediaRef], prompt: str | None = None, max_tokens: int | None = None
+    ) -> list[PreparedMedia]:
+        """Fetch and preprocess `refs`; with the prompt, the images' tokens are checked against
+        what the context leaves (from their headers, before any is decoded)."""
         self.check_media_count(refs)
         if not refs:
             return []
+        budget = None if prompt is None else self.image_token_budget(prompt, max_tokens)
         try:
-            return await self.mm.process(refs)
+            return await self.mm.process(refs, budget)
         except MediaError as e:
             raise APIError(str(e), status=e.status, param=e.param, code=e.code) from e
+
+    def image_token_budget(self, prompt: str, max_tokens: int | None) -> int:
+        """Tokens left for the media: the context less the text and the tokens to generate."""
+        text = len(self.tokenizer(prompt)["input_ids"]) - len(PLACEHOLDER_RE.findall(prompt))
+        reserve = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 1
+        return self.context_length - text - reserve
 
     def tokenize(self, prompt: str, media: list[PreparedMedia]) -> list[int]:
         """Expand each placeholder to its item's token count, then tokenize."""
