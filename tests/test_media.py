@@ -441,3 +441,46 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ image modes
+
+
+def saved(image: Image.Image, fmt: str = "PNG", **kwargs: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def test_high_bit_depth_images_keep_their_tones() -> None:
+    ramp16 = np.tile(np.linspace(0, 65535, 64).astype(np.uint16), (8, 1))
+    image = decode_image(saved(Image.fromarray(ramp16)), MediaLimits())
+    row = np.asarray(image)[0, :, 0]
+    assert image.mode == "RGB" and row[0] == 0 and row[-1] == 255
+    assert abs(int(row[32]) - 130) <= 2  # mid-grey stays mid-grey (PIL alone gives 255)
+    floats = np.tile(np.linspace(0.0, 1.0, 64, dtype=np.float32), (8, 1))
+    image = decode_image(saved(Image.fromarray(floats), "TIFF"), MediaLimits())
+    assert np.asarray(image)[0, -1, 0] == 255 and np.asarray(image)[0, 32, 0] in range(125, 135)
+
+
+def test_cmyk_palette_transparency_and_grey_alpha() -> None:
+    cmyk = decode_image(saved(Image.new("CMYK", (4, 4), (0, 255, 255, 0)), "JPEG"), MediaLimits())
+    red = cmyk.getpixel((1, 1))
+    assert cmyk.mode == "RGB" and red[0] > 200 and red[1] < 60 and red[2] < 60
+    palette = Image.new("P", (4, 4), 1)
+    palette.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    clear = decode_image(saved(palette, transparency=1), MediaLimits())
+    assert clear.getpixel((0, 0)) == (255, 255, 255)
+    grey = decode_image(saved(Image.new("LA", (4, 4), (40, 255))), MediaLimits())
+    assert grey.getpixel((0, 0)) == (40, 40, 40)
+
+
+def test_exif_orientation_is_applied() -> None:
+    image = Image.new("RGB", (40, 20), (255, 0, 0))
+    image.paste((0, 0, 255), (0, 0, 20, 20))  # left half blue
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored rotated: display turns it 90 degrees clockwise
+    upright = decode_image(saved(image, "JPEG", exif=exif, quality=95), MediaLimits())
+    assert upright.size == (20, 40)
+    top = upright.getpixel((10, 5))
+    assert top[2] > 200 and top[0] < 60  # the blue half is now on top

@@ -26,7 +26,8 @@ import struct
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
-from PIL import Image
+import numpy as np
+from PIL import Image, ImageOps
 
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
@@ -356,11 +357,37 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB copy of `image`; transparent pixels are laid on a white background."""
+    """RGB copy of a decoded image, upright (EXIF orientation applied).
+
+    Transparent pixels are laid on a white background; 16-bit, 32-bit integer and float images
+    are scaled to 8 bits (PIL's own conversion clips them, which turns most pixels white).
+    """
+    image = ImageOps.exif_transpose(image)
+    if image.mode in HIGH_DEPTH_MODES:
+        image = _to_8bit(image)
     if image.mode == "RGB":
         return image
-    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
+
+
+HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+
+
+def _to_8bit(image: Image.Image) -> Image.Image:
+    """An 'L' image from a 16-bit, 32-bit integer or float one, scaled by its value range."""
+    values = np.asarray(image, dtype=np.float64)
+    top = float(values.max()) if values.size else 0.0
+    if image.mode == "F":
+        scale = 255.0 if top <= 1.0 else 1.0
+    elif image.mode == "I" and top <= 255:
+        scale = 1.0
+    elif image.mode.startswith("I;16") or top <= 65535:
+        scale = 255.0 / 65535.0
+    else:
+        scale = 255.0 / top
+    pixels = np.clip(np.rint(values * scale), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)

@@ -1,22 +1,29 @@
 """AsyncMMDataProcessor: fetch, decode and preprocess a request's images and videos off the loop.
 
-Two pools keep the asyncio loop free:
-- an I/O thread pool fetches the bytes (data: URL, http(s), allowed local file) and reads image
-  headers, so most bad media are refused before any CPU work;
-- a small CPU process pool (started with `spawn`) decodes and preprocesses: images go through the
-  checkpoint's HF image processor (built once per worker), videos are opened with decord inside
-  the worker and only numpy arrays come back (invariant 8).
+Three pools keep the asyncio loop free:
+- a fetch thread pool for http(s) URLs (at most `fetches_per_request` of them per request, so a
+  request of stalling URLs cannot take every thread), and an I/O thread pool for data: URLs and
+  allowed local files; both read image headers, so most bad media are refused before any CPU work;
+- a small pool of CPU worker processes (cpu_pool.WorkerPool, started with `spawn`) decodes and
+  preprocesses: images go through the checkpoint's HF image processor (built once per worker),
+  videos are identified from their bytes, probed, then opened with decord inside the worker and
+  only numpy arrays come back (invariant 8).
 
-The worker functions are plain module-level functions over picklable arguments so the pool can
-run them; they return `ProcessedMedia` (numpy) which the parent turns into `PreparedMedia`.
-Content hashes are not computed here: `build_multimodal_inputs` does that once per item.
+Every item is fetched and header-checked before any is decoded: the images' tokens (the
+checkpoint's resize rule over the header size) must fit what the context leaves, and the decoded
+bytes of the request are reserved in a budget shared by all requests (`MemoryBudget`).
+
+The worker functions are plain module-level functions over picklable arguments; they return
+`ProcessedMedia` (numpy) which the parent turns into `PreparedMedia`. Content hashes are not
+computed here: `build_multimodal_inputs` does that once per item.
 
 Errors: a client's bad media raises `MediaError` (400, param image_url / video_url). When a
 request's media take longer than `per_request_timeout`, the error is blamed on the client
 (400, code "media_timeout") if one of its items was still being fetched, since a slow or stalled
 URL is the usual cause; if everything was already fetched and the time went into waiting for or
-running our CPU workers, it is a 503 with the same code. A crashed worker process is our own
-failure: the pool is replaced and a RuntimeError (a 500 upstream) is raised.
+running our CPU workers, it is a 503 with the same code. A job that runs past the job timeout has
+its worker killed and replaced, and only its request fails (400, "media_processing_timeout"). A
+worker that dies in a job is our own failure: it is replaced and a RuntimeError (a 500) is raised.
 """
 
 from __future__ import annotations

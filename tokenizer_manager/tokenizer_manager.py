@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -40,6 +41,8 @@ from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_
 from tokenizer_manager.protocol import APIError
 
 logger = get_logger(__name__)
+
+T = TypeVar("T")
 
 PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
 PLACEHOLDER_RE = re.compile("(<\\|image_pad\\|>|<\\|video_pad\\|>)")
@@ -78,6 +81,9 @@ class TokenizerManager:
         self._reply_lock = asyncio.Lock()
         self._ctx = zmq.asyncio.Context()
         self._recv_task: asyncio.Task | None = None
+        # One thread for a request's CPU work (chat template, tokenizing, hashing): off the
+        # event loop, and one at a time, since a fast tokenizer is not safe to share.
+        self._cpu = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenize")
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -92,7 +98,12 @@ class TokenizerManager:
             self._recv_task.cancel()
         if self.mm is not None:
             await self.mm.close()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
         self._ctx.destroy(linger=0)
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a request's CPU-heavy step off the event loop (see `_cpu`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -171,7 +182,9 @@ class TokenizerManager:
         self.check_media_count(refs)
         if not refs:
             return []
-        budget = None if prompt is None else self.image_token_budget(prompt, max_tokens)
+        budget = None
+        if prompt is not None:
+            budget = await self.in_thread(self.image_token_budget, prompt, max_tokens)
         try:
             return await self.mm.process(refs, budget)
         except MediaError as e:
