@@ -164,7 +164,7 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     from tokenizer_manager.mm_processor import AsyncMMDataProcessor
     from tokenizer_manager.tokenizer_manager import TokenizerManager
 
-    limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
+    limits = MediaLimits.from_server_args(args)
     mm = AsyncMMDataProcessor(
         args.model_path,
         limits,
@@ -172,6 +172,8 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
         cpu_workers=max(1, min(4, os.cpu_count() or 1)),
         max_concurrent_calls=args.mm_max_concurrent_calls,
         per_request_timeout=args.mm_per_request_timeout,
+        fetches_per_request=args.mm_max_fetches_per_request,
+        max_inflight_bytes=args.mm_max_inflight_mb << 20,
     )
     await mm.warmup()
     kv_total = supervisor.ready_info.get("scheduler-TP0", {}).get("kv_total")

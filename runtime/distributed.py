@@ -8,8 +8,10 @@ carries pickled Python objects from the entry rank to the others.
 from __future__ import annotations
 
 import pickle
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -114,17 +116,35 @@ def init_tp_group(
     if world_size == 1:
         return TPGroup()
     backend = "nccl" if use_cuda else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=backend,
-        init_method=init_method,
+        store=rendezvous_store(init_method, rank, world_size, timeout),
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     ranks = list(range(world_size))
     device_group = dist.new_group(ranks, backend=backend)
     cpu_group = dist.new_group(ranks, backend="gloo") if use_cuda else device_group
     return TPGroup(rank=rank, size=world_size, device_group=device_group, cpu_group=cpu_group)
+
+
+def rendezvous_store(
+    init_method: str, rank: int, world_size: int, timeout: timedelta
+) -> dist.TCPStore:
+    """The c10d store for "tcp://host:port". Rank 0 serves it on a socket bound to `host` only
+    (by itself TCPStore listens on every interface); the store carries pickles, so it must not
+    be reachable from any network but the one the ranks share."""
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    host, port = url.hostname, url.port
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family)
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=listener.detach())
 
 
 def destroy_tp_group() -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 def _opt(help: str, **kw) -> dataclasses.Field:  # noqa: A002 - mirrors argparse
@@ -50,8 +51,35 @@ class ServerArgs:
     mm_per_request_timeout: float = _opt(
         "seconds to fetch and preprocess one request's media", default=30.0
     )
+    mm_max_fetches_per_request: int = _opt(
+        "media URLs of one request fetched at once (of 16 fetch threads)", default=4
+    )
+    mm_max_inflight_mb: int = _opt(
+        "decoded media bytes in flight across all requests, in MiB (beyond: wait, then 503)",
+        default=4096,
+    )
     allowed_local_media_path: str | None = _opt("folder from which file:// media may be read")
-    api_key: str | None = _opt("bearer token required by the HTTP API")
+    allow_private_media_urls: bool = _opt(
+        "let media URLs reach loopback, private and link-local addresses (off: refused)",
+        default=False,
+    )
+    allowed_media_domains: str | None = _opt(
+        "comma-separated host names media URLs may name (default: any public host)"
+    )
+    media_trust_env: bool = _opt(
+        "let media fetches use proxies, .netrc and SSL_CERT_FILE from the environment",
+        default=False,
+    )
+    media_fetch_timeout: float = _opt(
+        "seconds for one media URL fetch: connect, headers, body and redirects", default=10.0
+    )
+    api_key: str | None = _opt("bearer token required by the HTTP API (see --api-key-file)")
+    api_key_file: str | None = _opt(
+        "file holding the bearer token (keeps it out of the process list)"
+    )
+    max_request_bytes: int = _opt(
+        "largest HTTP request body in bytes (413 beyond); default 64 MiB", default=64 << 20
+    )
     served_model_name: str | None = _opt("model name reported by the API")
     log_level: str = _opt("log level", default="info")
     random_seed: int = _opt("seed for sampling without a per-request seed", default=0)
@@ -122,10 +150,27 @@ class ServerArgs:
         backend = self.attention_backend
         if backend == "auto":
             backend = "torch" if device == "cpu" else _best_gpu_backend()
-        ipc_dir = self.ipc_dir or tempfile.mkdtemp(prefix="tessera-ipc-")
-        out = dataclasses.replace(self, device=device, attention_backend=backend, ipc_dir=ipc_dir)
+        ipc_dir = _private_dir(self.ipc_dir)
+        out = dataclasses.replace(
+            self,
+            device=device,
+            attention_backend=backend,
+            ipc_dir=ipc_dir,
+            api_key=self._read_api_key(),
+            api_key_file=None,
+        )
         out.check()
         return out
+
+    def _read_api_key(self) -> str | None:
+        if self.api_key_file is None:
+            return self.api_key
+        if self.api_key:
+            raise ValueError("give --api-key or --api-key-file, not both")
+        key = Path(self.api_key_file).read_text().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {self.api_key_file} is empty")
+        return key
 
     def check(self) -> None:
         positive = ["tp_size", "chunked_prefill_size", "max_prefill_tokens", "max_running_requests"]
@@ -140,6 +185,18 @@ class ServerArgs:
             raise ValueError("--mm-cache-size-mb must be 0 (off) or positive")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be at least 16")
+        if self.max_request_bytes < 1024:
+            raise ValueError("--max-request-bytes must be at least 1024")
+
+
+def _private_dir(path: str | None) -> str:
+    """The IPC folder, private to this user (0700): a fresh temporary one when none is given."""
+    if path is None:
+        return tempfile.mkdtemp(prefix="tessera-ipc-")  # created 0700
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_mode & 0o077:
+        raise ValueError(f"--ipc-dir {path} must be private to this user (chmod 700)")
+    return path
 
 
 def _cuda_count() -> int:

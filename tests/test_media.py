@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
+import ipaddress
 import os
 import pickle
 import socket
@@ -21,6 +23,7 @@ import pytest
 from PIL import Image
 
 from runtime.multimodal import Modality
+from tokenizer_manager import media_fetch
 from tokenizer_manager.media import (
     MediaError,
     MediaLimits,
@@ -29,6 +32,7 @@ from tokenizer_manager.media import (
     looks_like_base64,
     open_image,
 )
+from tokenizer_manager.media_fetch import MediaUrlPolicy, address_is_public
 
 IMAGE, VIDEO = Modality.IMAGE, Modality.VIDEO
 
@@ -223,21 +227,35 @@ def test_local_file_size_limit(media_root: Path) -> None:
 # ------------------------------------------------------------------------------ http(s)
 
 IMAGE_BODY = png_bytes((16, 16), seed=3)
+LOCAL = MediaLimits(url_policy=MediaUrlPolicy(allow_private=True))  # our listeners are loopback
 
 
 class Handler(BaseHTTPRequestHandler):
+    hits: list[str] = []  # every request's path, in arrival order
+
     def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+        Handler.hits.append(self.path)
         routes = {
             "/cat.png": lambda: self._send(IMAGE_BODY),
             "/big": lambda: self._send(b"x" * 50_000),
             "/big-unsized": lambda: self._send(b"x" * 50_000, sized=False),
             "/drip": self._drip,
-            "/redirect": self._redirect,
+            "/drip-headers": self._drip_headers,
+            "/redirect": lambda: self._redirect("/cat.png"),
+            "/redirect-self": lambda: self._redirect(f"http://127.0.0.1:{self._port()}/cat.png"),
+            "/redirect-localhost": lambda: self._redirect(
+                f"http://localhost:{self._port()}/cat.png"
+            ),
+            "/redirect-file": lambda: self._redirect("file:///etc/hostname"),
+            "/redirect-loop": lambda: self._redirect("/redirect-loop"),
         }
         try:
             routes.get(self.path, lambda: self.send_error(404))()
         except (BrokenPipeError, ConnectionResetError):
             pass
+
+    def _port(self) -> int:
+        return self.server.server_address[1]
 
     def _send(self, body: bytes, sized: bool = True) -> None:
         self.send_response(200)
@@ -255,9 +273,17 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             time.sleep(0.1)
 
-    def _redirect(self) -> None:
+    def _drip_headers(self) -> None:
+        """A status line and headers one byte at a time: never a complete header block."""
+        for byte in b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nX-Pad: " * 4:
+            self.wfile.write(bytes([byte]))
+            self.wfile.flush()
+            time.sleep(0.2)
+
+    def _redirect(self, location: str) -> None:
         self.send_response(302)
-        self.send_header("Location", "/cat.png")
+        self.send_header("Location", location)
+        self.send_header("Content-Length", "0")
         self.end_headers()
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002
@@ -276,34 +302,185 @@ def server() -> Iterator[str]:
 
 
 def test_http_image_and_redirect(server: str) -> None:
-    assert load_media_bytes(f"{server}/cat.png", MediaLimits(), modality=IMAGE) == IMAGE_BODY
-    assert load_media_bytes(f"{server}/redirect", MediaLimits(), modality=IMAGE) == IMAGE_BODY
+    assert load_media_bytes(f"{server}/cat.png", LOCAL, modality=IMAGE) == IMAGE_BODY
+    assert load_media_bytes(f"{server}/redirect", LOCAL, modality=IMAGE) == IMAGE_BODY
 
 
-def test_http_errors_are_client_errors(server: str) -> None:
+def test_http_errors_do_not_reveal_the_network(server: str) -> None:
+    messages = set()
+    for url in (f"{server}/missing.png", f"http://127.0.0.1:{free_port()}/x.png"):
+        with expect_error("image_url", "media_fetch_failed") as info:
+            load_media_bytes(url, LOCAL, modality=IMAGE)
+        messages.add(str(info.value))
     with expect_error("image_url", "media_fetch_failed") as info:
-        load_media_bytes(f"{server}/missing.png", MediaLimits(), modality=IMAGE)
-    assert "404" in str(info.value) and "/missing.png" in str(info.value)
-    limits = MediaLimits(max_image_bytes=10_000)
+        load_media_bytes(f"{server}/cat.png", MediaLimits(), modality=IMAGE)  # refused address
+    messages.add(str(info.value))
+    assert messages == {"could not fetch the media URL"}
+    limits = dataclasses.replace(LOCAL, max_image_bytes=10_000)
     for path in ("/big", "/big-unsized"):
         with expect_error("image_url", "media_too_large"):
             load_media_bytes(f"{server}{path}", limits, modality=IMAGE)
 
 
-def test_http_slow_body_hits_the_deadline(server: str) -> None:
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "localhost", "127.1", "2130706433", "[::ffff:127.0.0.1]", "0.0.0.0"]
+)
+def test_loopback_is_refused_before_connecting(server: str, host: str) -> None:
+    port = server.rsplit(":", 1)[1]
+    before = len(Handler.hits)
+    with expect_error("image_url", "media_fetch_failed"):
+        load_media_bytes(f"http://{host}:{port}/cat.png", MediaLimits(), modality=IMAGE)
+    assert len(Handler.hits) == before, "the listener saw a connection"
+
+
+@pytest.mark.parametrize(
+    "address,public",
+    [
+        ("8.8.8.8", True),
+        ("2001:4860:4860::8888", True),
+        ("::ffff:8.8.8.8", True),
+        ("10.1.2.3", False),
+        ("172.16.0.1", False),
+        ("192.168.1.1", False),
+        ("169.254.169.254", False),
+        ("100.64.0.1", False),
+        ("0.0.0.0", False),
+        ("224.0.0.1", False),
+        ("240.0.0.1", False),
+        ("255.255.255.255", False),
+        ("::1", False),
+        ("::", False),
+        ("fe80::1", False),
+        ("fd00::1", False),
+        ("fec0::1", False),
+        ("ff02::1", False),
+        ("::ffff:127.0.0.1", False),
+        ("::ffff:10.0.0.1", False),
+        ("2002:7f00:1::", False),  # 6to4 around 127.0.0.1
+        ("64:ff9b::a9fe:a9fe", False),  # NAT64 around 169.254.169.254
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", False),  # Teredo around 127.0.0.1
+    ],
+)
+def test_address_rule(address: str, public: bool) -> None:
+    assert address_is_public(ipaddress.ip_address(address)) is public
+
+
+def test_every_redirect_hop_is_checked(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    only_ip = MediaLimits(
+        url_policy=MediaUrlPolicy(allow_private=True, allowed_domains=("127.0.0.1",))
+    )
+    assert load_media_bytes(f"{server}/redirect", only_ip, modality=IMAGE) == IMAGE_BODY
+    for path in ("/redirect-localhost", "/redirect-file", "/redirect-loop"):
+        with expect_error("image_url", "media_fetch_failed"):
+            load_media_bytes(f"{server}{path}", only_ip, modality=IMAGE)
+    # The address rule runs again on the hop: the first address passes, the second does not.
+    verdicts = iter([True, False])
+    monkeypatch.setattr(media_fetch, "address_is_public", lambda address: next(verdicts))
+    before = len(Handler.hits)
+    with expect_error("image_url", "media_fetch_failed"):
+        load_media_bytes(f"{server}/redirect-self", MediaLimits(), modality=IMAGE)
+    assert Handler.hits[before:] == ["/redirect-self"]
+
+
+def test_connects_to_the_address_it_checked(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lookup per connection: a second, different answer (DNS rebinding) is never asked."""
+    real = socket.getaddrinfo
+    lookups = []
+
+    def counting(host: str, *args: object, **kwargs: object) -> list:
+        lookups.append(host)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", counting)
+    url = server.replace("127.0.0.1", "localhost") + "/cat.png"
+    assert load_media_bytes(url, LOCAL, modality=IMAGE) == IMAGE_BODY
+    assert lookups[0] == "localhost"
+    assert all(ipaddress.ip_address(host).is_loopback for host in lookups[1:])
+
+
+def test_environment_proxies_are_ignored(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+            monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.server_address[1]}")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        before = len(Handler.hits)
+        assert load_media_bytes(f"{server}/cat.png", LOCAL, modality=IMAGE) == IMAGE_BODY
+        assert Handler.hits[before:] == ["/cat.png"]  # asked directly, not in proxy form
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+@pytest.mark.parametrize(
+    "path,timeout,limit",
+    [("/drip", 0.5, 3.0), ("/drip-headers", 1.0, 2.0)],  # a slow body; headers byte by byte
+)
+def test_one_deadline_covers_the_whole_fetch(
+    server: str, path: str, timeout: float, limit: float
+) -> None:
     start = time.perf_counter()
-    with expect_error("video_url", "media_timeout"):
-        load_media_bytes(f"{server}/drip", MediaLimits(http_timeout=0.5), modality=VIDEO)
-    assert time.perf_counter() - start < 3.0
+    limits = dataclasses.replace(LOCAL, http_timeout=timeout)
+    with expect_error("video_url", "media_fetch_failed"):
+        load_media_bytes(f"{server}{path}", limits, modality=VIDEO)
+    assert time.perf_counter() - start < limit
 
 
 def test_unreachable_url_is_a_quick_400() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/cat.png"
+    url = f"http://127.0.0.1:{free_port()}/cat.png"
     start = time.perf_counter()
     with expect_error("image_url", "media_fetch_failed") as info:
-        load_media_bytes(url, MediaLimits(http_timeout=5.0), modality=IMAGE)
+        load_media_bytes(url, dataclasses.replace(LOCAL, http_timeout=5.0), modality=IMAGE)
     assert time.perf_counter() - start < 2.0
-    assert url in str(info.value)
+    assert url not in str(info.value)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ image modes
+
+
+def saved(image: Image.Image, fmt: str = "PNG", **kwargs: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def test_high_bit_depth_images_keep_their_tones() -> None:
+    ramp16 = np.tile(np.linspace(0, 65535, 64).astype(np.uint16), (8, 1))
+    image = decode_image(saved(Image.fromarray(ramp16)), MediaLimits())
+    row = np.asarray(image)[0, :, 0]
+    assert image.mode == "RGB" and row[0] == 0 and row[-1] == 255
+    assert abs(int(row[32]) - 130) <= 2  # mid-grey stays mid-grey (PIL alone gives 255)
+    floats = np.tile(np.linspace(0.0, 1.0, 64, dtype=np.float32), (8, 1))
+    image = decode_image(saved(Image.fromarray(floats), "TIFF"), MediaLimits())
+    assert np.asarray(image)[0, -1, 0] == 255 and np.asarray(image)[0, 32, 0] in range(125, 135)
+
+
+def test_cmyk_palette_transparency_and_grey_alpha() -> None:
+    cmyk = decode_image(saved(Image.new("CMYK", (4, 4), (0, 255, 255, 0)), "JPEG"), MediaLimits())
+    red = cmyk.getpixel((1, 1))
+    assert cmyk.mode == "RGB" and red[0] > 200 and red[1] < 60 and red[2] < 60
+    palette = Image.new("P", (4, 4), 1)
+    palette.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    clear = decode_image(saved(palette, transparency=1), MediaLimits())
+    assert clear.getpixel((0, 0)) == (255, 255, 255)
+    grey = decode_image(saved(Image.new("LA", (4, 4), (40, 255))), MediaLimits())
+    assert grey.getpixel((0, 0)) == (40, 40, 40)
+
+
+def test_exif_orientation_is_applied() -> None:
+    image = Image.new("RGB", (40, 20), (255, 0, 0))
+    image.paste((0, 0, 255), (0, 0, 20, 20))  # left half blue
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored rotated: display turns it 90 degrees clockwise
+    upright = decode_image(saved(image, "JPEG", exif=exif, quality=95), MediaLimits())
+    assert upright.size == (20, 40)
+    top = upright.getpixel((10, 5))
+    assert top[2] > 200 and top[0] < 60  # the blue half is now on top

@@ -19,6 +19,7 @@ import pytest
 from dist_utils import free_port
 from make_tiny_checkpoint import make_checkpoint
 from PIL import Image
+from test_media import png_header_only
 from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
 
 from tokenizer_manager.media import MediaLimits
@@ -251,13 +252,21 @@ def test_models_metrics_and_idle_server_info(server: Server) -> None:
     assert info["kv_protected"] == 0 and info["encoder_cache"]["pins"] == 0
 
 
-def idle_info(server: Server) -> dict:
+def idle_info(server: Server, headers: dict | None = None) -> dict:
     deadline = time.monotonic() + 10
     while True:
-        info = httpx.get(server.url + "/server_info", timeout=10).json()
+        info = httpx.get(server.url + "/server_info", headers=headers, timeout=10).json()
         if (info["running"] == 0 and info["waiting"] == 0) or time.monotonic() > deadline:
             return info
         time.sleep(0.2)
+
+
+HEADER_ONLY_IMAGE = {  # ~100 bytes that announce 3000x3000 pixels (256 tokens here)
+    "type": "image_url",
+    "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(png_header_only(3000, 3000)).decode()
+    },
+}
 
 
 def huge_png() -> str:
@@ -292,6 +301,16 @@ BAD = {
         "image_url",
     ),
     "too_many_images": ([{"type": "image_url", "image_url": {"url": "data:,"}}] * 17, "messages"),
+    "deep_json": (b"[" * 50_000 + b"]" * 50_000, None),
+    "huge_int": (b'{"model": "qwen2_vl", "max_tokens": ' + b"9" * 5000 + b"}", None),
+    "image_header_beyond_context": (  # refused from the headers: decoding would say image_url
+        {
+            "model": "qwen2_vl",
+            "max_tokens": 3500,
+            "messages": [{"role": "user", "content": [HEADER_ONLY_IMAGE] * 4}],
+        },
+        "messages",
+    ),
 }
 
 
@@ -398,6 +417,60 @@ def test_client_disconnect_aborts_on_every_rank(server: Server) -> None:
     assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
     assert info["kv_protected"] == 0
     assert info["counters"]["aborted"] >= 1
+
+
+@pytest.fixture(scope="module")
+def keyed_server(folder: str, tmp_path_factory: pytest.TempPathFactory):
+    key = tmp_path_factory.mktemp("key") / "api-key"
+    key.write_text(API_KEY + "\n")
+    srv = Server(folder, tmp_path_factory.mktemp("log") / "keyed.log", "--api-key-file", str(key))
+    yield srv
+    srv.stop()
+
+
+API_KEY = "sekret-key"
+LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+HANG_UP = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Go on."}], **LONG}),
+    "chat_stream": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Go on."}], "stream": True, **LONG},
+    ),
+    "completions": ("/v1/completions", {"prompt": "Once upon a time", **LONG}),
+    "generate": (
+        "/generate",
+        {"text": "Once", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}},
+    ),
+}
+
+
+def hang_up(server: Server, path: str, body: dict, headers: dict) -> None:
+    """Send the request, then go away: after one chunk when streaming, else after a second."""
+    if body.get("stream"):
+        with httpx.stream("POST", server.url + path, json=body, headers=headers, timeout=60) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        return
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            server.url + path, json=body, headers=headers, timeout=httpx.Timeout(60, read=1.0)
+        )
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["no_key", "api_key"])
+@pytest.mark.parametrize("case", list(HANG_UP))
+def test_a_client_that_hangs_up_aborts_its_request(
+    request: pytest.FixtureRequest, keyed: bool, case: str
+) -> None:
+    server = request.getfixturevalue("keyed_server" if keyed else "server")
+    headers = {"authorization": f"Bearer {API_KEY}"} if keyed else {}
+    aborted = idle_info(server, headers)["counters"]["aborted"]
+    hang_up(server, *HANG_UP[case], headers)
+    info = idle_info(server, headers)
+    assert info["running"] == 0 and info["waiting"] == 0, "the request kept running"
+    assert info["counters"]["aborted"] == aborted + 1
+    log = server.log.read_text()
+    assert "already running" not in log and "internal error" not in log
 
 
 def test_api_key_is_checked() -> None:

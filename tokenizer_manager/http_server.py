@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -34,6 +35,8 @@ from tokenizer_manager.tokenizer_manager import TokenizerManager
 logger = get_logger(__name__)
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
+JSON_IN_THREAD = 1 << 16  # bodies larger than this are parsed off the event loop
 
 
 @dataclass
@@ -131,11 +134,11 @@ def native_params(raw: dict[str, Any], room: int) -> SamplingParams:
 
 
 def create_app(tm: TokenizerManager) -> FastAPI:
-    app = FastAPI(title="tessera", docs_url=None, redoc_url=None)
+    auth = [Depends(api_key_check(tm.args.api_key))] if tm.args.api_key else []
+    app = FastAPI(title="tessera", docs_url=None, redoc_url=None, dependencies=auth)
     app.state.tm = tm
     app.state.counters = ApiCounters()
     install_error_handlers(app)
-    install_auth(app, tm.args.api_key)
     add_info_routes(app, tm)
     add_openai_routes(app, tm)
     add_native_routes(app, tm)
@@ -168,23 +171,24 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(f"internal error: {type(exc).__name__}", status=500))
 
 
-def install_auth(app: FastAPI, api_key: str | None) -> None:
-    if not api_key:
-        return
+def api_key_check(api_key: str) -> Callable[[Request], None]:
+    """A dependency that every route but /health runs: the bearer token, compared in constant
+    time. A dependency (not a middleware) leaves the client's disconnect visible to the route."""
+    expected = f"Bearer {api_key}".encode()
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Callable) -> Response:
-        if request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
-                err = APIError(
-                    "invalid or missing API key",
-                    status=401,
-                    code="invalid_api_key",
-                    type="authentication_error",
-                )
-                return error_response(err)
-        return await call_next(request)
+    def check(request: Request) -> None:
+        if request.url.path == "/health":
+            return
+        given = request.headers.get("authorization", "").encode("utf-8", "replace")
+        if not hmac.compare_digest(given, expected):
+            raise APIError(
+                "invalid or missing API key",
+                status=401,
+                code="invalid_api_key",
+                type="authentication_error",
+            )
+
+    return check
 
 
 def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
@@ -254,16 +258,52 @@ def prometheus_text(info: Any, api: ApiCounters) -> str:
 
 
 async def parse_body(request: Request, model: type) -> Any:
-    try:
-        data = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError("request body is not valid JSON", code="invalid_json") from e
+    body = await read_body(request, request.app.state.tm.args.max_request_bytes)
+    large = len(body) > JSON_IN_THREAD
+    data = await asyncio.to_thread(load_json, body) if large else load_json(body)
     if not isinstance(data, dict):
         raise APIError("request body must be a JSON object", code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors()) from e
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    return bytes(body)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        f"the request body is larger than {limit} bytes", status=413, code="request_too_large"
+    )
+
+
+def load_json(body: bytes) -> Any:
+    """Parse a JSON body: malformed, too deep, NaN/Infinity or a too-long integer is a 400."""
+    try:
+        return json.loads(body, parse_constant=_no_constant)
+    except RecursionError as e:
+        raise APIError("request body is nested too deeply", code="invalid_json") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        raise APIError(f"request body is not valid JSON: {_reason(e)}", code="invalid_json") from e
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _reason(error: ValueError) -> str:
+    return str(error).split(";")[0][:200]
 
 
 def validation_error(errors: list[Any]) -> APIError:
@@ -290,33 +330,64 @@ def add_openai_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def chat(request: Request) -> Response:
         app.state.counters.requests += 1
         req = await parse_body(request, ChatCompletionRequest)
-        check_model(tm, req.model)
-        refuse_unsupported(req)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt, refs = tm.render_chat(messages)
-        tokenized = await tokenize(
-            tm, prompt, refs, req, req.max_completion_tokens or req.max_tokens, "chatcmpl"
-        )
-        return await respond(app, request, tm, tokenized, req, ChatFormatter(model_name(tm)))
+        return await until_disconnect(request, chat_response(app, request, tm, req))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         app.state.counters.requests += 1
         req = await parse_body(request, CompletionRequest)
-        check_model(tm, req.model)
-        refuse_unsupported(req)
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
-            if len(req.prompt) != 1:
-                raise APIError("only one prompt per request is supported", param="prompt")
-            req.prompt = req.prompt[0]
-        if isinstance(req.prompt, list):
-            ids = list(req.prompt)
-            check_token_ids(tm, ids)
-            params = sampling_params(req, req.max_tokens, tm.room(len(ids)))
-            tokenized = tm.build_request(new_id("cmpl"), ids, [], params, req.stream)
-        else:
-            tokenized = await tokenize(tm, req.prompt, [], req, req.max_tokens, "cmpl")
-        return await respond(app, request, tm, tokenized, req, CompletionFormatter(model_name(tm)))
+        return await until_disconnect(request, completion_response(app, request, tm, req))
+
+
+async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run a route's work; when the client goes away first, cancel it, which aborts the request
+    (TokenizerManager.generate sends the abort as its generator closes). Logged, not an error."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                logger.info("client disconnected from %s; request aborted", request.url.path)
+                return Response(status_code=499)
+    finally:
+        task.cancel()  # a no-op when done; ends the work when this handler is cancelled
+    return task.result()
+
+
+async def chat_response(
+    app: FastAPI, request: Request, tm: TokenizerManager, req: ChatCompletionRequest
+) -> Response:
+    check_model(tm, req.model)
+    refuse_unsupported(req)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    prompt, refs = await tm.in_thread(tm.render_chat, messages)
+    tokenized = await tokenize(
+        tm, prompt, refs, req, req.max_completion_tokens or req.max_tokens, "chatcmpl"
+    )
+    return await respond(app, request, tm, tokenized, req, ChatFormatter(model_name(tm)))
+
+
+async def completion_response(
+    app: FastAPI, request: Request, tm: TokenizerManager, req: CompletionRequest
+) -> Response:
+    check_model(tm, req.model)
+    refuse_unsupported(req)
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
+        if len(req.prompt) != 1:
+            raise APIError("only one prompt per request is supported", param="prompt")
+        req.prompt = req.prompt[0]
+    if isinstance(req.prompt, list):
+        ids = list(req.prompt)
+        check_token_ids(tm, ids)
+        params = sampling_params(req, req.max_tokens, tm.room(len(ids)))
+        tokenized = await tm.in_thread(
+            tm.build_request, new_id("cmpl"), ids, [], params, req.stream
+        )
+    else:
+        tokenized = await tokenize(tm, req.prompt, [], req, req.max_tokens, "cmpl")
+    return await respond(app, request, tm, tokenized, req, CompletionFormatter(model_name(tm)))
 
 
 def check_token_ids(tm: TokenizerManager, ids: list[int]) -> None:
@@ -333,10 +404,10 @@ async def tokenize(
     max_tokens: int | None,
     prefix: str,
 ) -> Any:
-    media = await tm.prepare_media(refs)
-    ids = tm.tokenize(prompt, media)
+    media = await tm.prepare_media(refs, prompt, max_tokens)
+    ids = await tm.in_thread(tm.tokenize, prompt, media)
     params = sampling_params(req, max_tokens, tm.room(len(ids)))
-    return tm.build_request(new_id(prefix), ids, media, params, req.stream)
+    return await tm.in_thread(tm.build_request, new_id(prefix), ids, media, params, req.stream)
 
 
 async def respond(
@@ -388,23 +459,15 @@ def error_event(err: APIError) -> bytes:
 async def collect_until_done(
     request: Request, first: StrOutput, stream: AsyncIterator[StrOutput]
 ) -> list[StrOutput]:
-    """Gather all outputs; a client that disconnects aborts the request (via aclose)."""
+    """Gather all outputs. A client that disconnects cancels this (until_disconnect), and the
+    request's generator sends the abort as it closes."""
     outputs = [first]
-
-    async def drain() -> None:
-        async for out in stream:
-            outputs.append(out)
-
-    task = asyncio.create_task(drain()) if first.finish_reason is None else None
-    while task is not None and not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            await stream.aclose()
-            raise APIError("client disconnected", status=499, code="client_closed")
-    if task is not None:
-        task.result()
-    await stream.aclose()
+    try:
+        if first.finish_reason is None:
+            async for out in stream:
+                outputs.append(out)
+    finally:
+        await stream.aclose()
     err = finish_error(outputs[-1])
     if err is not None:
         raise err
@@ -521,16 +584,22 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
     async def generate(request: Request) -> Response:
         app.state.counters.requests += 1
         req = await parse_body(request, GenerateRequest)
-        tokenized = await native_request(tm, req)
-        stream = tm.generate(tokenized)
-        first = await first_output(stream)
-        if req.stream:
-            return StreamingResponse(
-                native_sse(tokenized.rid, first, stream), media_type="text/event-stream"
-            )
-        outputs = await collect_until_done(request, first, stream)
-        record_usage(app.state.counters, outputs[-1])
-        return JSONResponse(native_body(tokenized.rid, outputs))
+        return await until_disconnect(request, native_response(app, request, tm, req))
+
+
+async def native_response(
+    app: FastAPI, request: Request, tm: TokenizerManager, req: GenerateRequest
+) -> Response:
+    tokenized = await native_request(tm, req)
+    stream = tm.generate(tokenized)
+    first = await first_output(stream)
+    if req.stream:
+        return StreamingResponse(
+            native_sse(tokenized.rid, first, stream), media_type="text/event-stream"
+        )
+    outputs = await collect_until_done(request, first, stream)
+    record_usage(app.state.counters, outputs[-1])
+    return JSONResponse(native_body(tokenized.rid, outputs))
 
 
 async def native_request(tm: TokenizerManager, req: GenerateRequest) -> Any:
@@ -549,10 +618,11 @@ async def native_request(tm: TokenizerManager, req: GenerateRequest) -> Any:
         text = req.text
         if refs and "<|image_pad|>" not in text:
             text = "<|vision_start|><|image_pad|><|vision_end|>" * len(refs) + text
-        media = await tm.prepare_media(refs)
-        ids = tm.tokenize(text, media)
+        media = await tm.prepare_media(refs, text, req.sampling_params.get("max_new_tokens"))
+        ids = await tm.in_thread(tm.tokenize, text, media)
     params = native_params(req.sampling_params, tm.room(len(ids)))
-    return tm.build_request(req.rid or new_id("gen"), ids, media, params, req.stream)
+    rid = req.rid or new_id("gen")
+    return await tm.in_thread(tm.build_request, rid, ids, media, params, req.stream)
 
 
 def native_body(rid: str, outputs: list[StrOutput]) -> dict[str, Any]:

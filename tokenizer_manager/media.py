@@ -9,7 +9,8 @@ tessera's own failure and surfaces as a 500.
 Sources a media URL may name:
 - `data:<type>;base64,<data>`, and bare base64 (only base64 characters, at least 64 of them and
   a multiple of 4, so that a file path is never mistaken for it);
-- `http://` and `https://`, fetched with a connect/read timeout, an overall deadline and a byte cap;
+- `http://` and `https://`, fetched under `MediaLimits.url_policy` (no loopback, private or
+  link-local addresses by default; see media_fetch.py) within one deadline and a byte cap;
 - `file://` URLs and plain paths, only inside `MediaLimits.allowed_local_media_path` (symlinks
   and `..` are resolved before the check); relative paths are taken relative to that folder.
 """
@@ -22,18 +23,22 @@ import io
 import os
 import re
 import struct
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-from PIL import Image
+import numpy as np
+from PIL import Image, ImageOps
 
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
-
-if TYPE_CHECKING:
-    import httpx
+from runtime.server_args import ServerArgs
+from tokenizer_manager.media_fetch import (
+    MediaFetcher,
+    MediaUrlPolicy,
+    NotFetched,
+    TooLarge,
+    parse_domains,
+)
 
 logger = get_logger(__name__)
 
@@ -41,8 +46,6 @@ MiB = 1 << 20
 # Formats PIL may open. Others (EPS, PSD, ...) are refused: some call external programs or are
 # rarely used and poorly tested against hostile input.
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG covers MPO
-MAX_REDIRECTS = 5
-USER_AGENT = "tessera-media-fetcher/0.1"
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _BASE64_RE = re.compile(r"[A-Za-z0-9+/]*={0,2}")
@@ -83,11 +86,27 @@ class MediaLimits:
     max_pixels: int = 50_000_000  # decoded pixels of one image or one video frame
     min_side: int = 1
     max_frames: int = 64  # sampled frames of one video
-    http_timeout: float = 10.0  # seconds: connect, each read, and the whole download
+    max_video_frames: int = 108_000  # frames a video may declare (an hour at 30 fps)
+    max_video_seconds: float = 3600.0  # duration a video may declare
+    http_timeout: float = 10.0  # seconds for one whole fetch: connect, headers, body, redirects
     allowed_local_media_path: str | None = None  # None: local files are refused
+    url_policy: MediaUrlPolicy = MediaUrlPolicy()  # which http(s) URLs may be fetched
 
     def max_bytes(self, modality: Modality) -> int:
         return self.max_image_bytes if modality == Modality.IMAGE else self.max_video_bytes
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs) -> MediaLimits:
+        policy = MediaUrlPolicy(
+            allow_private=args.allow_private_media_urls,
+            allowed_domains=parse_domains(args.allowed_media_domains),
+            trust_env=args.media_trust_env,
+        )
+        return cls(
+            http_timeout=args.media_fetch_timeout,
+            allowed_local_media_path=args.allowed_local_media_path,
+            url_policy=policy,
+        )
 
 
 def media_param(modality: Modality) -> str:
@@ -105,11 +124,11 @@ def _short(url: str, limit: int = 120) -> str:
 
 
 def load_media_bytes(
-    url: str, limits: MediaLimits, *, modality: Modality, client: httpx.Client | None = None
+    url: str, limits: MediaLimits, *, modality: Modality, fetcher: MediaFetcher | None = None
 ) -> bytes:
     """The raw bytes behind a media URL; raises MediaError for anything the client got wrong.
 
-    `client` lets a caller share one HTTP connection pool; without it a client is made per call.
+    `fetcher` lets a caller share one HTTP connection pool; without it one is made per call.
     """
     param = media_param(modality)
     url = url.strip()
@@ -120,7 +139,7 @@ def load_media_bytes(
     if scheme == "data":
         return decode_data_url(url, max_bytes, param)
     if scheme in ("http", "https"):
-        return fetch_http(url, max_bytes, limits.http_timeout, param, client)
+        return fetch_http(url, limits, modality, fetcher)
     if scheme == "file":
         return read_local_file(_file_url_path(url, param), limits, modality)
     if scheme:
@@ -206,74 +225,27 @@ def _too_large(max_bytes: int, param: str, what: str = "media item") -> MediaErr
 
 
 def fetch_http(
-    url: str, max_bytes: int, timeout: float, param: str, client: httpx.Client | None = None
+    url: str, limits: MediaLimits, modality: Modality, fetcher: MediaFetcher | None = None
 ) -> bytes:
-    """GET `url` with at most `max_bytes` of body and `timeout` seconds in all."""
-    import httpx  # only the process that fetches needs it
+    """GET `url` under the limits' URL policy, with its byte cap and one deadline for it all.
 
-    own_client = client is None
-    client = client or make_http_client(timeout)
+    Every failure but size gives the same message, so the replies cannot map a network.
+    """
+    param, max_bytes = media_param(modality), limits.max_bytes(modality)
+    own = fetcher is None
+    fetcher = fetcher or MediaFetcher(limits.url_policy, limits.http_timeout)
     try:
-        return _download(client, url, max_bytes, timeout, param)
-    except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        reason = str(exc) or type(exc).__name__
+        return fetcher.fetch(url, max_bytes)
+    except TooLarge:
+        raise _too_large(max_bytes, param) from None
+    except NotFetched as exc:
+        logger.info("media fetch of %s failed: %s", _short(url), exc)
         raise MediaError(
-            f"cannot fetch media from {_short(url)}: {reason}",
-            param=param,
-            code="media_fetch_failed",
-        ) from exc
+            "could not fetch the media URL", param=param, code="media_fetch_failed"
+        ) from None
     finally:
-        if own_client:
-            client.close()
-
-
-def make_http_client(timeout: float) -> httpx.Client:
-    import httpx
-
-    return httpx.Client(
-        timeout=httpx.Timeout(timeout),
-        follow_redirects=True,
-        max_redirects=MAX_REDIRECTS,
-        headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
-    )
-
-
-def _download(client: httpx.Client, url: str, max_bytes: int, timeout: float, param: str) -> bytes:
-    deadline = time.monotonic() + timeout
-    with client.stream("GET", url, timeout=timeout) as response:
-        if not response.is_success:
-            raise MediaError(
-                f"cannot fetch media from {_short(url)}: HTTP {response.status_code}",
-                param=param,
-                code="media_fetch_failed",
-            )
-        if _declared_length(response) > max_bytes:
-            raise _too_large(max_bytes, param)
-        return _read_body(response, max_bytes, deadline, url, param)
-
-
-def _declared_length(response: httpx.Response) -> int:
-    try:
-        return int(response.headers.get("content-length") or 0)
-    except ValueError:
-        return 0
-
-
-def _read_body(
-    response: httpx.Response, max_bytes: int, deadline: float, url: str, param: str
-) -> bytes:
-    body = bytearray()
-    for chunk in response.iter_bytes():
-        body += chunk
-        if len(body) > max_bytes:
-            raise _too_large(max_bytes, param)
-        if time.monotonic() > deadline:
-            raise MediaError(
-                f"fetching media from {_short(url)} took too long",
-                param=param,
-                code="media_timeout",
-            )
-    return bytes(body)
+        if own:
+            fetcher.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,11 +357,37 @@ def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB copy of `image`; transparent pixels are laid on a white background."""
+    """RGB copy of a decoded image, upright (EXIF orientation applied).
+
+    Transparent pixels are laid on a white background; 16-bit, 32-bit integer and float images
+    are scaled to 8 bits (PIL's own conversion clips them, which turns most pixels white).
+    """
+    image = ImageOps.exif_transpose(image)
+    if image.mode in HIGH_DEPTH_MODES:
+        image = _to_8bit(image)
     if image.mode == "RGB":
         return image
-    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
+
+
+HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+
+
+def _to_8bit(image: Image.Image) -> Image.Image:
+    """An 'L' image from a 16-bit, 32-bit integer or float one, scaled by its value range."""
+    values = np.asarray(image, dtype=np.float64)
+    top = float(values.max()) if values.size else 0.0
+    if image.mode == "F":
+        scale = 255.0 if top <= 1.0 else 1.0
+    elif image.mode == "I" and top <= 255:
+        scale = 1.0
+    elif image.mode.startswith("I;16") or top <= 65535:
+        scale = 255.0 / 65535.0
+    else:
+        scale = 255.0 / top
+    pixels = np.clip(np.rint(values * scale), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)

@@ -1,37 +1,42 @@
 """AsyncMMDataProcessor: fetch, decode and preprocess a request's images and videos off the loop.
 
-Two pools keep the asyncio loop free:
-- an I/O thread pool fetches the bytes (data: URL, http(s), allowed local file) and reads image
-  headers, so most bad media are refused before any CPU work;
-- a small CPU process pool (started with `spawn`) decodes and preprocesses: images go through the
-  checkpoint's HF image processor (built once per worker), videos are opened with decord inside
-  the worker and only numpy arrays come back (invariant 8).
+Three pools keep the asyncio loop free:
+- a fetch thread pool for http(s) URLs (at most `fetches_per_request` of them per request, so a
+  request of stalling URLs cannot take every thread), and an I/O thread pool for data: URLs and
+  allowed local files; both read image headers, so most bad media are refused before any CPU work;
+- a small pool of CPU worker processes (cpu_pool.WorkerPool, started with `spawn`) decodes and
+  preprocesses: images go through the checkpoint's HF image processor (built once per worker),
+  videos are identified from their bytes, probed, then opened with decord inside the worker and
+  only numpy arrays come back (invariant 8).
 
-The worker functions are plain module-level functions over picklable arguments so the pool can
-run them; they return `ProcessedMedia` (numpy) which the parent turns into `PreparedMedia`.
-Content hashes are not computed here: `build_multimodal_inputs` does that once per item.
+Every item is fetched and header-checked before any is decoded: the images' tokens (the
+checkpoint's resize rule over the header size) must fit what the context leaves, and the decoded
+bytes of the request are reserved in a budget shared by all requests (`MemoryBudget`).
+
+The worker functions are plain module-level functions over picklable arguments; they return
+`ProcessedMedia` (numpy) which the parent turns into `PreparedMedia`. Content hashes are not
+computed here: `build_multimodal_inputs` does that once per item.
 
 Errors: a client's bad media raises `MediaError` (400, param image_url / video_url). When a
 request's media take longer than `per_request_timeout`, the error is blamed on the client
 (400, code "media_timeout") if one of its items was still being fetched, since a slow or stalled
 URL is the usual cause; if everything was already fetched and the time went into waiting for or
-running our CPU workers, it is a 503 with the same code. A crashed worker process is our own
-failure: the pool is replaced and a RuntimeError (a 500 upstream) is raised.
+running our CPU workers, it is a 503 with the same code. A job that runs past the job timeout has
+its worker killed and replaced, and only its request fails (400, "media_processing_timeout"). A
+worker that dies in a job is our own failure: it is replaced and a RuntimeError (a 500) is raised.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import io
 import json
-import multiprocessing
 import signal
-import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -43,16 +48,23 @@ import torch
 from runtime.allocator import keep_freed_memory
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
+from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
 from tokenizer_manager.media import (
     MediaError,
     MediaLimits,
     decode_image,
     load_media_bytes,
-    make_http_client,
     media_param,
     open_image,
 )
+from tokenizer_manager.media_fetch import MediaFetcher
 from tokenizer_manager.multimodal_inputs import PreparedMedia
+from tokenizer_manager.video_container import (
+    check_video_header,
+    check_video_length,
+    probe_video,
+    video_container,
+)
 from tokenizer_manager.video_processor import (
     MAX_ASPECT_RATIO,
     VIDEO_MAX_PIXELS,
@@ -81,7 +93,7 @@ __all__ = [
 logger = get_logger(__name__)
 
 FRAME_CHUNK = 8  # video frames decoded at once before they are resized down
-WORKER_STOP_TIMEOUT = 5.0  # seconds close() waits for a busy worker before terminating it
+IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # HF's defaults for Qwen2-VL
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,28 @@ class ProcessorSpec:
 
     model_path: str
     video: VideoProcessingConfig
+    image: VideoProcessingConfig  # the image geometry: patch, merge and pixel bounds
+
+    @property
+    def factor(self) -> int:
+        return self.image.patch_size * self.image.merge_size
+
+    def image_cost(self, height: int, width: int) -> tuple[int, int]:
+        """(tokens, decoded bytes bound) of an image of this size, from its header alone.
+
+        Tokens follow the image processor's resize rule; the bytes count the decoded RGBA image
+        and the float32 patches (two temporal copies of each pixel).
+        """
+        image = self.image
+        try:
+            h, w = smart_resize(height, width, self.factor, image.min_pixels, image.max_pixels)
+        except ValueError as exc:
+            raise MediaError(str(exc), param="image_url", code="invalid_media_size") from exc
+        return h * w // self.factor**2, height * width * 4 + h * w * 3 * 2 * 4
+
+    def video_bytes_bound(self) -> int:
+        """Decoded bytes a video may take at most: its sampled frames as float32, twice."""
+        return self.video.max_frames * self.video.max_pixels * 3 * 4 * 2
 
     @classmethod
     def from_checkpoint(
@@ -115,7 +149,10 @@ class ProcessorSpec:
             config, min_pixels=video_min_pixels, max_pixels=video_max_pixels
         )
         video = dataclasses.replace(video, max_frames=min(video.max_frames, limits.max_frames))
-        return cls(str(model_path), video)
+        defaults = {} if "size" in config else {"min_pixels": IMAGE_MIN_PIXELS}
+        defaults |= {} if "size" in config else {"max_pixels": IMAGE_MAX_PIXELS}
+        image = VideoProcessingConfig.from_preprocessor_config({**defaults, **config})
+        return cls(str(model_path), video, image)
 
 
 def _read_preprocessor_config(model_path: str) -> dict[str, Any]:
@@ -200,9 +237,12 @@ def read_resized_frames(
     data: bytes, cfg: VideoProcessingConfig, limits: MediaLimits
 ) -> tuple[np.ndarray, float]:
     """Sampled frames, already resized to the video's target size, and their frame rate."""
+    header = probe_video(data, video_container(data))
+    check_video_header(header, limits)
     reader = open_video_reader(data)
     try:
         total, video_fps = len(reader), float(reader.get_avg_fps())
+        check_video_length(total, total / max(video_fps, 1e-3), limits)
         indices = _sample(total, video_fps, cfg)
         first = decode_frames(reader, indices[:1])
         size = _video_target_size(first.shape[1], first.shape[2], cfg, limits)
@@ -272,10 +312,21 @@ def _resize_all(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 
 @dataclass
+class _Fetched:
+    """An item's bytes, fetched and (for images) header-checked; nothing decoded yet."""
+
+    modality: Modality
+    data: bytes
+    tokens: int | None  # known from the header for images; None for videos
+    decoded_bytes: int  # an upper estimate of the memory its decoding will take
+
+
+@dataclass
 class _RequestState:
-    """Per-request bookkeeping: bytes fetched so far and which items are still fetching."""
+    """Per-request bookkeeping: bytes fetched so far, items still fetching, the fetch cap."""
 
     max_bytes: int
+    fetch_slots: asyncio.Semaphore
     fetched_bytes: int = 0
     fetching: dict[int, Modality] = dataclasses.field(default_factory=dict)
 
@@ -289,8 +340,49 @@ class _RequestState:
             )
 
 
+class MemoryBudget:
+    """Bytes of decoded media in flight across all requests; a request waits for its share.
+
+    A request larger than the whole budget is let in alone (when nothing else is in flight).
+    """
+
+    def __init__(self, limit: int, max_wait: float):
+        self.limit, self.max_wait = limit, max_wait
+        self.in_flight = 0
+        self._changed = asyncio.Condition()
+
+    async def acquire(self, amount: int) -> None:
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._fits(amount)), self.max_wait
+                )
+            except asyncio.TimeoutError:
+                raise MediaError(
+                    "the server is busy decoding other media; try again shortly",
+                    status=503,
+                    param="messages",
+                    code="media_busy",
+                ) from None
+            self.in_flight += amount
+
+    def _fits(self, amount: int) -> bool:
+        return self.in_flight == 0 or self.in_flight + amount <= self.limit
+
+    async def release(self, amount: int) -> None:
+        async with self._changed:
+            self.in_flight -= amount
+            self._changed.notify_all()
+
+
 class AsyncMMDataProcessor:
-    """Turns a request's media references into `PreparedMedia`, in order, off the event loop."""
+    """Turns a request's media references into `PreparedMedia`, in order, off the event loop.
+
+    Network fetches run in their own thread pool, at most `fetches_per_request` at a time per
+    request, so URLs that stall cannot hold up data: URLs or local files. Every item is fetched
+    and its header read before any is decoded: the images' token count is then checked against
+    the request's budget, and the decoded bytes are reserved in a budget shared by all requests.
+    """
 
     def __init__(
         self,
@@ -298,9 +390,13 @@ class AsyncMMDataProcessor:
         limits: MediaLimits,
         *,
         io_workers: int = 8,
+        net_workers: int = 16,
+        fetches_per_request: int = 4,
         cpu_workers: int = 1,
         max_concurrent_calls: int = 32,
         per_request_timeout: float = 30.0,
+        job_timeout: float | None = None,
+        max_inflight_bytes: int = 4 << 30,
         video_min_pixels: int = VIDEO_MIN_PIXELS,
         video_max_pixels: int = VIDEO_MAX_PIXELS,
     ):
@@ -310,33 +406,38 @@ class AsyncMMDataProcessor:
         )
         self.cpu_workers = cpu_workers
         self.per_request_timeout = per_request_timeout
+        self.fetches_per_request = fetches_per_request
         self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="tessera-media-io")
-        self._cpu = self._new_cpu_pool()
-        self._http = make_http_client(limits.http_timeout)
-        self._slots = asyncio.Semaphore(max_concurrent_calls)
-        self._closed = False
-        logger.info("media: %d I/O threads, %d CPU worker processes", io_workers, cpu_workers)
-
-    def _new_cpu_pool(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(
-            self.cpu_workers,
-            mp_context=multiprocessing.get_context("spawn"),
+        self._net = ThreadPoolExecutor(net_workers, thread_name_prefix="tessera-media-net")
+        self._cpu = WorkerPool(
+            cpu_workers,
+            job_timeout=job_timeout or per_request_timeout,
             initializer=init_worker,
             initargs=(self.spec.model_path,),
+        )
+        self._fetcher = MediaFetcher(limits.url_policy, limits.http_timeout)
+        self._slots = asyncio.Semaphore(max_concurrent_calls)
+        self._memory = MemoryBudget(max_inflight_bytes, max_wait=per_request_timeout / 2)
+        self._closed = False
+        logger.info(
+            "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes",
+            io_workers,
+            net_workers,
+            fetches_per_request,
+            cpu_workers,
         )
 
     # ------------------------------------------------------------------ lifecycle
     async def warmup(self) -> None:
-        """Start every CPU worker now (and build its processor) instead of on the first request."""
-        loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self._cpu, worker_ready) for _ in range(self.cpu_workers)]
-        await asyncio.gather(*jobs)
+        """Wait until every CPU worker has started (and built its processor)."""
+        if not await asyncio.to_thread(self._cpu.wait_ready):
+            raise RuntimeError("the media worker processes did not start")
 
     def worker_pids(self) -> list[int]:
-        return list((self._cpu._processes or {}).keys())
+        return self._cpu.pids()
 
     async def close(self) -> None:
-        """Stop both pools; a busy worker gets a few seconds, then is terminated."""
+        """Stop the pools; a busy worker gets a few seconds, then is killed."""
         if self._closed:
             return
         self._closed = True
@@ -345,9 +446,10 @@ class AsyncMMDataProcessor:
     def shutdown(self) -> None:
         """Blocking form of close(), for callers without an event loop."""
         self._closed = True
-        _stop_process_pool(self._cpu)
+        self._cpu.shutdown()
         self._io.shutdown(wait=False, cancel_futures=True)
-        self._http.close()
+        self._net.shutdown(wait=False, cancel_futures=True)
+        self._fetcher.close()
 
     async def __aenter__(self) -> AsyncMMDataProcessor:
         return self
@@ -358,18 +460,24 @@ class AsyncMMDataProcessor:
         await self.close()
 
     # ------------------------------------------------------------------ processing
-    async def process(self, parts: list[MediaRef]) -> list[PreparedMedia]:
+    async def process(
+        self, parts: list[MediaRef], max_image_tokens: int | None = None
+    ) -> list[PreparedMedia]:
         """Fetch and preprocess every part; results keep the order of `parts`.
 
-        Raises the first MediaError (in item order among the items that failed before the rest
-        were cancelled), or MediaError with code "media_timeout" after `per_request_timeout`.
+        `max_image_tokens` bounds the images' tokens together (what the context has left); it is
+        checked from the headers, before any image is decoded. Raises the first MediaError (in
+        item order among the items that failed before the rest were cancelled), or MediaError
+        with code "media_timeout" after `per_request_timeout`.
         """
         if self._closed:
             raise RuntimeError("the media processor is closed")
         if not parts:
             return []
-        state = _RequestState(self.limits.max_request_bytes)
-        work = self._process_all(parts, state)
+        state = _RequestState(
+            self.limits.max_request_bytes, asyncio.Semaphore(self.fetches_per_request)
+        )
+        work = self._process_all(parts, state, max_image_tokens)
         try:
             return await asyncio.wait_for(work, self.per_request_timeout)
         except asyncio.TimeoutError:
@@ -385,74 +493,89 @@ class AsyncMMDataProcessor:
         return MediaError(message, status=503, param="messages", code="media_timeout")
 
     async def _process_all(
-        self, parts: list[MediaRef], state: _RequestState
+        self, parts: list[MediaRef], state: _RequestState, max_image_tokens: int | None
     ) -> list[PreparedMedia]:
-        tasks = [
-            asyncio.ensure_future(self._process_one(i, ref, state)) for i, ref in enumerate(parts)
-        ]
+        fetched = await _all_or_first_error(
+            [self._fetch_one(i, ref, state) for i, ref in enumerate(parts)]
+        )
+        check_image_tokens(fetched, max_image_tokens)
+        reserved = sum(item.decoded_bytes for item in fetched)
+        await self._memory.acquire(reserved)
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            results = await _all_or_first_error([self._decode_one(item) for item in fetched])
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        failed = [t for t in tasks if not t.cancelled() and t.exception() is not None]
-        if failed:
-            raise failed[0].exception()
-        return [task.result() for task in tasks]
+            await self._memory.release(reserved)
+        return [result.to_prepared() for result in results]
 
-    async def _process_one(self, index: int, ref: MediaRef, state: _RequestState) -> PreparedMedia:
-        async with self._slots:
+    async def _fetch_one(self, index: int, ref: MediaRef, state: _RequestState) -> _Fetched:
+        remote = _is_remote(ref.url)
+        async with self._slots, state.fetch_slots if remote else _NO_LIMIT:
             state.fetching[index] = ref.modality
-            data = await self._run(self._io, self._fetch, ref)
+            pool = self._net if remote else self._io
+            fetched = await self._run(pool, self._fetch, ref)
             del state.fetching[index]
-            state.add_bytes(len(data), ref.modality)
-            result = await self._run_cpu(ref.modality, data)
-        return result.to_prepared()
+        state.add_bytes(len(fetched.data), ref.modality)
+        return fetched
 
-    def _fetch(self, ref: MediaRef) -> bytes:
-        """I/O thread: the bytes, plus a header check for images (no pixels decoded yet)."""
-        data = load_media_bytes(ref.url, self.limits, modality=ref.modality, client=self._http)
-        if ref.modality == Modality.IMAGE:
-            open_image(data, self.limits).close()
-        return data
+    def _fetch(self, ref: MediaRef) -> _Fetched:
+        """I/O thread: the bytes, plus a header read for images (no pixels decoded yet)."""
+        data = load_media_bytes(ref.url, self.limits, modality=ref.modality, fetcher=self._fetcher)
+        if ref.modality == Modality.VIDEO:
+            return _Fetched(ref.modality, data, None, self.spec.video_bytes_bound())
+        with open_image(data, self.limits) as image:
+            width, height = image.size
+        return _Fetched(ref.modality, data, *self.spec.image_cost(height, width))
 
-    async def _run_cpu(self, modality: Modality, data: bytes) -> ProcessedMedia:
-        work = process_image_bytes if modality == Modality.IMAGE else process_video_bytes
-        pool = self._cpu
-        try:
-            return await self._run(pool, work, data, self.spec, self.limits)
-        except BrokenProcessPool as exc:
-            self._replace_broken_pool(pool)
-            raise RuntimeError("a media worker process died while preprocessing") from exc
-
-    def _replace_broken_pool(self, broken: ProcessPoolExecutor) -> None:
-        if self._cpu is broken and not self._closed:
-            logger.error("a media worker process died; starting a new CPU pool")
-            self._cpu = self._new_cpu_pool()
-            broken.shutdown(wait=False, cancel_futures=True)
+    async def _decode_one(self, item: _Fetched) -> ProcessedMedia:
+        work = process_image_bytes if item.modality == Modality.IMAGE else process_video_bytes
+        async with self._slots:
+            future = self._cpu.submit(work, item.data, self.spec, self.limits)
+            try:
+                return await asyncio.wrap_future(future)
+            except JobTimeout:
+                raise MediaError(
+                    f"preprocessing this {item.modality.value} took longer than "
+                    f"{self._cpu.job_timeout:g} s and was stopped",
+                    param=media_param(item.modality),
+                    code="media_processing_timeout",
+                ) from None
+            except WorkerDied as exc:
+                raise RuntimeError("a media worker process died while preprocessing") from exc
 
     @staticmethod
     async def _run(pool: Executor, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
 
-def _stop_process_pool(pool: ProcessPoolExecutor) -> None:
-    """Shut a pool down without waiting forever: busy workers are terminated after a grace time.
+_NO_LIMIT = contextlib.nullcontext()
 
-    Reads the executor's private `_processes` map: the standard library has no public way to
-    terminate a worker that is stuck in a job.
-    """
-    processes = list((pool._processes or {}).values())
-    stopper = threading.Thread(
-        target=pool.shutdown, kwargs={"wait": True, "cancel_futures": True}, daemon=True
-    )
-    stopper.start()
-    stopper.join(WORKER_STOP_TIMEOUT)
-    if not stopper.is_alive():
-        return
-    for process in processes:
-        if process.is_alive():
-            logger.warning("terminating busy media worker %d", process.pid)
-            process.terminate()
-    stopper.join(WORKER_STOP_TIMEOUT)
+
+def _is_remote(url: str) -> bool:
+    return url.lstrip()[:8].lower().startswith(("http://", "https://"))
+
+
+async def _all_or_first_error(jobs: list[Any]) -> list[Any]:
+    """Run the coroutines concurrently; on the first error cancel the rest and raise it."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    failed = [t for t in tasks if not t.cancelled() and t.exception() is not None]
+    if failed:
+        raise failed[0].exception()
+    return [task.result() for task in tasks]
+
+
+def check_image_tokens(fetched: list[_Fetched], limit: int | None) -> None:
+    """Refuse before decoding when the images' tokens (from their headers) exceed `limit`."""
+    tokens = sum(item.tokens or 0 for item in fetched)
+    if limit is not None and tokens > limit:
+        raise MediaError(
+            f"the images of this request take {tokens} tokens; only {max(0, limit)} fit in the "
+            "context with the prompt",
+            param="messages",
+            code="context_length_exceeded",
+        )

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -41,6 +42,8 @@ from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_
 from tokenizer_manager.protocol import APIError
 
 logger = get_logger(__name__)
+
+T = TypeVar("T")
 
 PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
 PLACEHOLDER_RE = re.compile("(<\\|image_pad\\|>|<\\|video_pad\\|>)")
@@ -87,6 +90,9 @@ class TokenizerManager:
         self._reply_lock = asyncio.Lock()
         self._ctx = zmq.asyncio.Context()
         self._recv_task: asyncio.Task | None = None
+        # One thread for a request's CPU work (chat template, tokenizing, hashing): off the
+        # event loop, and one at a time, since a fast tokenizer is not safe to share.
+        self._cpu = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenize")
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -101,7 +107,12 @@ class TokenizerManager:
             self._recv_task.cancel()
         if self.mm is not None:
             await self.mm.close()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
         self._ctx.destroy(linger=0)
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a request's CPU-heavy step off the event loop (see `_cpu`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -181,14 +192,27 @@ class TokenizerManager:
         if refs and self.mm is None:
             raise APIError("this server has no media processor", status=500)
 
-    async def prepare_media(self, refs: list[MediaRef]) -> list[PreparedMedia]:
+    async def prepare_media(
+        self, refs: list[MediaRef], prompt: str | None = None, max_tokens: int | None = None
+    ) -> list[PreparedMedia]:
+        """Fetch and preprocess `refs`; with the prompt, the images' tokens are checked against
+        what the context leaves (from their headers, before any is decoded)."""
         self.check_media_count(refs)
         if not refs:
             return []
+        budget = None
+        if prompt is not None:
+            budget = await self.in_thread(self.image_token_budget, prompt, max_tokens)
         try:
-            return await self.mm.process(refs)
+            return await self.mm.process(refs, budget)
         except MediaError as e:
             raise APIError(str(e), status=e.status, param=e.param, code=e.code) from e
+
+    def image_token_budget(self, prompt: str, max_tokens: int | None) -> int:
+        """Tokens left for the media: the context less the text and the tokens to generate."""
+        text = len(self.tokenizer(prompt)["input_ids"]) - len(PLACEHOLDER_RE.findall(prompt))
+        reserve = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 1
+        return self.context_length - text - reserve
 
     def tokenize(self, prompt: str, media: list[PreparedMedia]) -> list[int]:
         """Expand each placeholder to its item's token count, then tokenize."""

@@ -1,0 +1,76 @@
+"""WorkerPool: a job that overruns or crashes costs only that job; the pool keeps its size."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
+
+
+@pytest.fixture()
+def pool() -> Iterator[WorkerPool]:
+    workers = WorkerPool(2, job_timeout=1.0)
+    assert workers.wait_ready(60)
+    yield workers
+    workers.shutdown()
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_overrunning_job_is_killed_and_replaced(pool: WorkerPool) -> None:
+    before = set(pool.pids())
+    start = time.monotonic()
+    stuck = pool.submit(time.sleep, 60)
+    time.sleep(0.1)  # the stuck job takes one worker; the other stays free
+    quick = pool.submit(divmod, 7, 2)
+    assert quick.result(10) == (3, 1)
+    with pytest.raises(JobTimeout):
+        stuck.result(30)
+    assert time.monotonic() - start < 5
+    assert pool.wait_ready(60)
+    after = set(pool.pids())
+    assert len(after) == 2 and len(before & after) == 1
+    assert all(gone(pid) for pid in before - after)
+    assert pool.submit(divmod, 9, 4).result(30) == (2, 1)
+
+
+def test_a_worker_that_dies_fails_only_its_job(pool: WorkerPool) -> None:
+    with pytest.raises(WorkerDied):
+        pool.submit(os._exit, 3).result(30)
+    assert pool.submit(divmod, 5, 5).result(30) == (1, 0)
+    assert pool.wait_ready(60) and len(pool.pids()) == 2
+
+
+def test_a_dead_idle_worker_is_replaced_before_use(pool: WorkerPool) -> None:
+    pids = pool.pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    assert [pool.submit(divmod, 4, 2).result(30) for _ in range(3)] == [(2, 0)] * 3
+    assert not set(pool.pids()) & set(pids)
+
+
+def test_errors_come_back_and_shutdown_ends_busy_workers() -> None:
+    pool = WorkerPool(1, job_timeout=60.0)
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(divmod, 1, 0).result(60)
+    busy = pool.submit(time.sleep, 60)
+    time.sleep(0.3)
+    pids = pool.pids()
+    start = time.monotonic()
+    pool.shutdown()
+    assert time.monotonic() - start < 15
+    assert busy.done() and all(gone(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(divmod, 1, 1)

@@ -1,0 +1,239 @@
+"""A pool of CPU worker processes where one stuck or crashed job costs only that job.
+
+The standard library's ProcessPoolExecutor cannot stop a job that runs too long (cancelling the
+future leaves the process busy), and one dead worker breaks the whole pool and every job in it.
+Here each worker process has its own pipe and its own feeder thread in the parent:
+
+- the feeder takes the next job, sends it, and waits at most `job_timeout` seconds for the result;
+- a job that overruns gets its process killed and a fresh one started in its place (the pool keeps
+  its size), and only that job fails, with `JobTimeout`;
+- a worker that dies during a job fails only that job (`WorkerDied`) and is replaced; one found
+  dead while idle is replaced before the next job is sent to it.
+
+Jobs are plain module-level functions over picklable arguments, as with ProcessPoolExecutor.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from runtime.logging_utils import get_logger
+
+logger = get_logger(__name__)
+
+START_TIMEOUT = 120.0  # seconds a fresh worker may take to import and run its initializer
+STOP_TIMEOUT = 5.0  # seconds a worker gets to exit before it is killed
+
+
+class JobTimeout(Exception):
+    """A job ran past the pool's job timeout; its worker was killed and replaced."""
+
+
+class WorkerDied(Exception):
+    """The worker process running a job died (a crash in native code, a kill)."""
+
+
+def _worker_main(conn: Connection, initializer: Callable[..., Any] | None, args: tuple) -> None:
+    if initializer is not None:
+        initializer(*args)
+    conn.send("ready")
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        fn, fn_args = job
+        try:
+            reply = (True, fn(*fn_args))
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+            reply = (False, exc)
+        _send_reply(conn, reply)
+
+
+def _send_reply(conn: Connection, reply: tuple[bool, Any]) -> None:
+    try:
+        conn.send(reply)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result or error
+        conn.send((False, RuntimeError(f"a worker result could not be sent back: {exc!r}")))
+
+
+@dataclass
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple
+    future: Future = field(default_factory=Future)
+
+
+class _Worker:
+    """One worker process and its end of the pipe; restarted in place."""
+
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+        self.process: multiprocessing.Process | None = None
+        self.conn: Connection | None = None
+        self.ready = threading.Event()
+
+    def start(self) -> None:
+        parent, child = self.pool.ctx.Pipe()
+        self.process = self.pool.ctx.Process(
+            target=_worker_main,
+            args=(child, self.pool.initializer, self.pool.initargs),
+            daemon=True,
+            name="tessera-media-cpu",
+        )
+        self.process.start()
+        child.close()
+        self.conn = parent
+        if not parent.poll(START_TIMEOUT):
+            self.kill()
+            raise RuntimeError("a media worker process did not start")
+        parent.recv()
+        self.ready.set()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def kill(self) -> None:
+        self.ready.clear()
+        if self.process is not None:
+            self.process.kill()
+            self.process.join(STOP_TIMEOUT)
+        if self.conn is not None:
+            self.conn.close()
+        self.process = self.conn = None
+
+    def pids_text(self) -> str:
+        return str(self.process.pid) if self.process is not None else "-"
+
+    def terminate(self) -> None:
+        """Kill the process only; the feeder sees the pipe close and settles the job."""
+        process = self.process
+        if process is not None:
+            process.kill()
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(STOP_TIMEOUT)
+        self.kill()
+
+    def run(self, job: _Job) -> None:
+        """Run one job here and settle its future; replace the process when it overran or died."""
+        if not self.alive() or self.conn.poll(0):  # died while idle: its pipe reads EOF
+            self.kill()
+            self.start()
+        try:
+            self.conn.send((job.fn, job.args))
+            ready = self.conn.poll(self.pool.job_timeout)
+            ok, value = self.conn.recv() if ready else (None, None)
+        except (EOFError, OSError):
+            ok, value = None, WorkerDied("a media worker process died while preprocessing")
+        if ok is None:
+            self._replace(job, value)
+        elif ok:
+            job.future.set_result(value)
+        else:
+            job.future.set_exception(value)
+
+    def _replace(self, job: _Job, died: Exception | None) -> None:
+        if died is None:
+            logger.warning("a media job ran past %g s; killing its worker", self.pool.job_timeout)
+            error: Exception = JobTimeout(self.pool.job_timeout)
+        else:
+            logger.error("media worker %s died during a job; replacing it", self.process.pid)
+            error = died
+        self.kill()
+        job.future.set_exception(error)
+        if not self.pool.closed:
+            self.start()
+
+
+class WorkerPool:
+    """`size` worker processes (spawned), fed from one queue; see the module docstring."""
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        job_timeout: float,
+        initializer: Callable[..., Any] | None = None,
+        initargs: tuple = (),
+    ):
+        self.ctx = multiprocessing.get_context("spawn")
+        self.job_timeout = job_timeout
+        self.initializer, self.initargs = initializer, initargs
+        self.closed = False
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._workers = [_Worker(self) for _ in range(size)]
+        self._feeders = [
+            threading.Thread(target=self._feed, args=(w,), daemon=True, name="tessera-media-feed")
+            for w in self._workers
+        ]
+        for feeder in self._feeders:
+            feeder.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if self.closed:
+            raise RuntimeError("the media worker pool is closed")
+        job = _Job(fn, args)
+        self._jobs.put(job)
+        return job.future
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> bool:
+        """Block until every worker is up (False after `timeout`); replacements count too."""
+        return all(w.ready.wait(timeout) for w in self._workers)
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers if w.process is not None]
+
+    def _feed(self, worker: _Worker) -> None:
+        try:
+            worker.start()
+        except Exception:  # noqa: BLE001 - retried on the first job
+            if not self.closed:
+                logger.exception("a media worker failed to start")
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                worker.run(job)
+            except Exception as exc:  # noqa: BLE001 - a failed restart fails this job only
+                if not job.future.done():
+                    job.future.set_exception(exc)
+        worker.stop()
+
+    def shutdown(self) -> None:
+        """Stop taking jobs, fail the queued ones, let running ones end (or be killed), join."""
+        self.closed = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.future.cancel()
+        for _ in self._feeders:
+            self._jobs.put(None)
+        for feeder in self._feeders:
+            feeder.join(STOP_TIMEOUT)
+        for worker, feeder in zip(self._workers, self._feeders):
+            if feeder.is_alive():  # still in a job: end it now
+                logger.warning("terminating busy media worker %s", worker.pids_text())
+                worker.terminate()
+            feeder.join(STOP_TIMEOUT)
