@@ -32,6 +32,7 @@ setup(
         "decord>=0.6.0; platform_machine == 'x86_64'",
         "av>=12",
         "httpx>=0.27",
+        "httpcore>=1.0",
     ],
     extras_require={
         # what only the tests and the benchmarks under scripts/ import

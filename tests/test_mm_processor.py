@@ -137,6 +137,30 @@ def test_image_worker_matches_hf_processor(checkpoint: str) -> None:
     assert info.value.param == "image_url" and "aspect ratio" in str(info.value)
 
 
+def test_item_hash_covers_the_bytes_and_the_processor_settings(checkpoint: str) -> None:
+    """The hash comes from the encoded bytes plus the settings, and reaches the item."""
+    from runtime.model_config import ModelConfig
+    from tokenizer_manager.multimodal_inputs import build_multimodal_inputs, content_hash
+
+    limits = MediaLimits()
+    spec = ProcessorSpec.from_checkpoint(checkpoint, limits)
+    data = png_bytes(noise_image((70, 50), seed=0))
+    first, again = (process_image_bytes(data, spec, limits) for _ in range(2))
+    other = process_image_bytes(png_bytes(noise_image((70, 50), seed=1)), spec, limits)
+    small = ProcessorSpec.from_checkpoint(checkpoint, limits, video_max_pixels=28 * 28 * 4)
+    assert first.digest == again.digest and first.digest != other.digest
+    assert process_image_bytes(data, small, limits).digest != first.digest
+    assert process_video_bytes(mp4_bytes(), spec, limits).digest not in (None, first.digest)
+    prepared = first.to_prepared()
+    assert content_hash(prepared) == first.digest
+    pixels_only = PreparedMedia(IMAGE, prepared.pixel_values, prepared.grid_thw)
+    assert content_hash(pixels_only) != first.digest  # media built from pixels hash their pixels
+    config = ModelConfig.from_dir(checkpoint)
+    ids = [1, config.vision_start_token_id, *[config.image_token_id] * 6, 2]
+    _, mm = build_multimodal_inputs(ids, [prepared], config)
+    assert mm.items[0].hash == first.digest
+
+
 @pytest.mark.parametrize("max_frames,grid_t", [(64, 5), (4, 2)])
 def test_video_worker_matches_preprocess_video(
     checkpoint: str, video: bytes, max_frames: int, grid_t: int

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import io
 import json
 import signal
@@ -168,10 +169,22 @@ class ProcessedMedia:
     pixel_values: np.ndarray  # float32 [t*h*w patches, patch_dim]
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None
+    digest: int | None = None  # media_digest of the encoded bytes and the processor settings
 
     def to_prepared(self) -> PreparedMedia:
         pixels = torch.from_numpy(self.pixel_values)
-        return PreparedMedia(self.modality, pixels, self.grid_thw, self.second_per_grid_t)
+        return PreparedMedia(
+            self.modality, pixels, self.grid_thw, self.second_per_grid_t, self.digest
+        )
+
+
+def media_digest(modality: Modality, data: bytes, spec: ProcessorSpec) -> int:
+    """The item's identity: SHA-256 over the encoded bytes and every setting that shapes its
+    features (the checkpoint's processor, resize bounds, frame sampling). Hashing the encoded
+    bytes costs a fraction of hashing the float32 patches they decode to."""
+    digest = hashlib.sha256(f"{modality.value}|{spec!r}|".encode())
+    digest.update(data)
+    return int.from_bytes(digest.digest()[:8], "little")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +218,8 @@ def process_image_bytes(data: bytes, spec: ProcessorSpec, limits: MediaLimits) -
     out = image_processor(spec.model_path)(images=[image], return_tensors="np")
     pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
     grid = tuple(int(x) for x in out["image_grid_thw"][0])
-    return ProcessedMedia(Modality.IMAGE, pixels, grid)
+    digest = media_digest(Modality.IMAGE, data, spec)
+    return ProcessedMedia(Modality.IMAGE, pixels, grid, digest=digest)
 
 
 def _check_aspect_ratio(height: int, width: int, param: str) -> None:
@@ -230,7 +244,8 @@ def process_video_bytes(data: bytes, spec: ProcessorSpec, limits: MediaLimits) -
     pixels = pad_temporal(pixels, cfg.temporal_patch_size)
     patches, grid = patchify(pixels, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
     seconds = second_per_grid_t(sampled_fps, cfg.temporal_patch_size)
-    return ProcessedMedia(Modality.VIDEO, patches, grid, seconds)
+    digest = media_digest(Modality.VIDEO, data, spec)
+    return ProcessedMedia(Modality.VIDEO, patches, grid, seconds, digest)
 
 
 def read_resized_frames(

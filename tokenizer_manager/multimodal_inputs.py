@@ -1,8 +1,8 @@
 """Turn a tokenized prompt plus preprocessed media into what the scheduler ranks receive.
 
 Each image or video becomes one `MultimodalDataItem` whose hash is a SHA-256 digest of its
-preprocessed pixels and grid (so the processor settings that change the features are covered),
-computed once here and never per rank. Its placeholder run in the prompt is replaced by the
+encoded bytes and the processor settings that change its features (computed once, by the media
+worker that decoded it; never per rank). Its placeholder run in the prompt is replaced by the
 item's pad_value, so prefix-cache keys differ whenever the media differ.
 """
 
@@ -27,9 +27,14 @@ class PreparedMedia:
     pixel_values: torch.Tensor  # [t*h*w patches, patch_dim]
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None
+    digest: int | None = None  # from the encoded bytes (mm_processor.media_digest), when known
 
 
 def content_hash(media: PreparedMedia) -> int:
+    """The item's hash: the media worker's digest of the encoded bytes and processor settings,
+    or, for media prepared from pixels directly, a digest of the pixels and grid."""
+    if media.digest is not None:
+        return media.digest
     digest = hashlib.sha256()
     digest.update(media.modality.value.encode())
     digest.update(np.asarray(media.grid_thw, dtype=np.int64).tobytes())
