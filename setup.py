@@ -33,6 +33,7 @@ setup(
         "av>=12",
         "httpx>=0.27",
         "httpcore>=1.0",
+        "prometheus_client>=0.20",
     ],
     extras_require={
         # what only the tests and the benchmarks under scripts/ import

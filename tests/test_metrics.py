@@ -1,0 +1,60 @@
+"""tokenizer_manager/metrics.py: histograms and the scheduler snapshot in Prometheus text."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
+
+
+def info() -> SimpleNamespace:
+    counters = SimpleNamespace(prefill_steps=3, decode_steps=9)
+    return SimpleNamespace(
+        kv_total=100, kv_free=60, kv_evictable=40, kv_protected=0, running=1, waiting=2,
+        counters=counters, encoder_cache={"hits": 5, "misses": 2, "name": "lru"},
+    )  # fmt: skip
+
+
+def samples(text: bytes) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            key = s.name + "".join(f"[{v}]" for v in s.labels.values())
+            out[key] = s.value
+    return out
+
+
+def test_one_request_timeline_and_scrape() -> None:
+    metrics = ServingMetrics()
+    timeline = RequestTimeline(metrics)
+    timeline.stage("media", 0.02)
+    time.sleep(0.01)
+    timeline.output(1)
+    time.sleep(0.01)
+    timeline.output(2)  # two tokens in one output: two inter-token gaps
+    timeline.output(0)  # a text-only flush adds nothing
+    timeline.finish(prompt_tokens=30)
+    got = samples(metrics.render(info(), {"requests": 4}))
+    assert got["tessera_time_to_first_token_seconds_count"] == 1
+    assert got["tessera_time_to_first_token_seconds_sum"] >= 0.01
+    assert got["tessera_inter_token_latency_seconds_count"] == 2
+    assert got["tessera_e2e_request_latency_seconds_count"] == 1
+    assert got["tessera_request_stage_seconds_count[media]"] == 1
+    assert got["tessera_request_stage_seconds_count[decode]"] == 1
+    assert got["tessera_request_generation_tokens_sum"] == 3
+    assert got["tessera_request_prompt_tokens_sum"] == 30
+    assert got["tessera_kv_free_tokens"] == 60 and got["tessera_waiting_requests"] == 2
+    assert got["tessera_scheduler_decode_steps_total"] == 9
+    assert got["tessera_encoder_cache_hits_total"] == 5
+    assert "tessera_encoder_cache_name_total" not in got
+    assert got["tessera_api_requests_total"] == 4
+
+
+def test_registries_are_per_server() -> None:
+    a, b = ServingMetrics(), ServingMetrics()
+    RequestTimeline(a).finish(prompt_tokens=1)
+    assert samples(a.render(None, {}))["tessera_e2e_request_latency_seconds_count"] == 1
+    assert samples(b.render(None, {}))["tessera_e2e_request_latency_seconds_count"] == 0
