@@ -408,10 +408,61 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             session, url, warm_payloads, headers, [0.0] * len(warmup), args.max_concurrency
         )
         payloads = [build_payload(r, model, args.ignore_eos) for r in measured]
+        before = await scrape(session, args.base_url, headers)
         records, duration = await run_requests(
             session, url, payloads, headers, offsets, args.max_concurrency
         )
-    return build_report(args, model, warm, summarize(records, duration))
+        after = await scrape(session, args.base_url, headers)
+    report = build_report(args, model, warm, summarize(records, duration))
+    report["server"] = server_breakdown(before, after)
+    return report
+
+
+# ---------------------------------------------------------------- the server's own view
+
+SERVER_HISTOGRAMS = {
+    "ttft": "tessera_time_to_first_token_seconds",
+    "itl": "tessera_inter_token_latency_seconds",
+    "e2e": "tessera_e2e_request_latency_seconds",
+}
+
+
+async def scrape(
+    session: httpx.AsyncClient, base_url: str, headers: dict[str, str]
+) -> dict[str, float]:
+    """The server's Prometheus samples ({} when it has no /metrics): name[label...] -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        resp = await session.get(f"{base_url}/metrics", headers=headers)
+        if resp.status_code != 200:
+            return {}
+        families = list(text_string_to_metric_families(resp.text))
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return {
+        s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value
+        for family in families
+        for s in family.samples
+    }
+
+
+def server_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds per request (per token for ITL) of each server-side latency and stage
+    during the measured run: the histograms' sum and count differences."""
+    names = dict(SERVER_HISTOGRAMS)
+    for key in after:
+        if key.startswith("tessera_request_stage_seconds_count["):
+            stage = key[len("tessera_request_stage_seconds_count[") : -1]
+            names[f"stage {stage}"] = ("tessera_request_stage_seconds", f"[{stage}]")
+    out = {}
+    for label, metric in names.items():
+        base, labels = metric if isinstance(metric, tuple) else (metric, "")
+        count = after.get(f"{base}_count{labels}", 0) - before.get(f"{base}_count{labels}", 0)
+        total = after.get(f"{base}_sum{labels}", 0) - before.get(f"{base}_sum{labels}", 0)
+        if count > 0:
+            out[label] = total / count * 1000
+    return out
 
 
 # ---------------------------------------------------------------- report
@@ -474,6 +525,10 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         stats = m[f"{name}_ms"]
         cells = "".join(f"{fmt(stats[k]):>12}" for k in ("mean", "median", "p99"))
         lines.append(f"{name.upper():<24}{cells}")
+    server = report.get("server") or {}
+    if server:
+        lines.append(f"{'Server side, mean (ms)':<34}")
+        lines.extend(f"  {name:<32}{fmt(value):>26}" for name, value in server.items())
     lines.extend(f"error: {message}" for message in m["errors"])
     return [*lines, "=" * 60]
 

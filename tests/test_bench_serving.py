@@ -235,6 +235,20 @@ def fake_app(server: FakeServer) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": MODEL_ID, "object": "model"}]}
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Histograms as a tessera server reports them: 50 ms TTFT and 10 ms of media each."""
+        n = len(server.bodies)
+        lines = [
+            "# TYPE tessera_time_to_first_token_seconds histogram",
+            f"tessera_time_to_first_token_seconds_count {n}",
+            f"tessera_time_to_first_token_seconds_sum {0.05 * n}",
+            "# TYPE tessera_request_stage_seconds histogram",
+            f'tessera_request_stage_seconds_count{{stage="media"}} {n}',
+            f'tessera_request_stage_seconds_sum{{stage="media"}} {0.01 * n}',
+        ]
+        return Response("\n".join(lines) + "\n", media_type="text/plain")
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await request.json()
@@ -314,6 +328,9 @@ def test_end_to_end_against_fake_server(fake_server: FakeServer, tmp_path: Path)
     assert m["e2e_ms"]["median"] >= m["ttft_ms"]["median"]
     assert m["request_throughput"] > 0 and m["output_throughput"] > 0
     assert report["args"]["request_rate"] == "inf" and report["args"]["max_concurrency"] == 3
+    server = report["server"]  # the measured six requests only, not the warm-up
+    assert server["ttft"] == pytest.approx(50) and server["stage media"] == pytest.approx(10)
+    assert "Server side, mean (ms)" in "\n".join(bench.report_lines(report))
     assert len(fake_server.bodies) == 8
     for body in fake_server.bodies:
         assert body["model"] == MODEL_ID and body["ignore_eos"] is True
@@ -332,6 +349,15 @@ def test_end_to_end_rate_label_and_key(fake_server: FakeServer, tmp_path: Path) 
     assert report["args"]["api_key"] == "***" and report["args"]["request_rate"] == 100.0
     assert fake_server.auth == ["Bearer k"] * 3
     assert all("ignore_eos" not in body for body in fake_server.bodies)
+
+
+def test_server_breakdown_without_metrics() -> None:
+    assert bench.server_breakdown({}, {}) == {}
+    before = {"tessera_e2e_request_latency_seconds_count": 2.0}
+    before["tessera_e2e_request_latency_seconds_sum"] = 1.0
+    after = {"tessera_e2e_request_latency_seconds_count": 4.0}
+    after["tessera_e2e_request_latency_seconds_sum"] = 3.0
+    assert bench.server_breakdown(before, after) == {"e2e": pytest.approx(1000.0)}
 
 
 def test_unreachable_server(tmp_path: Path) -> None:

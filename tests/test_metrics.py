@@ -11,7 +11,7 @@ from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 
 
 def info() -> SimpleNamespace:
-    counters = SimpleNamespace(prefill_steps=3, decode_steps=9)
+    counters = {"prefill_steps": 3, "decode_steps": 9}
     return SimpleNamespace(
         kv_total=100, kv_free=60, kv_evictable=40, kv_protected=0, running=1, waiting=2,
         counters=counters, encoder_cache={"hits": 5, "misses": 2, "name": "lru"},

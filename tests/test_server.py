@@ -245,11 +245,34 @@ def test_completions_and_native_generate(server: Server) -> None:
 def test_models_metrics_and_idle_server_info(server: Server) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == ["qwen2_vl"]
-    metrics = httpx.get(server.url + "/metrics", timeout=10).text
-    assert "tessera_kv_total_tokens" in metrics
+    before = metric_values(server)
+    chat(server, [image_part(gradient_image((56, 56))), {"type": "text", "text": "Hi."}])
+    after = metric_values(server)
+    assert after["tessera_kv_total_tokens"] > 0
+    for name in (
+        "tessera_time_to_first_token_seconds_count",
+        "tessera_e2e_request_latency_seconds_count",
+        "tessera_request_stage_seconds_count[media]",
+        "tessera_request_stage_seconds_count[decode]",
+    ):
+        assert after[name] == before.get(name, 0) + 1, name
+    assert after["tessera_inter_token_latency_seconds_count"] >= before.get(
+        "tessera_inter_token_latency_seconds_count", 0
+    ) + NEW_TOKENS - 1
     info = idle_info(server)
     assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
     assert info["kv_protected"] == 0 and info["encoder_cache"]["pins"] == 0
+
+
+def metric_values(server: Server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {
+        s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def idle_info(server: Server, headers: dict | None = None) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,13 +13,14 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from runtime.io_struct import StrOutput
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
 from runtime.sampler import SamplingParams
+from tokenizer_manager.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenizer_manager.mm_processor import MediaRef
 from tokenizer_manager.protocol import (
     APIError,
@@ -219,8 +221,10 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
         }
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(await tm.server_info(), app.state.counters))
+    async def metrics() -> Response:
+        api = {k: v for k, v in vars(app.state.counters).items() if isinstance(v, int)}
+        text = tm.metrics.render(await tm.server_info(), api)
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/flush_cache")
     async def flush_cache() -> JSONResponse:
@@ -231,33 +235,11 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
         )
 
 
-def prometheus_text(info: Any, api: ApiCounters) -> str:
-    gauges = {
-        "kv_total_tokens": info.kv_total,
-        "kv_free_tokens": info.kv_free,
-        "kv_evictable_tokens": info.kv_evictable,
-        "kv_protected_tokens": info.kv_protected,
-        "running_requests": info.running,
-        "waiting_requests": info.waiting,
-    }
-    counters = {f"scheduler_{k}": v for k, v in info.counters.items()}
-    counters |= {
-        f"encoder_cache_{k}": v
-        for k, v in info.encoder_cache.items()
-        if isinstance(v, (int, float))
-    }
-    counters |= {f"api_{k}": v for k, v in vars(api).items() if isinstance(v, int)}
-    lines = []
-    for kind, table in (("gauge", gauges), ("counter", counters)):
-        for name, value in table.items():
-            lines += [f"# TYPE tessera_{name} {kind}", f"tessera_{name} {value}"]
-    return "\n".join(lines) + "\n"
-
-
 # ---------------------------------------------------------------------- OpenAI routes
 
 
 async def parse_body(request: Request, model: type) -> Any:
+    request.state.arrival = time.perf_counter()  # latencies in /metrics count from here
     body = await read_body(request, request.app.state.tm.args.max_request_bytes)
     large = len(body) > JSON_IN_THREAD
     data = await asyncio.to_thread(load_json, body) if large else load_json(body)
@@ -418,7 +400,7 @@ async def respond(
     req: SamplingFields,
     fmt: Any,
 ) -> Response:
-    stream = tm.generate(tokenized)
+    stream = tm.generate(tokenized, request.state.arrival)
     first = await first_output(stream)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -591,7 +573,7 @@ async def native_response(
     app: FastAPI, request: Request, tm: TokenizerManager, req: GenerateRequest
 ) -> Response:
     tokenized = await native_request(tm, req)
-    stream = tm.generate(tokenized)
+    stream = tm.generate(tokenized, request.state.arrival)
     first = await first_output(stream)
     if req.stream:
         return StreamingResponse(

@@ -35,7 +35,7 @@ class SchedulerSnapshot:
         info = self.info
         if info is not None:
             yield from _gauges(info)
-            yield from _counters("tessera_scheduler", "scheduler counter", vars(info.counters))
+            yield from _counters("tessera_scheduler", "scheduler counter", info.counters)
             yield from _counters("tessera_encoder_cache", "encoder cache", info.encoder_cache)
         yield from _counters("tessera_api", "HTTP API counter", self.api)
 

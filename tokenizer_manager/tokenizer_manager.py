@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.transport import to_frames
 from tokenizer_manager.media import MediaError
+from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor, MediaRef
 from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_inputs
 from tokenizer_manager.protocol import APIError
@@ -63,6 +65,7 @@ def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
 
 @dataclass
 class ReqState:
+    timeline: RequestTimeline
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
 
@@ -85,6 +88,7 @@ class TokenizerManager:
         # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
         self.token_limit = min(self.context_length, kv_total or self.context_length)
         self.states: dict[str, ReqState] = {}
+        self.metrics = ServingMetrics()
         self.fatal: str | None = None  # set when the server is going down: new requests get 503
         self._replies: dict[type, asyncio.Future] = {}
         self._reply_lock = asyncio.Lock()
@@ -200,13 +204,16 @@ class TokenizerManager:
         self.check_media_count(refs)
         if not refs:
             return []
+        start = time.perf_counter()
         budget = None
         if prompt is not None:
             budget = await self.in_thread(self.image_token_budget, prompt, max_tokens)
         try:
-            return await self.mm.process(refs, budget)
+            media = await self.mm.process(refs, budget)
         except MediaError as e:
             raise APIError(str(e), status=e.status, param=e.param, code=e.code) from e
+        self.metrics.stage.labels("media").observe(time.perf_counter() - start)
+        return media
 
     def image_token_budget(self, prompt: str, max_tokens: int | None) -> int:
         """Tokens left for the media: the context less the text and the tokens to generate."""
@@ -263,8 +270,11 @@ class TokenizerManager:
         return max(1, self.token_limit - prompt_len)
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, req: TokenizedGenerateReq) -> AsyncIterator[StrOutput]:
-        """Send to the scheduler and yield outputs until finished; abort if abandoned."""
+    async def generate(
+        self, req: TokenizedGenerateReq, arrival: float | None = None
+    ) -> AsyncIterator[StrOutput]:
+        """Send to the scheduler and yield outputs until finished; abort if abandoned.
+        `arrival` (perf_counter) is when the HTTP request came in: latencies count from it."""
         if self.fatal is not None:
             raise APIError(self.fatal, status=503, code="server_shutdown")
         if req.rid in self.states:
@@ -274,14 +284,19 @@ class TokenizerManager:
                 param="rid",
                 code="duplicate_request_id",
             )
-        state = self.states[req.rid] = ReqState()
+        timeline = RequestTimeline(self.metrics, arrival or time.perf_counter())
+        state = self.states[req.rid] = ReqState(timeline)
         self._send(req)
         try:
             while True:
                 out = await state.queue.get()
-                yield out
+                timeline.output(len(out.token_ids))
                 if out.finish_reason is not None:
+                    if out.finish_reason.get("type") in ("stop", "length"):
+                        timeline.finish(out.prompt_tokens)
+                    yield out
                     return
+                yield out
         finally:
             if not state.finished:
                 self._send(AbortReq(req.rid))
