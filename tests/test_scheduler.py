@@ -70,7 +70,9 @@ def base_args(folder: str, **kw) -> ServerArgs:
 
 TP_SETTINGS = [
     pytest.param({"tp_size": 1}, id="tp1"),
-    pytest.param({"tp_size": 2, "mm_enable_dp_encoder": True}, id="tp2-vit_dp"),
+    pytest.param({"tp_size": 2, "mm_encoder_mode": "dp"}, id="tp2-vit_dp"),
+    # auto: the tower's cost model is calibrated when the scheduler ranks start
+    pytest.param({"tp_size": 2, "mm_encoder_mode": "auto"}, id="tp2-vit_auto"),
     pytest.param({"tp_size": 4}, id="tp4-vit_tp"),
 ]
 
@@ -132,7 +134,7 @@ def image_span(case: Case) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def sequential(world: dict) -> SchedulerHarness:
-    args = base_args(world["folder"], tp_size=2, mm_enable_dp_encoder=True, max_total_tokens=4000)
+    args = base_args(world["folder"], tp_size=2, mm_encoder_mode="dp", max_total_tokens=4000)
     with SchedulerHarness(args) as h:
         yield h
 
