@@ -201,10 +201,10 @@ class Runner:
 
 
 def time_interleaved(runner: Runner, batches: list, args: argparse.Namespace, device: str) -> dict:
-    """Seconds per batch for every mode, the modes taking turns on each repeat."""
+    """Seconds per batch for every mode, the modes taking turns (in a rotating order)."""
     times: dict[str, list[float]] = {m: [] for m in MODES}
     for i in range(args.warmup + args.repeat):
-        for mode in MODES:
+        for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:
             if runner.base.size > 1:
                 torch.distributed.barrier(group=runner.base.cpu_group)
             if device == "cuda":

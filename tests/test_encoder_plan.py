@@ -33,7 +33,7 @@ from vision.qwen2_vl_vit import Qwen2VisionTransformer
 
 SHAPE = TowerShape(depth=2, embed_dim=32, out_dim=64, merge=2, elem_bytes=4, window_units=0,
                    full_blocks=2)
-ZERO = EncoderCosts(*[0.0] * len(fields(EncoderCosts)))
+ZERO = EncoderCosts(*[0.0] * (len(fields(EncoderCosts)) - 1))  # dp_alone_factor 1
 # TP on 2 ranks does 3/4 of the per-patch work of the full tower: it beats DP on one item that
 # leaves the other rank idle, and loses to DP on many items that keep both ranks busy.
 COSTS = replace(ZERO, dp_patch_s=1e-6, tp_patch_s=0.75e-6, all_reduce_s=1e-5, all_gather_s=1e-5)
@@ -84,6 +84,20 @@ def test_expensive_all_reduce_keeps_one_item_dp() -> None:
 def test_expensive_all_gather_pushes_to_tp() -> None:
     grids = [[1, 8, 8]] * 8
     assert plan_encoder(grids, 2, SHAPE, costs(all_gather_s=1.0)).kind == "tp"
+
+
+def test_an_idle_rank_speeds_up_the_busy_one() -> None:
+    # Ranks sharing too few cores: one item alone on its rank runs at 60% of the all-busy time.
+    shared = costs(dp_alone_factor=0.6)
+    assert plan_encoder([[1, 64, 64]], 2, SHAPE, shared).kind == "dp"
+    works = [item_work([1, 64, 64], SHAPE)]
+    assert dp_cost(works, 2, SHAPE, shared) == pytest.approx(0.6 * 4096e-6 + 1e-5)
+    two = works * 2  # both ranks busy: no speed-up
+    assert dp_cost(two, 2, SHAPE, shared) == pytest.approx(4096e-6 + 1e-5)
+    three_of_four = works * 3  # 3 of 4 ranks busy: 0.6 + 0.4 * 2/3 of the all-busy time
+    assert dp_cost(three_of_four, 4, SHAPE, shared) == pytest.approx(
+        (0.6 + 0.4 * 2 / 3) * 4096e-6 + 1e-5
+    )
 
 
 def test_attention_pairs_decide_for_large_items() -> None:
@@ -160,7 +174,7 @@ def test_costs_json_inline_and_file(tmp_path: Path) -> None:
     assert EncoderCosts.from_json(str(path)) == COSTS
     data = json.loads(COSTS.to_json())
     del data["dp_pair_s"]
-    with pytest.raises(ValueError, match="exactly the fields"):
+    with pytest.raises(ValueError, match="need the fields"):
         EncoderCosts.from_json(json.dumps(data))
     with pytest.raises(ValueError, match=">= 0"):
         replace(COSTS, tp_patch_s=-1.0)
@@ -315,3 +329,4 @@ def test_calibration_agrees_across_ranks() -> None:
     assert costs0 == costs1 and plan0 == plan1
     assert costs0.dp_patch_s + costs0.dp_pair_s > 0 and costs0.tp_patch_s + costs0.tp_pair_s > 0
     assert costs0.all_reduce_s + costs0.all_reduce_byte_s > 0
+    assert 0 < costs0.dp_alone_factor <= 1

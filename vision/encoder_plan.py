@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -38,10 +38,12 @@ PLAN_KINDS = ("dp", "tp", "hybrid")
 
 @dataclass(frozen=True)
 class EncoderCosts:
-    """Seconds. `dp_*`: the full tower on one rank; `tp_*`: one rank's slice at the group's size,
-    compute only. `*_patch_s` per patch, `*_pair_s` per attention pair (a segment of L patches has
-    L*L pairs per block), `*_call_s` once per tower call. Collectives: latency plus seconds per
-    byte one rank hands in (all-reduce: its tensor; all-gather: the gathered output)."""
+    """Seconds. `dp_*`: the full tower on one rank while every rank is busy; `tp_*`: one rank's
+    slice at the group's size, compute only. `*_patch_s` per patch, `*_pair_s` per attention pair
+    (a segment of L patches has L*L pairs per block), `*_call_s` once per tower call.
+    `dp_alone_factor`: the full tower's time with the other ranks idle over its time with all
+    busy (1 with a device per rank; below 1 when ranks share too few cores). Collectives: latency
+    plus seconds per byte one rank hands in (all-reduce: its tensor; all-gather: the output)."""
 
     dp_call_s: float
     dp_patch_s: float
@@ -53,6 +55,7 @@ class EncoderCosts:
     all_reduce_byte_s: float
     all_gather_s: float
     all_gather_byte_s: float
+    dp_alone_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -70,8 +73,10 @@ class EncoderCosts:
             text = Path(text_or_path).read_text()
         data = json.loads(text)
         names = {f.name for f in fields(cls)}
-        if set(data) != names:
-            raise ValueError(f"encoder costs need exactly the fields {sorted(names)}")
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        if not required <= set(data) <= names:
+            raise ValueError(f"encoder costs need the fields {sorted(required)}, may have "
+                             f"{sorted(names - required)}, nothing else")
         return cls(**{k: float(v) for k, v in data.items()})
 
 
@@ -131,7 +136,8 @@ def _window_square_sum(units: int, side: int) -> int:
 
 def dp_cost(works: Sequence[tuple[int, int]], ranks: int, shape: TowerShape,
             costs: EncoderCosts) -> float:
-    """Slowest rank under the greedy balancer, plus the all-gather of the padded outputs."""
+    """Slowest rank under the greedy balancer (faster when fewer ranks are busy, by
+    `dp_alone_factor`), plus the all-gather of the padded outputs."""
     if not works:
         return 0.0
     patches = [n for n, _ in works]
@@ -146,6 +152,9 @@ def dp_cost(works: Sequence[tuple[int, int]], ranks: int, shape: TowerShape,
             max_rows = max(max_rows, n // shape.merge**2)
     if ranks == 1:
         return slowest
+    busy = sum(1 for c in counts if c)
+    alone = costs.dp_alone_factor
+    slowest *= alone + (1.0 - alone) * (busy - 1) / (ranks - 1)
     gathered = ranks * max_rows * shape.out_dim * shape.elem_bytes
     return slowest + costs.all_gather_s + costs.all_gather_byte_s * gathered
 
@@ -204,21 +213,32 @@ def run_planned_encoder(
     this with the same inputs and plan."""
     grids = [[int(x) for x in g] for g in grid_thw_list]
     merge = tower.spatial_merge_size
+    shard = tp if tp.size > 1 else None
+    if not plan.tp_items:  # all DP (or nothing): no copy of the pixels
+        return run_dp_sharded_mrope_vision_model(
+            tower, pixel_values, grids, tp, spatial_merge_size=merge
+        )
+    if not plan.dp_items:
+        return tower(pixel_values, _grid(grids, range(len(grids))), shard=shard)
+    return _run_hybrid(tower, pixel_values, grids, tp, plan)
+
+
+def _run_hybrid(
+    tower: nn.Module, pixel_values: torch.Tensor, grids: list[list[int]], tp: TPGroup,
+    plan: EncoderPlan,
+) -> torch.Tensor:
+    """The TP items in one sharded call on every rank, then the DP items balanced."""
+    merge = tower.spatial_merge_size
     sizes = [t * h * w for t, h, w in grids]
     items = pixel_values.split(sizes)
+    tp_out = tower(_cat(items, plan.tp_items), _grid(grids, plan.tp_items), shard=tp)
+    dp_out = run_dp_sharded_mrope_vision_model(
+        tower, _cat(items, plan.dp_items), [grids[i] for i in plan.dp_items], tp,
+        spatial_merge_size=merge,
+    )
     rows: dict[int, torch.Tensor] = {}
-    if plan.tp_items:
-        shard = tp if tp.size > 1 else None
-        out = tower(_cat(items, plan.tp_items), _grid(grids, plan.tp_items), shard=shard)
-        rows.update(zip(plan.tp_items, out.split([sizes[i] // merge**2 for i in plan.tp_items])))
-    if plan.dp_items:
-        dp_grids = [grids[i] for i in plan.dp_items]
-        out = run_dp_sharded_mrope_vision_model(
-            tower, _cat(items, plan.dp_items), dp_grids, tp, spatial_merge_size=merge
-        )
-        rows.update(zip(plan.dp_items, out.split([sizes[i] // merge**2 for i in plan.dp_items])))
-    if not rows:
-        return run_dp_sharded_mrope_vision_model(tower, pixel_values, [], tp)
+    for chosen, out in ((plan.tp_items, tp_out), (plan.dp_items, dp_out)):
+        rows.update(zip(chosen, out.split([sizes[i] // merge**2 for i in chosen])))
     return torch.cat([rows[i] for i in range(len(grids))])
 
 
