@@ -82,7 +82,7 @@ def served(request: pytest.FixtureRequest, world: dict) -> dict:
     with SchedulerHarness(base_args(world["folder"], **request.param)) as h:
         results = h.generate([request_for(c) for c in world["cases"]])
         info = h.info()
-    return {"results": results, "info": info}
+    return {"results": results, "info": info, "mode": request.param.get("mm_encoder_mode")}
 
 
 def request_for(case: Case) -> TokenizedGenerateReq:
@@ -95,6 +95,14 @@ def test_every_output_equals_hf_alone(served: dict, world: dict) -> None:
     ]
     assert not mismatched, f"differ from HF: {mismatched}"
     assert all(r["finish"]["type"] == "length" for r in served["results"].values())
+
+
+def test_server_info_counts_auto_encoder_plans(served: dict) -> None:
+    plans = served["info"].encoder_plans
+    if served["mode"] == "auto":
+        assert set(plans) <= {"dp", "tp", "hybrid"} and sum(plans.values()) > 0
+    else:
+        assert plans == {}
 
 
 def test_pool_was_small_enough_to_retract_and_chunks_cut_images(served: dict) -> None:
