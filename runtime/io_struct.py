@@ -50,6 +50,7 @@ class ServerInfo:
     radix: dict = field(default_factory=dict)
     encoder_cache: dict = field(default_factory=dict)
     counters: dict = field(default_factory=dict)
+    encoder_plans: dict = field(default_factory=dict)  # auto encoder mode: calls per plan kind
 
 
 @dataclass

@@ -22,7 +22,21 @@ def _opt(help: str, **kw) -> dataclasses.Field:  # noqa: A002 - mirrors argparse
 class ServerArgs:
     model_path: str | None = _opt("checkpoint folder; default: a generated tiny Qwen2-VL")
     tp_size: int = _opt("tensor-parallel ranks", default=1, flag="--tp")
-    mm_enable_dp_encoder: bool = _opt("run the vision encoder data-parallel", default=False)
+    mm_enable_dp_encoder_flag: bool = _opt(
+        "run the vision encoder data-parallel (same as --mm-encoder-mode dp)",
+        default=False,
+        flag="--mm-enable-dp-encoder",
+    )
+    mm_encoder_mode: str = _opt(
+        "vision encoder: tp (sharded), dp (replicated, items balanced), or auto (replicated; "
+        "each call runs DP, TP or a hybrid, by a cost model calibrated at start-up)",
+        default="tp",
+        choices=["tp", "dp", "auto"],
+    )
+    mm_encoder_costs: str | None = _opt(
+        "auto encoder mode: JSON (inline or a file path) with the cost model, instead of the "
+        "start-up calibration"
+    )
     host: str = _opt("HTTP host", default="127.0.0.1")
     port: int = _opt("HTTP port", default=30000)
     device: str = _opt("device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -103,6 +117,11 @@ class ServerArgs:
 
     # ------------------------------------------------------------------ derived
     @property
+    def mm_enable_dp_encoder(self) -> bool:
+        """True when the vision tower is a full replica per rank run data-parallel (dp mode)."""
+        return self.mm_encoder_mode == "dp"
+
+    @property
     def use_cuda(self) -> bool:
         return self.device == "cuda"
 
@@ -172,6 +191,16 @@ class ServerArgs:
             raise ValueError(f"--api-key-file {self.api_key_file} is empty")
         return key
 
+    def __post_init__(self) -> None:
+        # --mm-enable-dp-encoder is folded into the one encoder-mode field however the object
+        # is made (CLI, constructor, dataclasses.replace), so readers see a single answer.
+        if not self.mm_enable_dp_encoder_flag:
+            return
+        if self.mm_encoder_mode == "auto":
+            raise ValueError("--mm-enable-dp-encoder contradicts --mm-encoder-mode auto")
+        object.__setattr__(self, "mm_encoder_mode", "dp")
+        object.__setattr__(self, "mm_enable_dp_encoder_flag", False)
+
     def check(self) -> None:
         positive = ["tp_size", "chunked_prefill_size", "max_prefill_tokens", "max_running_requests"]
         for name in positive:
@@ -183,6 +212,10 @@ class ServerArgs:
             raise ValueError("--fault-injection-rate must be in [0, 1]")
         if self.mm_cache_size_mb < 0:
             raise ValueError("--mm-cache-size-mb must be 0 (off) or positive")
+        if self.mm_encoder_mode not in ("tp", "dp", "auto"):
+            raise ValueError(f"--mm-encoder-mode {self.mm_encoder_mode!r}: tp, dp or auto")
+        if self.mm_encoder_costs is not None and self.mm_encoder_mode != "auto":
+            raise ValueError("--mm-encoder-costs applies only to --mm-encoder-mode auto")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be at least 16")
         if self.max_request_bytes < 1024:

@@ -20,6 +20,7 @@ from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
+from vision.encoder_plan import EncoderCosts
 from vision.qwen2_vl import build_model
 
 logger = get_logger(__name__)
@@ -80,13 +81,19 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     return 2 * text.num_hidden_layers * layer.num_kv_heads * layer.head_dim * elem
 
 
+def encoder_costs_override(args: ServerArgs) -> EncoderCosts | None:
+    """--mm-encoder-costs as a cost model; None means: calibrate at start-up."""
+    return EncoderCosts.from_json(args.mm_encoder_costs) if args.mm_encoder_costs else None
+
+
 def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
     device = f"cuda:{torch.cuda.current_device()}" if args.use_cuda else "cpu"
     model = build_model(
         args.model_path,
         tp,
         attention_backend=args.attention_backend,
-        mm_enable_dp_encoder=args.mm_enable_dp_encoder,
+        encoder_mode=args.mm_encoder_mode,
+        encoder_costs=encoder_costs_override(args),
         dtype=args.dtype,
         device=device,
         show_progress=tp.is_first,

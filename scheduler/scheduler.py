@@ -477,6 +477,7 @@ class Scheduler:
             radix={"cached_tokens": self.radix.total_cached_tokens()},
             encoder_cache=self.encoder_cache.stats(),
             counters=dict(vars(self.counters)),
+            encoder_plans=dict(self.runner.model.plan_counts),
         )
 
 

@@ -1,12 +1,18 @@
-"""Benchmark the vision encoder in TP mode against DP mode on the same batch of images.
+"""Benchmark the vision encoder in TP, DP and auto mode on the same batches.
 
-    python scripts/bench_vit_dp_vs_tp.py --tp 2 --random-images 8 --seed 0 --warmup 2 --repeat 5
+    python scripts/bench_vit_dp_vs_tp.py --tp 2 --workload all --warmup 2 --repeat 5 \
+        --json vit.json --plot vit.png
 
 Spawns --tp ranks (Gloo on CPU, NCCL on CUDA). Every rank builds the tower twice: sharded over
-the group (TP mode: per-layer all-reduce) and as a full replica (DP mode: greedy balance by patch
-count, one all-gather). Both run the same pixel batch; the table reports, per mode, the median and
-p90 time per batch, images/s, patches processed per rank, imbalance (max/mean) and the payload
-bytes one rank hands to collectives per batch.
+the group (TP mode: per-layer all-reduce) and as a full replica, which runs DP mode (greedy
+balance by patch count, one all-gather) and auto mode (a plan per call: DP, TP on slices of the
+full weights, or a hybrid, from a cost model calibrated here at start-up or given with
+--encoder-costs). Workloads are lists of batches: `random` (--random-images / --image-sizes),
+`one-large`, `many-small`, `one-large-many-small`, `video`, and `mixed` (the four named shapes
+one after another, as a server sees them). Modes are timed interleaved (tp, dp, auto, tp, ...) so
+load on a shared machine hits them alike. The table reports, per workload and mode, the median
+and p90 time per batch, items/s, patches per rank, imbalance (max/mean), the payload bytes one
+rank hands to collectives per batch, and for auto the plans taken.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +41,14 @@ from runtime.model_config import ModelConfig  # noqa: E402
 from runtime.model_loader import iterate_weights  # noqa: E402
 from tokenizer_manager.video_processor import smart_resize  # noqa: E402
 from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
+from vision.encoder_calibration import calibrate_encoder_costs  # noqa: E402
+from vision.encoder_plan import (  # noqa: E402
+    EncoderCosts,
+    EncoderPlan,
+    TowerShape,
+    plan_encoder,
+    run_planned_encoder,
+)
 from vision.qwen2_vl import VISION_TOWERS, normalize_checkpoint_name  # noqa: E402
 
 
@@ -54,15 +69,28 @@ class CountingGroup(TPGroup):
         return out
 
 
+MODES = ("tp", "dp", "auto")
+LARGE, SMALL = (1, 896, 896), (1, 224, 224)  # (frames, height, width) in pixels
+NAMED = {
+    "one-large": [[LARGE]],
+    "many-small": [[SMALL] * 16],
+    "one-large-many-small": [[LARGE] + [SMALL] * 12],
+    "video": [[(16, 336, 336)]],
+}
+WORKLOADS = ("random", *NAMED, "mixed")
+
+
 @dataclass
 class ModeResult:
+    workload: str
     mode: str
     median_ms: float
     p90_ms: float
-    images_per_s: float
+    items_per_s: float
     patches_per_rank: list[int]
     imbalance: float
     collective_bytes_per_rank: int
+    plans: dict[str, int]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--model-path", default=None, help="checkpoint folder (default: a tiny one)")
     p.add_argument("--arch", default="qwen2_vl", help="tiny checkpoint arch without --model-path")
-    p.add_argument("--image-sizes", default=None, help="e.g. 448x448,224x336 (HxW pixels)")
+    p.add_argument(
+        "--workload", default="random", help=f"comma list of {', '.join(WORKLOADS)}, or all"
+    )
+    p.add_argument("--image-sizes", default=None, help="random workload: e.g. 448x448,224x336")
     p.add_argument("--random-images", type=int, default=8)
     p.add_argument("--min-size", type=int, default=112)
     p.add_argument("--max-size", type=int, default=448)
@@ -85,9 +116,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="vision attention (auto: triton on CUDA, torch on CPU)",
     )
+    p.add_argument("--encoder-costs", default=None, help="auto mode: cost JSON, no calibration")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart here (needs matplotlib)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
+    unknown = set(names) - set(WORKLOADS)
+    if unknown:
+        p.error(f"unknown workload {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+    args.workloads = names
+    return args
 
 
 def image_sizes(args: argparse.Namespace) -> list[tuple[int, int]]:
@@ -100,13 +138,23 @@ def image_sizes(args: argparse.Namespace) -> list[tuple[int, int]]:
     ]
 
 
-def make_batch(cfg: ModelConfig, sizes: list[tuple[int, int]], seed: int):
+def workload_batches(name: str, args: argparse.Namespace) -> list[list[tuple[int, int, int]]]:
+    """A workload as a list of batches of (frames, height, width) items."""
+    if name == "random":
+        return [[(1, h, w) for h, w in image_sizes(args)]]
+    if name == "mixed":
+        return [batch for shapes in NAMED.values() for batch in shapes]
+    return NAMED[name]
+
+
+def make_batch(cfg: ModelConfig, items: list[tuple[int, int, int]], seed: int):
     v = cfg.vision
     factor = v.patch_size * v.spatial_merge_size
     grids = []
-    for h, w in sizes:
+    for frames, h, w in items:
         rh, rw = smart_resize(h, w, factor=factor, min_pixels=factor**2, max_pixels=16384 * 28 * 28)
-        grids.append([1, rh // v.patch_size, rw // v.patch_size])
+        t = max(1, frames // v.temporal_patch_size)
+        grids.append([t, rh // v.patch_size, rw // v.patch_size])
     total = sum(t * h * w for t, h, w in grids)
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(total, v.patch_dim, generator=gen), grids
@@ -126,35 +174,88 @@ def build_tower(
     return tower.eval()
 
 
-def time_mode(fn, tp: TPGroup, warmup: int, repeat: int, device: str) -> list[float]:
-    times = []
-    for i in range(warmup + repeat):
-        if tp.size > 1:
-            torch.distributed.barrier(group=tp.cpu_group)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+class Runner:
+    """One rank's three ways to encode a batch, each with its own collective counter."""
+
+    def __init__(self, tp_tower, full_tower, base: TPGroup, costs: EncoderCosts):
+        self.tp_tower, self.full_tower, self.base, self.costs = tp_tower, full_tower, base, costs
+        self.shape = TowerShape.of(full_tower.cfg, full_tower.dtype.itemsize)
+        self.groups = {m: CountingGroup(base) for m in MODES}
+        self.plans: Counter[str] = Counter()
+
+    def run(self, mode: str, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
+        group = self.groups[mode]
+        if mode == "tp":
+            return self.tp_tower(pixels, torch.tensor(grids, dtype=torch.long))
+        if mode == "dp":
+            merge = self.full_tower.spatial_merge_size
+            return run_dp_sharded_mrope_vision_model(
+                self.full_tower, pixels, grids, group, spatial_merge_size=merge
+            )
+        plan = plan_encoder(grids, group.size, self.shape, self.costs)
+        self.plans[plan.kind] += 1
+        return run_planned_encoder(self.full_tower, pixels, grids, group, plan)
+
+    def plan(self, grids: list[list[int]]) -> EncoderPlan:
+        return plan_encoder(grids, self.base.size, self.shape, self.costs)
+
+
+def time_interleaved(runner: Runner, batches: list, args: argparse.Namespace, device: str) -> dict:
+    """Seconds per batch for every mode, the modes taking turns (in a rotating order)."""
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for i in range(args.warmup + args.repeat):
+        for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:
+            if runner.base.size > 1:
+                torch.distributed.barrier(group=runner.base.cpu_group)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for pixels, grids in batches:
+                runner.run(mode, pixels, grids)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                times[mode].append((time.perf_counter() - start) / len(batches))
     return times
 
 
-def summarize(mode: str, times: list[float], n_images: int, loads: list[int], nbytes: int):
+def mode_loads(mode: str, runner: Runner, grids_list: list[list[list[int]]]) -> list[int]:
+    """Patches each rank processes over the workload (TP items count on every rank)."""
+    size = runner.base.size
+    loads = [0] * size
+    for grids in grids_list:
+        sizes = [t * h * w for t, h, w in grids]
+        if mode == "tp":
+            tp_items, dp_items = range(len(sizes)), []
+        elif mode == "dp":
+            tp_items, dp_items = [], range(len(sizes))
+        else:
+            plan = runner.plan(grids)
+            tp_items, dp_items = plan.tp_items, plan.dp_items
+        shared = sum(sizes[i] for i in tp_items)
+        _, _, dp_loads = get_dp_encoder_lb_assignment([sizes[i] for i in dp_items], size)
+        loads = [a + shared + b for a, b in zip(loads, dp_loads)]
+    return loads
+
+
+def summarize(
+    workload: str, mode: str, times: list[float], n_items: float, loads: list[int],
+    nbytes: int, plans: dict[str, int],
+) -> ModeResult:
     times_ms = sorted(t * 1e3 for t in times)
     p90 = times_ms[min(len(times_ms) - 1, int(round(0.9 * (len(times_ms) - 1))))]
     median = statistics.median(times_ms)
     mean_load = sum(loads) / len(loads)
     return ModeResult(
+        workload,
         mode,
         median,
         p90,
-        n_images / (median / 1e3),
+        n_items / (median / 1e3),
         loads,
         max(loads) / mean_load if mean_load else 1.0,
         nbytes,
+        plans,
     )
 
 
@@ -171,35 +272,48 @@ def rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, q
         destroy_tp_group()
 
 
-def run_rank(args: argparse.Namespace, model_path: str, base: TPGroup, device: str) -> list:
+def run_rank(args: argparse.Namespace, model_path: str, base: TPGroup, device: str) -> dict:
     cfg = ModelConfig.from_dir(model_path)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
-    pixels, grids = make_batch(cfg, image_sizes(args), args.seed)
-    pixels = pixels.to(device=device, dtype=dtype)
-    grid_t = torch.tensor(grids, dtype=torch.long)
-    sizes = [t * h * w for t, h, w in grids]
-    results = []
+    backend = args.attention_backend
     with torch.inference_mode():
-        tp_group = CountingGroup(base)
-        tower = build_tower(cfg, model_path, tp_group, device, dtype, args.attention_backend)
-        times = time_mode(lambda: tower(pixels, grid_t), base, args.warmup, args.repeat, device)
-        per_batch = tp_group.counter[0] // (args.warmup + args.repeat)
-        results.append(summarize("tp", times, len(grids), [sum(sizes)] * base.size, per_batch))
-        del tower
-        dp_group = CountingGroup(base)
-        tower = build_tower(cfg, model_path, TPGroup(), device, dtype, args.attention_backend)
-        merge = cfg.vision.spatial_merge_size
+        tp_tower = build_tower(cfg, model_path, CountingGroup(base), device, dtype, backend)
+        full = build_tower(cfg, model_path, TPGroup(), device, dtype, backend)
+        if args.encoder_costs:
+            costs = EncoderCosts.from_json(args.encoder_costs)
+        else:
+            costs = calibrate_encoder_costs(full, base, TowerShape.of(full.cfg, dtype.itemsize))
+        runner = Runner(tp_tower, full, base, costs)
+        results = [
+            asdict(r)
+            for name in args.workloads
+            for r in run_workload(name, runner, cfg, args, device, dtype)
+        ]
+    return {"calibration": json.loads(costs.to_json()), "results": results}
 
-        def run_dp() -> torch.Tensor:
-            return run_dp_sharded_mrope_vision_model(
-                tower, pixels, grids, dp_group, spatial_merge_size=merge
-            )
 
-        times = time_mode(run_dp, base, args.warmup, args.repeat, device)
-        per_batch = dp_group.counter[0] // (args.warmup + args.repeat)
-        _, _, loads = get_dp_encoder_lb_assignment(sizes, base.size)
-        results.append(summarize("dp", times, len(grids), loads, per_batch))
-    return [asdict(r) for r in results]
+def run_workload(
+    name: str, runner: Runner, cfg: ModelConfig, args: argparse.Namespace, device: str, dtype
+) -> list[ModeResult]:
+    batches = []
+    for i, items in enumerate(workload_batches(name, args)):
+        pixels, grids = make_batch(cfg, items, args.seed + i)
+        batches.append((pixels.to(device=device, dtype=dtype), grids))
+    runner.plans.clear()
+    for group in [runner.tp_tower.tp, *runner.groups.values()]:
+        group.counter[0] = 0
+    times = time_interleaved(runner, batches, args, device)
+    runs = (args.warmup + args.repeat) * len(batches)
+    n_items = sum(len(g) for _, g in batches) / len(batches)
+    grids_list = [g for _, g in batches]
+    out = []
+    for mode in MODES:
+        group = runner.tp_tower.tp if mode == "tp" else runner.groups[mode]
+        loads = mode_loads(mode, runner, grids_list)
+        plans = dict(runner.plans) if mode == "auto" else {}
+        out.append(summarize(name, mode, times[mode], n_items, loads, group.counter[0] // runs,
+                             plans))
+    return out
 
 
 def free_port() -> int:
@@ -210,7 +324,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args: argparse.Namespace, model_path: str) -> list[dict]:
+def spawn(args: argparse.Namespace, model_path: str) -> dict:
     """Run every rank; returns rank 0's results. Children are always reaped."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
@@ -230,18 +344,31 @@ def spawn(args: argparse.Namespace, model_path: str) -> list[dict]:
                 p.kill()
 
 
-def print_table(results: list[dict], args: argparse.Namespace, n_images: int) -> None:
-    print(f"ViT benchmark: tp={args.tp}, {n_images} images, device={args.device}")
-    head = f"{'mode':<5}{'median ms':>11}{'p90 ms':>9}{'img/s':>9}{'imbalance':>11}"
-    print(head + f"{'coll. MB/rank':>15}  patches per rank")
-    for r in results:
+def print_table(out: dict, args: argparse.Namespace) -> None:
+    print(f"ViT benchmark: tp={args.tp}, device={args.device}, times per batch")
+    print(f"auto mode cost model: {json.dumps(out['calibration'])}")
+    head = f"{'workload':<22}{'mode':<6}{'median ms':>11}{'p90 ms':>9}{'items/s':>9}"
+    print(head + f"{'imbalance':>11}{'coll. MB/rank':>15}  plans / patches per rank")
+    for r in out["results"]:
+        extra = r["plans"] if r["mode"] == "auto" else r["patches_per_rank"]
         print(
-            f"{r['mode']:<5}{r['median_ms']:>11.2f}{r['p90_ms']:>9.2f}{r['images_per_s']:>9.1f}"
-            f"{r['imbalance']:>11.2f}{r['collective_bytes_per_rank'] / 1e6:>15.2f}  "
-            f"{r['patches_per_rank']}"
+            f"{r['workload']:<22}{r['mode']:<6}{r['median_ms']:>11.2f}{r['p90_ms']:>9.2f}"
+            f"{r['items_per_s']:>9.1f}{r['imbalance']:>11.2f}"
+            f"{r['collective_bytes_per_rank'] / 1e6:>15.2f}  {extra}"
         )
-    tp, dp = results
-    print(f"DP speed-up over TP (median): {tp['median_ms'] / dp['median_ms']:.2f}x")
+    for name, by_mode in group_by_workload(out["results"]).items():
+        tp, dp, auto = (by_mode[m]["median_ms"] for m in MODES)
+        print(
+            f"{name}: DP speed-up over TP {tp / dp:.2f}x; auto vs TP {tp / auto:.2f}x, "
+            f"vs DP {dp / auto:.2f}x, vs the better static mode {min(tp, dp) / auto:.2f}x"
+        )
+
+
+def group_by_workload(results: list[dict]) -> dict[str, dict[str, dict]]:
+    out: dict[str, dict[str, dict]] = {}
+    for r in results:
+        out.setdefault(r["workload"], {})[r["mode"]] = r
+    return out
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -250,9 +377,16 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(4, 3))
-    ax.bar([r["mode"] for r in results], [r["median_ms"] for r in results])
+    grouped = group_by_workload(results)
+    names = list(grouped)
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 3.5))
+    width = 0.8 / len(MODES)
+    for j, mode in enumerate(MODES):
+        xs = [i + (j - 1) * width for i in range(len(names))]
+        ax.bar(xs, [grouped[n][mode]["median_ms"] for n in names], width, label=mode)
+    ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
     ax.set_ylabel("median ms per batch")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path)
 
@@ -265,12 +399,12 @@ def main(argv: list[str] | None = None) -> None:
         args.attention_backend = "triton" if args.device == "cuda" else "torch"
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model_path or tiny_checkpoint(args.arch, tmp)
-        results = spawn(args, model_path)
-    print_table(results, args, len(image_sizes(args)))
+        out = spawn(args, model_path)
+    print_table(out, args)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), **out}, indent=2))
     if args.plot:
-        plot(results, args.plot)
+        plot(out["results"], args.plot)
 
 
 def tiny_checkpoint(arch: str, tmp: str) -> str:

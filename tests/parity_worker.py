@@ -8,9 +8,13 @@ import torch
 
 from runtime.distributed import TPGroup
 from scheduler.model_runner import ModelRunner, Sequence, greedy_generate
+from vision.encoder_plan import EncoderCosts
 from vision.qwen2_vl import build_model
 
 CHUNK = 7  # small enough that chunks cut through every image and video
+# Auto encoder mode with fixed costs (no calibration noise): TP does 3/4 of the full tower's
+# per-patch work, so one item runs TP, and items of similar size run DP.
+AUTO_COSTS = EncoderCosts(0.0, 1e-6, 0.0, 0.0, 0.75e-6, 0.0, 1e-6, 0.0, 1e-6, 0.0)
 
 
 def all_logits(runner: ModelRunner, ids: list[int], mm: Any, chunk: int | None) -> torch.Tensor:
@@ -25,8 +29,9 @@ def all_logits(runner: ModelRunner, ids: list[int], mm: Any, chunk: int | None) 
         runner.release(seq)
 
 
-def run_cases(tp: TPGroup, folder: str, dp: bool, cases: list[tuple[str, list[int], Any]]) -> dict:
-    model = build_model(folder, tp, mm_enable_dp_encoder=dp, dtype="float32")
+def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[int], Any]]) -> dict:
+    costs = AUTO_COSTS if mode == "auto" else None
+    model = build_model(folder, tp, encoder_mode=mode, encoder_costs=costs, dtype="float32")
     runner = ModelRunner(model, max_total_tokens=1024, max_running_requests=4, max_context_len=256)
     out = {}
     for name, ids, mm in cases:
@@ -37,9 +42,10 @@ def run_cases(tp: TPGroup, folder: str, dp: bool, cases: list[tuple[str, list[in
         out[name] = {"logits": full if keep else None, "chunked": chunked if keep else None,
                      "tokens": tokens}
     out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size
+    out["_plans"] = dict(model.plan_counts)
     return out
 
 
 def parity_worker(tp: TPGroup, jobs: list[tuple[str, str, bool, list]]) -> dict:
-    """jobs: (arch, folder, dp, cases); returns {(arch, dp): {case: results}}."""
-    return {(arch, dp): run_cases(tp, folder, dp, cases) for arch, folder, dp, cases in jobs}
+    """jobs: (arch, folder, encoder mode, cases); returns {(arch, mode): {case: results}}."""
+    return {(arch, mode): run_cases(tp, folder, mode, cases) for arch, folder, mode, cases in jobs}

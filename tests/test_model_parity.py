@@ -1,4 +1,4 @@
-"""tessera's model against HF transformers, at tp 1, 2 and 4, ViT in TP and in DP mode.
+"""tessera's model against HF transformers, at tp 1, 2 and 4, ViT in TP, DP and auto mode.
 
 Prefill logits (also prefilled in chunks that cut images) and 16 greedy tokens through the KV
 pool's decode path, for text, one image, two images of different sizes and a video.
@@ -15,7 +15,7 @@ from parity_worker import parity_worker
 from vlm_cases import ARCHS, Checkpoint, load_hf, run_hf, standard_cases
 
 CASES = ("text", "image", "other_image", "two_images", "video")
-MODES = (False, True)
+MODES = ("tp", "dp", "auto")
 TOL = 1e-4
 
 
@@ -45,35 +45,44 @@ def ranks(request: pytest.FixtureRequest, oracle: dict) -> tuple[int, list[dict]
 
 def _params(fn):
     fn = pytest.mark.parametrize("case", CASES)(fn)
-    fn = pytest.mark.parametrize("dp", MODES, ids=["vit_tp", "vit_dp"])(fn)
+    fn = pytest.mark.parametrize("mode", MODES, ids=[f"vit_{m}" for m in MODES])(fn)
     return pytest.mark.parametrize("arch", ARCHS)(fn)
 
 
 @_params
-def test_prefill_logits_match_hf(ranks, oracle, arch: str, dp: bool, case: str) -> None:
+def test_prefill_logits_match_hf(ranks, oracle, arch: str, mode: str, case: str) -> None:
     _, results = ranks
-    ours = results[0][(arch, dp)][case]["logits"]
+    ours = results[0][(arch, mode)][case]["logits"]
     ref = oracle[arch][1][case].hf_logits
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= TOL
 
 
 @_params
-def test_chunked_prefill_matches_hf(ranks, oracle, arch: str, dp: bool, case: str) -> None:
+def test_chunked_prefill_matches_hf(ranks, oracle, arch: str, mode: str, case: str) -> None:
     _, results = ranks
-    ours = results[0][(arch, dp)][case]["chunked"]
+    ours = results[0][(arch, mode)][case]["chunked"]
     assert (ours - oracle[arch][1][case].hf_logits).abs().max().item() <= TOL
 
 
 @_params
 def test_greedy_tokens_match_hf_on_every_rank(
-    ranks, oracle, arch: str, dp: bool, case: str
+    ranks, oracle, arch: str, mode: str, case: str
 ) -> None:
     tp, results = ranks
     expected = oracle[arch][1][case].hf_tokens
     assert len(expected) == 16
     for rank in range(tp):
-        assert results[rank][(arch, dp)][case]["tokens"] == expected, f"rank {rank}"
+        assert results[rank][(arch, mode)][case]["tokens"] == expected, f"rank {rank}"
+
+
+def test_auto_mode_ran_tp_plans(ranks) -> None:
+    """With more than one rank the auto runs took the TP plan for single items (not only DP)."""
+    tp, results = ranks
+    for arch in ARCHS:
+        plans = results[0][(arch, "auto")]["_plans"]
+        assert plans.get("tp", 0) > 0 if tp > 1 else not plans
+        assert all(r[(arch, "auto")]["_plans"] == plans for r in results)
 
 
 def test_kv_pool_fully_free_after_runs(ranks) -> None:
@@ -85,7 +94,7 @@ def test_kv_pool_fully_free_after_runs(ranks) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_outputs_depend_on_the_image(ranks, oracle, arch: str) -> None:
     """Same text, different image: different greedy output (so the parity checks can fail)."""
-    cases, results = oracle[arch][1], ranks[1][0][(arch, True)]
+    cases, results = oracle[arch][1], ranks[1][0][(arch, "dp")]
     assert cases["image"].hf_tokens != cases["other_image"].hf_tokens
     assert results["image"]["tokens"] != results["other_image"]["tokens"]
     assert cases["image"].input_ids != cases["other_image"].input_ids

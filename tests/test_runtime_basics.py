@@ -135,8 +135,8 @@ def test_sharded_checkpoint_with_index_loads_the_same(tmp_path: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_vit_benchmark_prints_both_modes(tmp_path: Path) -> None:
-    out = tmp_path / "vit.json"
+def test_vit_benchmark_prints_every_mode(tmp_path: Path) -> None:
+    out, png = tmp_path / "vit.json", tmp_path / "vit.png"
     cmd = [
         sys.executable,
         str(ROOT / "scripts/bench_vit_dp_vs_tp.py"),
@@ -152,12 +152,20 @@ def test_vit_benchmark_prints_both_modes(tmp_path: Path) -> None:
         "2",
         "--json",
         str(out),
+        "--plot",
+        str(png),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "DP speed-up over TP" in proc.stdout
-    results = json.loads(out.read_text())["results"]
-    assert [r["mode"] for r in results] == ["tp", "dp"]
-    tp, dp = results
+    assert "DP speed-up over TP" in proc.stdout and "auto vs TP" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["calibration"]["dp_patch_s"] + data["calibration"]["dp_pair_s"] > 0
+    results = data["results"]
+    assert [(r["workload"], r["mode"]) for r in results] == [
+        ("random", "tp"), ("random", "dp"), ("random", "auto")
+    ]
+    tp, dp, auto = results
     assert sum(dp["patches_per_rank"]) == tp["patches_per_rank"][0]
     assert tp["collective_bytes_per_rank"] > 0 and dp["collective_bytes_per_rank"] > 0
+    assert sum(auto["plans"].values()) == 2  # one plan per timed batch
+    assert png.stat().st_size > 0

@@ -70,7 +70,9 @@ def base_args(folder: str, **kw) -> ServerArgs:
 
 TP_SETTINGS = [
     pytest.param({"tp_size": 1}, id="tp1"),
-    pytest.param({"tp_size": 2, "mm_enable_dp_encoder": True}, id="tp2-vit_dp"),
+    pytest.param({"tp_size": 2, "mm_encoder_mode": "dp"}, id="tp2-vit_dp"),
+    # auto: the tower's cost model is calibrated when the scheduler ranks start
+    pytest.param({"tp_size": 2, "mm_encoder_mode": "auto"}, id="tp2-vit_auto"),
     pytest.param({"tp_size": 4}, id="tp4-vit_tp"),
 ]
 
@@ -80,7 +82,7 @@ def served(request: pytest.FixtureRequest, world: dict) -> dict:
     with SchedulerHarness(base_args(world["folder"], **request.param)) as h:
         results = h.generate([request_for(c) for c in world["cases"]])
         info = h.info()
-    return {"results": results, "info": info}
+    return {"results": results, "info": info, "mode": request.param.get("mm_encoder_mode")}
 
 
 def request_for(case: Case) -> TokenizedGenerateReq:
@@ -93,6 +95,14 @@ def test_every_output_equals_hf_alone(served: dict, world: dict) -> None:
     ]
     assert not mismatched, f"differ from HF: {mismatched}"
     assert all(r["finish"]["type"] == "length" for r in served["results"].values())
+
+
+def test_server_info_counts_auto_encoder_plans(served: dict) -> None:
+    plans = served["info"].encoder_plans
+    if served["mode"] == "auto":
+        assert set(plans) <= {"dp", "tp", "hybrid"} and sum(plans.values()) > 0
+    else:
+        assert plans == {}
 
 
 def test_pool_was_small_enough_to_retract_and_chunks_cut_images(served: dict) -> None:
@@ -132,7 +142,7 @@ def image_span(case: Case) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def sequential(world: dict) -> SchedulerHarness:
-    args = base_args(world["folder"], tp_size=2, mm_enable_dp_encoder=True, max_total_tokens=4000)
+    args = base_args(world["folder"], tp_size=2, mm_encoder_mode="dp", max_total_tokens=4000)
     with SchedulerHarness(args) as h:
         yield h
 

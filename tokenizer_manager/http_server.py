@@ -216,6 +216,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "model": model_name(tm),
             "tp_size": tm.args.tp_size,
             "mm_enable_dp_encoder": tm.args.mm_enable_dp_encoder,
+            "mm_encoder_mode": tm.args.mm_encoder_mode,
             **vars(info),
             "api": vars(app.state.counters),
         }

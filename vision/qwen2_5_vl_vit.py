@@ -5,8 +5,9 @@ window of the merged grid is contiguous; most blocks attend inside a window, the
 `fullatt_block_indexes` attend over a whole frame. After the merger the window order is undone,
 so the output rows follow the processor's order like any other tower.
 
-Built with the rank's `TPGroup` for TP mode, or with a one-rank `TPGroup()` for DP mode, where
-the tower holds full weights and issues no collective.
+Built with the rank's `TPGroup` for TP mode, or with a one-rank `TPGroup()` for DP and auto mode,
+where the tower holds full weights and issues no collective unless a call passes a `shard` group
+(then it runs tensor-parallel on that rank's slice of the full weights).
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ class Qwen2_5_VisionMLP(nn.Module):
         self.act = get_activation(act)
         self.down_proj = RowParallelLinear(hidden, dim, tp, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, shard).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up, shard)
 
 
 class Qwen2_5_VisionBlock(nn.Module):
@@ -104,9 +105,10 @@ class Qwen2_5_VisionBlock(nn.Module):
         x: torch.Tensor,
         cu_seqlens: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
+        shard: TPGroup | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, rotary)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.attn(self.norm1(x), cu_seqlens, rotary, shard)
+        return x + self.mlp(self.norm2(x), shard)
 
 
 class Qwen2_5_VisionTransformer(nn.Module):
@@ -136,15 +138,19 @@ class Qwen2_5_VisionTransformer(nn.Module):
     def device(self) -> torch.device:
         return self.patch_embed.weight.device
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """[num_patches, patch_dim] -> [num_patches / merge**2, out_hidden_size]."""
+    def forward(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, shard: TPGroup | None = None
+    ) -> torch.Tensor:
+        """[num_patches, patch_dim] -> [num_patches / merge**2, out_hidden_size].
+
+        `shard`: run this call tensor-parallel over that group on full weights (see vit_common)."""
         merge = self.spatial_merge_size
         units, cu_windows = window_index(grid_thw, self.cfg.window_size, self.cfg.patch_size, merge)
         patches = units_to_patches(units, merge).to(self.device)
         x = self.patch_embed(pixel_values.to(self.device))[patches]
         cos, sin = self.rotary(vision_position_ids(grid_thw, merge)[patches.cpu()])
-        x = self._run_blocks(x, frame_cu_seqlens(grid_thw), cu_windows, (cos, sin))
-        return self.merger(x)[torch.argsort(units).to(self.device)]
+        x = self._run_blocks(x, frame_cu_seqlens(grid_thw), cu_windows, (cos, sin), shard)
+        return self.merger(x, shard)[torch.argsort(units).to(self.device)]
 
     def _run_blocks(
         self,
@@ -152,11 +158,12 @@ class Qwen2_5_VisionTransformer(nn.Module):
         cu_frames: torch.Tensor,
         cu_windows: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
+        shard: TPGroup | None,
     ) -> torch.Tensor:
         # Window reordering keeps every frame contiguous, so frame boundaries still hold.
         for i, block in enumerate(self.blocks):
             cu_seqlens = cu_frames if i in self.full_attention_blocks else cu_windows
-            x = block(x, cu_seqlens, rotary)
+            x = block(x, cu_seqlens, rotary, shard)
         return x
 
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight | torch.Tensor]]) -> set[str]:

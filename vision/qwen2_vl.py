@@ -1,12 +1,14 @@
 """Composite Qwen2-VL / Qwen2.5-VL models: vision tower + fusion + Qwen2 decoder.
 
-The vision tower runs in TP mode (sharded like the decoder, with per-layer all-reduce) or in DP
+The vision tower runs in TP mode (sharded like the decoder, with per-layer all-reduce), in DP
 mode (a full replica on every rank; the batch's items are balanced over the ranks and the results
-all-gathered once).
+all-gathered once), or in auto mode (a full replica; each encoder call runs DP, TP on slices of
+the full weights, or a hybrid, as vision/encoder_plan.py plans it).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
@@ -22,6 +24,14 @@ from runtime.model_loader import load_checkpoint, resolve_dtype
 from runtime.models.qwen2 import Qwen2ForCausalLM
 from runtime.multimodal import MultimodalDataItem
 from vision.dp_encoder import run_dp_sharded_mrope_vision_model
+from vision.encoder_calibration import calibrate_encoder_costs
+from vision.encoder_plan import (
+    ENCODER_MODES,
+    EncoderCosts,
+    TowerShape,
+    plan_encoder,
+    run_planned_encoder,
+)
 from vision.fusion import fuse_embeddings
 from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer
 from vision.qwen2_vl_vit import Qwen2VisionTransformer
@@ -35,38 +45,63 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         config: ModelConfig,
         tp: TPGroup,
         backend: AttentionBackend,
-        mm_enable_dp_encoder: bool = False,
+        encoder_mode: str = "tp",
         ops: KernelOps = TORCH_OPS,
     ):
         super().__init__()
+        if encoder_mode not in ENCODER_MODES:
+            raise ValueError(f"encoder mode {encoder_mode!r} is not one of {ENCODER_MODES}")
         self.config = config
         self.tp = tp
-        self.dp_encoder = mm_enable_dp_encoder and tp.size > 1
-        vision_tp = TPGroup() if self.dp_encoder else tp
+        self.encoder_mode = encoder_mode if tp.size > 1 else "tp"
+        vision_tp = tp if self.encoder_mode == "tp" else TPGroup()
         self.visual = VISION_TOWERS[config.arch](config.vision, vision_tp, ops)
         self.language_model = Qwen2ForCausalLM(config.text, tp, backend, ops)
+        self.encoder_costs: EncoderCosts | None = None  # auto mode: set by set_encoder_costs
+        self.plan_counts: Counter[str] = Counter()  # auto mode: encoder calls per plan kind
         # The scheduler may route encoding through its encoder cache (same signature).
         self.item_encoder: Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]] = (
             self.encode_items
         )
 
+    @property
+    def dp_encoder(self) -> bool:
+        return self.encoder_mode == "dp"
+
+    @property
+    def tower_shape(self) -> TowerShape:
+        return TowerShape.of(self.config.vision, self.visual.dtype.itemsize)
+
+    def set_encoder_costs(self, costs: EncoderCosts | None) -> None:
+        """Auto mode: use `costs`, or calibrate now (every rank must call this together)."""
+        if self.encoder_mode != "auto":
+            raise RuntimeError("encoder costs apply only to the auto encoder mode")
+        if costs is None:
+            costs = calibrate_encoder_costs(self.visual, self.tp, self.tower_shape)
+        self.encoder_costs = costs
+
     def encode_items(self, items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
         """Vision embeddings per item hash; every rank calls this with the same items."""
         pixels = torch.cat([item.feature for item in items]).to(self.visual.dtype)
         grids = [list(item.grid_thw) for item in items]
-        if self.dp_encoder:
-            out = run_dp_sharded_mrope_vision_model(
-                self.visual,
-                pixels,
-                grids,
-                self.tp,
-                spatial_merge_size=self.config.vision.spatial_merge_size,
-            )
-        else:
-            out = self.visual(pixels, torch.tensor(grids, dtype=torch.long))
+        out = self._encode(pixels, grids)
         merge = self.config.vision.spatial_merge_size**2
         rows = [item.num_patches // merge for item in items]
         return {item.hash: emb for item, emb in zip(items, out.split(rows))}
+
+    def _encode(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
+        if self.encoder_mode == "tp":
+            return self.visual(pixels, torch.tensor(grids, dtype=torch.long))
+        if self.encoder_mode == "dp":
+            merge = self.config.vision.spatial_merge_size
+            return run_dp_sharded_mrope_vision_model(
+                self.visual, pixels, grids, self.tp, spatial_merge_size=merge
+            )
+        if self.encoder_costs is None:
+            raise RuntimeError("auto encoder mode needs set_encoder_costs() before encoding")
+        plan = plan_encoder(grids, self.tp.size, self.tower_shape, self.encoder_costs)
+        self.plan_counts[plan.kind] += 1
+        return run_planned_encoder(self.visual, pixels, grids, self.tp, plan)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -124,12 +159,15 @@ def build_model(
     tp: TPGroup,
     *,
     attention_backend: str = "torch",
-    mm_enable_dp_encoder: bool = False,
+    encoder_mode: str = "tp",
+    encoder_costs: EncoderCosts | None = None,
     dtype: str = "auto",
     device: str = "cpu",
     show_progress: bool = False,
 ) -> Qwen2VLForConditionalGeneration:
-    """Build this rank's shard of the model and load its slice of the checkpoint."""
+    """Build this rank's shard of the model and load its slice of the checkpoint.
+
+    Auto encoder mode with tp > 1 uses `encoder_costs`, or calibrates them here (every rank)."""
     config = ModelConfig.from_dir(model_path)
     torch_dtype = resolve_dtype(dtype, config.torch_dtype, device)
     previous = torch.get_default_dtype()
@@ -140,10 +178,13 @@ def build_model(
                 config,
                 tp,
                 create_attention_backend(attention_backend),
-                mm_enable_dp_encoder,
+                encoder_mode,
                 get_kernel_ops(attention_backend),
             )
     finally:
         torch.set_default_dtype(previous)
     load_checkpoint(model, model_path, show_progress)
-    return model.eval()
+    model.eval()
+    if model.encoder_mode == "auto":
+        model.set_encoder_costs(encoder_costs)
+    return model

@@ -1,8 +1,9 @@
 """The Qwen2-VL vision tower: pre-norm ViT blocks (LayerNorm, 2-D rotary attention, GELU-family
 MLP) over every frame of every item, then a patch merger to the language model's width.
 
-Built with the rank's `TPGroup` for TP mode, or with a one-rank `TPGroup()` for DP mode, where
-the tower holds full weights and issues no collective.
+Built with the rank's `TPGroup` for TP mode, or with a one-rank `TPGroup()` for DP and auto mode,
+where the tower holds full weights and issues no collective unless a call passes a `shard` group
+(then it runs tensor-parallel on that rank's slice of the full weights).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class Qwen2VisionMLP(nn.Module):
         self.act = get_activation(act)
         self.fc2 = RowParallelLinear(hidden, dim, tp, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+    def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x, shard)), shard)
 
 
 class Qwen2VisionBlock(nn.Module):
@@ -59,9 +60,10 @@ class Qwen2VisionBlock(nn.Module):
         x: torch.Tensor,
         cu_seqlens: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
+        shard: TPGroup | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, rotary)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.attn(self.norm1(x), cu_seqlens, rotary, shard)
+        return x + self.mlp(self.norm2(x), shard)
 
 
 class Qwen2VisionTransformer(nn.Module):
@@ -88,14 +90,18 @@ class Qwen2VisionTransformer(nn.Module):
     def device(self) -> torch.device:
         return self.patch_embed.weight.device
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """[num_patches, patch_dim] -> [num_patches / merge**2, out_hidden_size]."""
+    def forward(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, shard: TPGroup | None = None
+    ) -> torch.Tensor:
+        """[num_patches, patch_dim] -> [num_patches / merge**2, out_hidden_size].
+
+        `shard`: run this call tensor-parallel over that group on full weights (see vit_common)."""
         x = self.patch_embed(pixel_values.to(self.device))
         rotary = self.rotary(vision_position_ids(grid_thw, self.spatial_merge_size))
         cu_seqlens = frame_cu_seqlens(grid_thw)
         for block in self.blocks:
-            x = block(x, cu_seqlens, rotary)
-        return self.merger(x)
+            x = block(x, cu_seqlens, rotary, shard)
+        return self.merger(x, shard)
 
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight | torch.Tensor]]) -> set[str]:
         """Names relative to the checkpoint's `visual.` prefix; returns the loaded parameters."""

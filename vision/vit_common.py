@@ -7,6 +7,11 @@ item (nor, for windowed blocks, a window), described by cumulative sequence leng
 
 Every layer takes a `TPGroup`. With a one-rank group (DP mode, or no parallelism) the layers hold
 full weights and issue no collective; with more ranks attention heads and MLP features are split.
+
+A tower built with full weights also takes a per-call `shard` (a `TPGroup`, or None): with a
+group, every parallel layer computes with that rank's slice of the full weights and the
+row-parallel layers all-reduce over it, so one module runs either data- or tensor-parallel per
+call (the auto encoder mode, vision/encoder_plan.py). With None it issues no collective at all.
 """
 
 from __future__ import annotations
@@ -139,12 +144,14 @@ class VisionAttention(nn.Module):
         x: torch.Tensor,
         cu_seqlens: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
+        shard: TPGroup | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(x.shape[0], 3, self.local_heads, self.head_dim).unbind(1)
+        qkv = self.qkv(x, shard)
+        q, k, v = qkv.view(x.shape[0], 3, -1, self.head_dim).unbind(1)
         cos, sin = rotary
         q, k = self.ops.apply_rotary_qk(q, k, cos, sin)
         out = self.ops.varlen_attention(q, k, v, cu_seqlens, self.scale)
-        return self.proj(out.reshape(x.shape[0], -1))
+        return self.proj(out.reshape(x.shape[0], -1), shard)
 
 
 # ---------------------------------------------------------------- patch merger
@@ -165,11 +172,10 @@ class VisionPatchMerger(nn.Module):
             ]
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
         x = self.ln_q(x).reshape(-1, self.hidden)
-        for layer in self.mlp:
-            x = layer(x)
-        return x
+        fc1, act, fc2 = self.mlp
+        return fc2(act(fc1(x, shard)), shard)
 
 
 # ---------------------------------------------------------------- weight loading

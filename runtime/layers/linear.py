@@ -2,6 +2,11 @@
 
 Column-parallel layers split the output features over the ranks (no communication); row-parallel
 layers split the input features and sum the partial products with one all-reduce.
+
+A layer built with a one-rank group holds full weights and can still run one call tensor-parallel:
+`forward(x, shard=group)` computes with `group.rank`'s slice of those weights (views, no copy) and,
+for row-parallel layers, all-reduces over `group`. This is how the vision tower in auto encoder
+mode runs either way per call (vision/encoder_plan.py).
 """
 
 from __future__ import annotations
@@ -12,6 +17,13 @@ from torch import nn
 
 from runtime.distributed import TPGroup
 from runtime.layers.weights import LazyWeight, as_lazy, copy_checked, divide, set_weight_loader
+
+
+def _full_weights_only(layer: nn.Module, shard: TPGroup) -> None:
+    if layer.tp.size != 1:
+        raise RuntimeError("a per-call shard needs a layer built with full weights (1-rank group)")
+    if shard.rank >= shard.size:
+        raise ValueError(f"shard rank {shard.rank} outside a group of {shard.size}")
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -71,9 +83,29 @@ class ColumnParallelLinear(nn.Module):
         offset, start, size = self._shard_rows(shard_id)
         copy_checked(param.data.narrow(0, offset, size), weight.narrow(0, start, size).load())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def shard_parts(self, shard: TPGroup) -> list[tuple[int, int]]:
+        """(start, length) rows of the full weight that `shard.rank` owns, one per output part."""
+        parts, offset = [], 0
+        for n in self.local_sizes:
+            size = divide(n, shard.size, "output features")
+            parts.append((offset + shard.rank * size, size))
+            offset += n
+        return parts
+
+    def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
+        if shard is not None:
+            return self._forward_shard(x, shard)
         out = F.linear(x, self.weight, self.bias)
         return self.tp.all_gather(out, dim=-1) if self.gather_output else out
+
+    def _forward_shard(self, x: torch.Tensor, shard: TPGroup) -> torch.Tensor:
+        _full_weights_only(self, shard)
+        outs = [
+            F.linear(x, self.weight.narrow(0, start, n), _narrow(self.bias, start, n))
+            for start, n in self.shard_parts(shard)
+        ]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return shard.all_gather(out, dim=-1) if self.gather_output else out
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -129,6 +161,19 @@ class QKVParallelLinear(ColumnParallelLinear):
             return offset, self.tp.rank * size, size
         return offset, self._kv_head_start() * self.head_dim, size
 
+    def shard_parts(self, shard: TPGroup) -> list[tuple[int, int]]:
+        q_full, kv_full = self.local_sizes[0], self.local_sizes[1]
+        heads = divide(self.num_heads, shard.size, "attention heads")
+        kv_heads = max(1, self.total_kv_heads // shard.size)
+        if self.total_kv_heads >= shard.size:
+            kv_start = shard.rank * kv_heads
+        else:
+            kv_start = shard.rank * self.total_kv_heads // shard.size
+        d = self.head_dim
+        q = (shard.rank * heads * d, heads * d)
+        k = (q_full + kv_start * d, kv_heads * d)
+        return [q, k, (k[0] + kv_full, kv_heads * d)]
+
     def weight_loader(
         self,
         param: nn.Parameter,
@@ -172,8 +217,19 @@ class RowParallelLinear(nn.Module):
     def _load_bias(self, param: nn.Parameter, weight: LazyWeight | torch.Tensor) -> None:
         copy_checked(param.data, as_lazy(weight).load())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
+        if shard is None:
+            out = F.linear(x, self.weight)
+            group = self.tp
+        else:
+            _full_weights_only(self, shard)
+            local = divide(self.weight.shape[1], shard.size, "input features")
+            out = F.linear(x, self.weight.narrow(1, shard.rank * local, local))
+            group = shard
         if self.reduce_results:
-            out = self.tp.all_reduce(out)
+            out = group.all_reduce(out)
         return out + self.bias if self.bias is not None else out
+
+
+def _narrow(bias: torch.Tensor | None, start: int, length: int) -> torch.Tensor | None:
+    return None if bias is None else bias.narrow(0, start, length)

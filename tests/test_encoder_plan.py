@@ -1,0 +1,332 @@
+"""Auto encoder mode: the cost model and plan (pure), the per-call shard of full-weight layers,
+every plan against the direct single-rank run on real Gloo ranks, and the start-up calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_on_ranks
+
+from runtime.distributed import TPGroup
+from runtime.model_config import ModelConfig
+from runtime.server_args import ServerArgs
+from vision.encoder_calibration import calibrate_encoder_costs
+from vision.encoder_plan import (
+    EncoderCosts,
+    EncoderPlan,
+    TowerShape,
+    dp_cost,
+    fixed_plan,
+    item_work,
+    plan_encoder,
+    run_planned_encoder,
+    tp_cost,
+)
+from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer, window_index
+from vision.qwen2_vl_vit import Qwen2VisionTransformer
+
+SHAPE = TowerShape(depth=2, embed_dim=32, out_dim=64, merge=2, elem_bytes=4, window_units=0,
+                   full_blocks=2)
+ZERO = EncoderCosts(*[0.0] * (len(fields(EncoderCosts)) - 1))  # dp_alone_factor 1
+# TP on 2 ranks does 3/4 of the per-patch work of the full tower: it beats DP on one item that
+# leaves the other rank idle, and loses to DP on many items that keep both ranks busy.
+COSTS = replace(ZERO, dp_patch_s=1e-6, tp_patch_s=0.75e-6, all_reduce_s=1e-5, all_gather_s=1e-5)
+
+
+def costs(**kw: float) -> EncoderCosts:
+    return replace(COSTS, **kw)
+
+
+# ---------------------------------------------------------------- plan (pure)
+
+
+def test_one_rank_and_no_items_plan_dp() -> None:
+    assert plan_encoder([[1, 64, 64]], 1, SHAPE, COSTS).kind == "dp"
+    assert plan_encoder([], 4, SHAPE, COSTS) == EncoderPlan("dp", (), (), 0.0)
+
+
+def test_one_large_item_runs_tp() -> None:
+    plan = plan_encoder([[1, 64, 64]], 2, SHAPE, COSTS)
+    assert (plan.kind, plan.tp_items, plan.dp_items) == ("tp", (0,), ())
+
+
+def test_many_equal_items_run_dp() -> None:
+    plan = plan_encoder([[1, 8, 8]] * 8, 2, SHAPE, COSTS)
+    assert (plan.kind, plan.tp_items) == ("dp", ())
+    assert plan.dp_items == tuple(range(8))
+
+
+def test_one_large_many_small_runs_the_large_item_tp() -> None:
+    grids = [[1, 8, 8]] * 3 + [[1, 64, 64]] + [[1, 8, 8]] * 5
+    plan = plan_encoder(grids, 2, SHAPE, COSTS)
+    assert (plan.kind, plan.tp_items) == ("hybrid", (3,))
+    assert plan.dp_items == (0, 1, 2, 4, 5, 6, 7, 8)
+
+
+def test_two_dominant_items_both_run_tp() -> None:
+    grids = [[1, 8, 8]] * 4 + [[1, 64, 64], [1, 60, 64]] + [[1, 8, 8]] * 4
+    plan = plan_encoder(grids, 4, SHAPE, costs(tp_patch_s=0.4e-6))
+    assert (plan.kind, plan.tp_items) == ("hybrid", (4, 5))
+
+
+def test_expensive_all_reduce_keeps_one_item_dp() -> None:
+    assert plan_encoder([[1, 64, 64]], 2, SHAPE, costs(all_reduce_s=1.0)).kind == "dp"
+    per_byte = costs(all_reduce_byte_s=1e-6)  # every patch moves 2*2*32*4 + 64 bytes
+    assert plan_encoder([[1, 64, 64]], 2, SHAPE, per_byte).kind == "dp"
+
+
+def test_expensive_all_gather_pushes_to_tp() -> None:
+    grids = [[1, 8, 8]] * 8
+    assert plan_encoder(grids, 2, SHAPE, costs(all_gather_s=1.0)).kind == "tp"
+
+
+def test_an_idle_rank_speeds_up_the_busy_one() -> None:
+    # Ranks sharing too few cores: one item alone on its rank runs at 60% of the all-busy time.
+    shared = costs(dp_alone_factor=0.6)
+    assert plan_encoder([[1, 64, 64]], 2, SHAPE, shared).kind == "dp"
+    works = [item_work([1, 64, 64], SHAPE)]
+    assert dp_cost(works, 2, SHAPE, shared) == pytest.approx(0.6 * 4096e-6 + 1e-5)
+    two = works * 2  # both ranks busy: no speed-up
+    assert dp_cost(two, 2, SHAPE, shared) == pytest.approx(4096e-6 + 1e-5)
+    three_of_four = works * 3  # 3 of 4 ranks busy: 0.6 + 0.4 * 2/3 of the all-busy time
+    assert dp_cost(three_of_four, 4, SHAPE, shared) == pytest.approx(
+        (0.6 + 0.4 * 2 / 3) * 4096e-6 + 1e-5
+    )
+
+
+def test_attention_pairs_decide_for_large_items() -> None:
+    # Per patch TP is no faster, but it splits the heads, so attention pairs cost half.
+    quad = replace(ZERO, dp_patch_s=1e-6, tp_patch_s=1e-6, dp_pair_s=1e-8, tp_pair_s=0.5e-8)
+    assert plan_encoder([[1, 64, 64]], 2, SHAPE, quad).kind == "tp"
+    assert plan_encoder([[1, 4, 4]], 2, SHAPE, replace(quad, all_reduce_s=1e-4)).kind == "dp"
+
+
+def test_video_counts_attention_per_frame() -> None:
+    assert item_work([4, 8, 8], SHAPE) == (256, 4 * 64 * 64 * 2)
+    assert item_work([1, 16, 16], SHAPE) == (256, 256 * 256 * 2)
+
+
+def test_window_pairs_match_the_tower_windows() -> None:
+    shape = replace(SHAPE, depth=4, window_units=2, full_blocks=1)
+    for grid in ([1, 6, 10], [2, 8, 12], [1, 2, 2]):
+        _, cu = window_index(torch.tensor([grid]), window_size=56, patch_size=14, merge=2)
+        windowed = int((cu.diff().long() ** 2).sum())
+        t, h, w = grid
+        assert item_work(grid, shape) == (t * h * w, 3 * windowed + t * (h * w) ** 2)
+
+
+def test_tower_shape_from_configs() -> None:
+    assert TowerShape.of(_cfg("qwen2_vl"), 4) == TowerShape(2, 64, 64, 2, 4, 0, 2)
+    assert TowerShape.of(_cfg("qwen2_5_vl"), 2) == TowerShape(3, 64, 64, 2, 2, 2, 1)
+
+
+def test_cost_terms() -> None:
+    works = [item_work(g, SHAPE) for g in ([1, 4, 4], [1, 4, 8], [1, 4, 4])]
+    c = replace(ZERO, dp_call_s=1.0, dp_patch_s=0.01, all_gather_s=5.0, all_gather_byte_s=1e-3)
+    # ranks: [32 patches] and [16 + 16]: one call each, 32 patches; gather 2 * 8 rows * 64 * 4
+    assert dp_cost(works, 2, SHAPE, c) == pytest.approx(1.0 + 0.32 + 5.0 + 4.096)
+    t = replace(ZERO, tp_call_s=1.0, tp_patch_s=0.01, all_reduce_s=2.0, all_reduce_byte_s=1e-4)
+    moved = 2 * 2 * 64 * 32 * 4 + 16 * 64 * 4
+    assert tp_cost(works, SHAPE, t) == pytest.approx(1.0 + 0.64 + 5 * 2.0 + moved * 1e-4)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_is_the_cheapest_prefix_split(seed: int) -> None:
+    rng = random.Random(seed)
+    ranks = rng.choice([2, 3, 4])
+    grids = [[rng.randint(1, 3), 2 * rng.randint(1, 20), 2 * rng.randint(1, 20)]
+             for _ in range(rng.randint(1, 10))]
+    c = replace(ZERO, **{f.name: rng.choice([0.0, 1e-7, 1e-6, 1e-4]) for f in fields(ZERO)})
+    plan = plan_encoder(grids, ranks, SHAPE, c)
+    works = [item_work(g, SHAPE) for g in grids]
+    assert sorted(plan.tp_items + plan.dp_items) == list(range(len(grids)))
+    assert plan.est_s <= dp_cost(works, ranks, SHAPE, c) + 1e-12
+    assert plan.est_s <= tp_cost(works, SHAPE, c) + 1e-12
+    tp_works = [works[i] for i in plan.tp_items]
+    dp_works = [works[i] for i in plan.dp_items]
+    est = tp_cost(tp_works, SHAPE, c) + dp_cost(dp_works, ranks, SHAPE, c)
+    assert plan.est_s == pytest.approx(est)
+    if plan.tp_items and plan.dp_items:  # the TP items are the largest ones
+        assert min(works[i][0] for i in plan.tp_items) >= max(works[i][0] for i in plan.dp_items)
+    assert plan == plan_encoder(grids, ranks, SHAPE, c)  # deterministic: every rank agrees
+
+
+def test_fixed_plans() -> None:
+    assert fixed_plan("dp", 3) == EncoderPlan("dp", (), (0, 1, 2), 0.0)
+    assert fixed_plan("tp", 2) == EncoderPlan("tp", (0, 1), (), 0.0)
+    with pytest.raises(ValueError):
+        fixed_plan("hybrid", 2)
+
+
+# ---------------------------------------------------------------- costs JSON, server args
+
+
+def test_costs_json_inline_and_file(tmp_path: Path) -> None:
+    assert EncoderCosts.from_json(COSTS.to_json()) == COSTS
+    path = tmp_path / "costs.json"
+    path.write_text(COSTS.to_json())
+    assert EncoderCosts.from_json(str(path)) == COSTS
+    data = json.loads(COSTS.to_json())
+    del data["dp_pair_s"]
+    with pytest.raises(ValueError, match="need the fields"):
+        EncoderCosts.from_json(json.dumps(data))
+    with pytest.raises(ValueError, match=">= 0"):
+        replace(COSTS, tp_patch_s=-1.0)
+
+
+def test_server_args_encoder_mode() -> None:
+    assert ServerArgs.from_cli(["--device", "cpu"]).mm_encoder_mode == "tp"
+    auto = ServerArgs.from_cli(["--device", "cpu", "--mm-encoder-mode", "auto"])
+    assert auto.mm_encoder_mode == "auto" and not auto.mm_enable_dp_encoder
+    legacy = ServerArgs.from_cli(["--device", "cpu", "--mm-enable-dp-encoder"])
+    assert legacy.mm_encoder_mode == "dp" and legacy.mm_enable_dp_encoder
+    assert ServerArgs(mm_enable_dp_encoder_flag=True).mm_enable_dp_encoder
+    with pytest.raises(ValueError, match="contradicts"):
+        ServerArgs.from_cli(["--mm-enable-dp-encoder", "--mm-encoder-mode", "auto"])
+    with pytest.raises(ValueError, match="only to"):
+        ServerArgs.from_cli(["--device", "cpu", "--mm-encoder-costs", COSTS.to_json()])
+    with pytest.raises(SystemExit):
+        ServerArgs.from_cli(["--mm-encoder-mode", "hybrid"])
+
+
+# ---------------------------------------------------------------- real towers on Gloo ranks
+
+CONFIG = {
+    "qwen2_vl": dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2, hidden_size=64,
+                     hidden_act="quick_gelu"),
+    "qwen2_5_vl": dict(depth=3, hidden_size=64, num_heads=4, intermediate_size=128,
+                       out_hidden_size=64, window_size=56, fullatt_block_indexes=[1],
+                       hidden_act="silu"),
+}
+TOWERS = {"qwen2_vl": Qwen2VisionTransformer, "qwen2_5_vl": Qwen2_5_VisionTransformer}
+# (grids, plan per name); "hybrid" leaves the DP part fewer items than ranks at tp 4.
+BATCHES = {
+    "one_image": [[1, 8, 12]],
+    "video": [[3, 6, 10]],
+    "image_and_video": [[1, 6, 10], [2, 4, 6], [1, 2, 4]],
+    "many": [[1, 4, 4], [1, 8, 12], [1, 2, 2], [2, 4, 4], [1, 4, 6]],
+}
+HYBRID_TP = {"one_image": (0,), "video": (0,), "image_and_video": (0,), "many": (1, 3)}
+
+
+def _cfg(arch: str):
+    vision = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3,
+                  **CONFIG[arch])
+    raw = dict(model_type=arch, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+               rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+               image_token_id=500, video_token_id=501, vision_start_token_id=502,
+               vision_end_token_id=503, eos_token_id=505, vision_config=vision)
+    return ModelConfig.from_dict(raw).vision
+
+
+def _tower(arch: str) -> torch.nn.Module:
+    """Full weights, the same on every rank (a fixed seed), unit-scale activations."""
+    tower = TOWERS[arch](_cfg(arch), TPGroup()).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name or "ln_q" in name:
+                p.copy_(1.0 + 0.1 * noise if name.endswith("weight") else 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise if p.dim() == 1 else noise / p[0].numel() ** 0.5)
+    return tower
+
+
+def _plans(name: str, n: int) -> dict[str, EncoderPlan]:
+    tp_items = HYBRID_TP[name]
+    dp_items = tuple(i for i in range(n) if i not in tp_items)
+    return {"dp": fixed_plan("dp", n), "tp": fixed_plan("tp", n),
+            "hybrid": EncoderPlan("hybrid", tp_items, dp_items, 0.0)}
+
+
+class CountingGroup(TPGroup):
+    """Counts the device-group collectives this rank joins."""
+
+    def __init__(self, base: TPGroup):
+        super().__init__(base.rank, base.size, base.device_group, base.cpu_group)
+        object.__setattr__(self, "counts", {"all_reduce": 0, "all_gather": 0})
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.counts["all_reduce"] += 1
+        return super().all_reduce(tensor)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        self.counts["all_gather"] += 1
+        return super().all_gather(tensor, dim)
+
+
+def plans_worker(tp: TPGroup) -> dict:
+    """(arch, batch, plan) -> (planned output, direct output, collective counts) on this rank."""
+    out = {}
+    with torch.inference_mode():
+        for arch in TOWERS:
+            tower = _tower(arch)
+            for name, grids in BATCHES.items():
+                n = sum(t * h * w for t, h, w in grids)
+                gen = torch.Generator().manual_seed(n)
+                pixels = torch.randn(n, tower.cfg.patch_dim, generator=gen)
+                direct = tower(pixels, torch.tensor(grids))
+                for kind, plan in _plans(name, len(grids)).items():
+                    group = CountingGroup(tp)
+                    planned = run_planned_encoder(tower, pixels, grids, group, plan)
+                    out[arch, name, kind] = (planned, direct, dict(group.counts))
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"ws{n}")
+def plan_results(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
+    return request.param, run_on_ranks(plans_worker, request.param, timeout=240)
+
+
+@pytest.mark.parametrize("kind", ["dp", "tp", "hybrid"])
+@pytest.mark.parametrize("name", list(BATCHES))
+@pytest.mark.parametrize("arch", list(TOWERS))
+def test_every_plan_equals_the_direct_run(
+    plan_results: tuple[int, list[dict]], arch: str, name: str, kind: str
+) -> None:
+    world, per_rank = plan_results
+    depth = CONFIG[arch]["depth"]
+    plan = _plans(name, len(BATCHES[name]))[kind]
+    for rank, results in enumerate(per_rank):
+        planned, direct, counts = results[arch, name, kind]
+        assert direct.abs().max() > 0.1
+        torch.testing.assert_close(planned, direct, atol=1e-4, rtol=1e-4)
+        # every rank joins the same collectives; none inside the tower for DP items
+        assert counts["all_reduce"] == ((2 * depth + 1) if plan.tp_items else 0), rank
+        assert counts["all_gather"] == (1 if plan.dp_items else 0), rank
+
+
+def test_dp_plan_is_exact_per_item(plan_results: tuple[int, list[dict]]) -> None:
+    """DP items are encoded by the full tower alone, so only per-item batching can differ."""
+    _, per_rank = plan_results
+    planned, direct, _ = per_rank[0]["qwen2_vl", "one_image", "dp"]
+    assert torch.equal(planned, direct)
+
+
+def test_shard_needs_full_weights() -> None:
+    tower = Qwen2VisionTransformer(_cfg("qwen2_vl"), TPGroup(rank=0, size=2))
+    with pytest.raises(RuntimeError, match="full weights"):
+        tower.blocks[0].mlp.fc1(torch.zeros(1, 64), TPGroup(rank=0, size=2))
+
+
+def calibration_worker(tp: TPGroup) -> tuple[EncoderCosts, EncoderPlan]:
+    tower = _tower("qwen2_vl")
+    shape = TowerShape.of(tower.cfg, 4)
+    costs = calibrate_encoder_costs(tower, tp, shape, repeats=1)
+    return costs, plan_encoder(BATCHES["many"], tp.size, shape, costs)
+
+
+def test_calibration_agrees_across_ranks() -> None:
+    (costs0, plan0), (costs1, plan1) = run_on_ranks(calibration_worker, 2, timeout=120)
+    assert costs0 == costs1 and plan0 == plan1
+    assert costs0.dp_patch_s + costs0.dp_pair_s > 0 and costs0.tp_patch_s + costs0.tp_pair_s > 0
+    assert costs0.all_reduce_s + costs0.all_reduce_byte_s > 0
+    assert 0 < costs0.dp_alone_factor <= 1

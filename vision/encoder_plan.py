@@ -1,0 +1,250 @@
+"""Auto encoder mode: per encoder call, run the vision tower DP, TP, or a hybrid of both.
+
+Every rank holds the whole tower (as in DP mode). For each call every rank computes the same plan
+from the items' grids and one shared cost model:
+
+- "dp": every item goes to one rank (the greedy balancer of vision/dp_encoder.py), one all-gather;
+- "tp": every item is split across all ranks (each rank runs its slice of the full weights, with
+  the per-layer all-reduce), so every rank ends with every embedding and no gather is needed;
+- "hybrid": the largest items run TP across all ranks first, then the rest are balanced DP.
+
+The plan is the cheapest of "the k largest items TP, the rest DP" for k = 0..n under the cost
+model (k = 0 is DP, k = n is TP). The costs come from a short calibration at start-up on the real
+device and group (vision/encoder_calibration.py) or from a JSON override; rank 0's costs are
+broadcast, so every rank plans alike and the collectives line up.
+
+Collective rule (as in DP mode): every rank runs the same plan, so every rank joins the TP call's
+all-reduces and the DP part's all-gather, also a rank that gets no DP item. The DP part calls the
+tower without a shard, so it issues no TP collective inside the tower.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.distributed import TPGroup
+from runtime.model_config import VisionConfig
+from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model
+
+ENCODER_MODES = ("tp", "dp", "auto")
+PLAN_KINDS = ("dp", "tp", "hybrid")
+
+
+@dataclass(frozen=True)
+class EncoderCosts:
+    """Seconds. `dp_*`: the full tower on one rank while every rank is busy; `tp_*`: one rank's
+    slice at the group's size, compute only. `*_patch_s` per patch, `*_pair_s` per attention pair
+    (a segment of L patches has L*L pairs per block), `*_call_s` once per tower call.
+    `dp_alone_factor`: the full tower's time with the other ranks idle over its time with all
+    busy (1 with a device per rank; below 1 when ranks share too few cores). Collectives: latency
+    plus seconds per byte one rank hands in (all-reduce: its tensor; all-gather: the output)."""
+
+    dp_call_s: float
+    dp_patch_s: float
+    dp_pair_s: float
+    tp_call_s: float
+    tp_patch_s: float
+    tp_pair_s: float
+    all_reduce_s: float
+    all_reduce_byte_s: float
+    all_gather_s: float
+    all_gather_byte_s: float
+    dp_alone_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not getattr(self, f.name) >= 0:
+                raise ValueError(f"encoder cost {f.name} must be a number >= 0")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> EncoderCosts:
+        """Inline JSON (starts with "{") or the path of a JSON file; every field required."""
+        text = text_or_path.strip()
+        if not text.startswith("{"):
+            text = Path(text_or_path).read_text()
+        data = json.loads(text)
+        names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        if not required <= set(data) <= names:
+            raise ValueError(f"encoder costs need the fields {sorted(required)}, may have "
+                             f"{sorted(names - required)}, nothing else")
+        return cls(**{k: float(v) for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class TowerShape:
+    """What the cost model needs of a tower: sizes of the tensors the collectives carry and the
+    attention segments (whole frames, or windows of `window_units` merge units per side for the
+    blocks that are not full-attention blocks)."""
+
+    depth: int
+    embed_dim: int
+    out_dim: int
+    merge: int
+    elem_bytes: int
+    window_units: int  # 0: no windowed blocks
+    full_blocks: int  # blocks attending over whole frames (all of them without windows)
+
+    @classmethod
+    def of(cls, cfg: VisionConfig, elem_bytes: int) -> TowerShape:
+        windowed = cfg.window_size > 0
+        units = cfg.window_size // (cfg.spatial_merge_size * cfg.patch_size) if windowed else 0
+        full = len(cfg.fullatt_block_indexes) if windowed else cfg.depth
+        return cls(cfg.depth, cfg.embed_dim, cfg.out_hidden_size, cfg.spatial_merge_size,
+                   elem_bytes, units, full)
+
+
+@dataclass(frozen=True)
+class EncoderPlan:
+    """`tp_items` run TP across all ranks (first), `dp_items` are balanced DP; item indices are
+    in the call's original order. `est_s` is the cost model's estimate."""
+
+    kind: str
+    tp_items: tuple[int, ...]
+    dp_items: tuple[int, ...]
+    est_s: float
+
+
+def item_work(grid: Sequence[int], shape: TowerShape) -> tuple[int, int]:
+    """(patches, attention pairs summed over every block) of one (t, h, w) item."""
+    t, h, w = (int(x) for x in grid)
+    frame = h * w
+    full_pairs = t * frame * frame * shape.full_blocks
+    if shape.window_units <= 0:
+        return t * frame, full_pairs
+    unit = shape.merge**2
+    rows = _window_square_sum(h // shape.merge, shape.window_units)
+    cols = _window_square_sum(w // shape.merge, shape.window_units)
+    windowed = t * rows * cols * unit * unit * (shape.depth - shape.full_blocks)
+    return t * frame, full_pairs + windowed
+
+
+def _window_square_sum(units: int, side: int) -> int:
+    """Sum of squared window extents along one axis of `units` merge units."""
+    whole, rest = divmod(units, side)
+    return whole * side * side + rest * rest
+
+
+def dp_cost(works: Sequence[tuple[int, int]], ranks: int, shape: TowerShape,
+            costs: EncoderCosts) -> float:
+    """Slowest rank under the greedy balancer (faster when fewer ranks are busy, by
+    `dp_alone_factor`), plus the all-gather of the padded outputs."""
+    if not works:
+        return 0.0
+    patches = [n for n, _ in works]
+    shuffle, counts, _ = get_dp_encoder_lb_assignment(patches, ranks)
+    slowest, max_rows, start = 0.0, 0, 0
+    for count in counts:
+        mine = [works[i] for i in shuffle[start : start + count]]
+        start += count
+        if mine:
+            n, q = sum(w[0] for w in mine), sum(w[1] for w in mine)
+            slowest = max(slowest, costs.dp_call_s + costs.dp_patch_s * n + costs.dp_pair_s * q)
+            max_rows = max(max_rows, n // shape.merge**2)
+    if ranks == 1:
+        return slowest
+    busy = sum(1 for c in counts if c)
+    alone = costs.dp_alone_factor
+    slowest *= alone + (1.0 - alone) * (busy - 1) / (ranks - 1)
+    gathered = ranks * max_rows * shape.out_dim * shape.elem_bytes
+    return slowest + costs.all_gather_s + costs.all_gather_byte_s * gathered
+
+
+def tp_cost(works: Sequence[tuple[int, int]], shape: TowerShape, costs: EncoderCosts) -> float:
+    """One tower call on every rank's slice, with 2 all-reduces per block and 1 in the merger."""
+    if not works:
+        return 0.0
+    n, q = sum(w[0] for w in works), sum(w[1] for w in works)
+    compute = costs.tp_call_s + costs.tp_patch_s * n + costs.tp_pair_s * q
+    block_bytes = n * shape.embed_dim * shape.elem_bytes
+    merger_bytes = n // shape.merge**2 * shape.out_dim * shape.elem_bytes
+    reduces = 2 * shape.depth + 1
+    moved = 2 * shape.depth * block_bytes + merger_bytes
+    return compute + reduces * costs.all_reduce_s + costs.all_reduce_byte_s * moved
+
+
+def plan_encoder(grids: Sequence[Sequence[int]], ranks: int, shape: TowerShape,
+                 costs: EncoderCosts) -> EncoderPlan:
+    """The cheapest split "k largest items TP, the rest DP" (ties: fewer TP items). Pure."""
+    works = [item_work(g, shape) for g in grids]
+    if ranks == 1 or not works:
+        return EncoderPlan("dp", (), tuple(range(len(works))), dp_cost(works, 1, shape, costs))
+    order = sorted(range(len(works)), key=lambda i: -works[i][0])  # stable: ties keep index order
+    best_k, best = 0, float("inf")
+    for k in range(len(order) + 1):
+        est = tp_cost([works[i] for i in order[:k]], shape, costs)
+        est += dp_cost([works[i] for i in sorted(order[k:])], ranks, shape, costs)
+        if est < best:
+            best_k, best = k, est
+    tp_items, dp_items = tuple(sorted(order[:best_k])), tuple(sorted(order[best_k:]))
+    kind = "dp" if not tp_items else "tp" if not dp_items else "hybrid"
+    return EncoderPlan(kind, tp_items, dp_items, best)
+
+
+def fixed_plan(kind: str, num_items: int) -> EncoderPlan:
+    """The static modes as plans: everything DP, or everything TP."""
+    items = tuple(range(num_items))
+    if kind == "dp":
+        return EncoderPlan("dp", (), items, 0.0)
+    if kind == "tp":
+        return EncoderPlan("tp", items, (), 0.0)
+    raise ValueError(f"no fixed plan {kind!r}")
+
+
+def run_planned_encoder(
+    tower: nn.Module,
+    pixel_values: torch.Tensor,
+    grid_thw_list: Sequence[Sequence[int]],
+    tp: TPGroup,
+    plan: EncoderPlan,
+) -> torch.Tensor:
+    """Encode every item as `plan` says; returns rows in the original item order.
+
+    `tower` holds full weights and takes `shard=` (vision/vit_common.py). Every rank must call
+    this with the same inputs and plan."""
+    grids = [[int(x) for x in g] for g in grid_thw_list]
+    merge = tower.spatial_merge_size
+    shard = tp if tp.size > 1 else None
+    if not plan.tp_items:  # all DP (or nothing): no copy of the pixels
+        return run_dp_sharded_mrope_vision_model(
+            tower, pixel_values, grids, tp, spatial_merge_size=merge
+        )
+    if not plan.dp_items:
+        return tower(pixel_values, _grid(grids, range(len(grids))), shard=shard)
+    return _run_hybrid(tower, pixel_values, grids, tp, plan)
+
+
+def _run_hybrid(
+    tower: nn.Module, pixel_values: torch.Tensor, grids: list[list[int]], tp: TPGroup,
+    plan: EncoderPlan,
+) -> torch.Tensor:
+    """The TP items in one sharded call on every rank, then the DP items balanced."""
+    merge = tower.spatial_merge_size
+    sizes = [t * h * w for t, h, w in grids]
+    items = pixel_values.split(sizes)
+    tp_out = tower(_cat(items, plan.tp_items), _grid(grids, plan.tp_items), shard=tp)
+    dp_out = run_dp_sharded_mrope_vision_model(
+        tower, _cat(items, plan.dp_items), [grids[i] for i in plan.dp_items], tp,
+        spatial_merge_size=merge,
+    )
+    rows: dict[int, torch.Tensor] = {}
+    for chosen, out in ((plan.tp_items, tp_out), (plan.dp_items, dp_out)):
+        rows.update(zip(chosen, out.split([sizes[i] // merge**2 for i in chosen])))
+    return torch.cat([rows[i] for i in range(len(grids))])
+
+
+def _cat(items: Sequence[torch.Tensor], chosen: Sequence[int]) -> torch.Tensor:
+    return torch.cat([items[i] for i in chosen])
+
+
+def _grid(grids: list[list[int]], chosen: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([grids[i] for i in chosen], dtype=torch.long)
