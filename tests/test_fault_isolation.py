@@ -45,7 +45,7 @@ def test_injected_faults_fail_their_requests_only_at_tp2(prompts: tuple[str, lis
     args = ServerArgs(
         model_path=folder,
         tp_size=2,
-        mm_enable_dp_encoder=True,
+        mm_encoder_mode="dp",
         chunked_prefill_size=64,
         max_total_tokens=600,
         fault_injection_rate=0.03,
