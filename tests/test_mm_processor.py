@@ -396,7 +396,12 @@ def test_dribbling_urls_cannot_starve_other_requests(checkpoint: str, dribble_se
 
     async def run() -> tuple[list[MediaError], float, int]:
         async with AsyncMMDataProcessor(
-            checkpoint, limits, net_workers=4, fetches_per_request=2, per_request_timeout=20
+            checkpoint,
+            limits,
+            net_workers=4,
+            fetches_per_request=2,
+            max_concurrent_calls=4,
+            per_request_timeout=20,
         ) as mm:
             await mm.warmup()
             flood = [asyncio.ensure_future(_error_of(mm.process(slow))) for _ in range(3)]
