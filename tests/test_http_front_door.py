@@ -54,8 +54,20 @@ def test_request_body_limit_gives_413_before_reading_it_all() -> None:
         b'{"model": "demo", "temperature": Infinity}',
         b'{"model": "\xff\xfe"}',
         b"[1, 2]",
+        b'{"model": "demo", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        b'{"model": "demo", "\\udfff": 1}',
     ],
-    ids=["malformed", "deep", "huge_int", "nan", "infinity", "bad_utf8", "not_an_object"],
+    ids=[
+        "malformed",
+        "deep",
+        "huge_int",
+        "nan",
+        "infinity",
+        "bad_utf8",
+        "not_an_object",
+        "lone_surrogate",
+        "lone_surrogate_key",
+    ],
 )
 def test_bad_json_is_a_400(body: bytes) -> None:
     http = client(limit=1 << 20)

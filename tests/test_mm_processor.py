@@ -345,7 +345,10 @@ def test_image_tokens_are_checked_from_the_header_before_decoding(checkpoint: st
     small = data_url(png_bytes(noise_image((56, 56), seed=1)), "image/png")  # 4 tokens
 
     async def run() -> tuple[MediaError, list[PreparedMedia]]:
-        async with AsyncMMDataProcessor(checkpoint, MediaLimits(), cpu_workers=1) as mm:
+        async with AsyncMMDataProcessor(
+            checkpoint, MediaLimits(), cpu_workers=1, per_request_timeout=300
+        ) as mm:
+            await mm.warmup()  # a loaded machine may take long to start a worker
             err = await _error_of(mm.process([MediaRef(IMAGE, small), MediaRef(IMAGE, bomb)], 100))
             return err, await mm.process([MediaRef(IMAGE, small)], 4)
 
@@ -420,7 +423,12 @@ def test_dribbling_urls_cannot_starve_other_requests(checkpoint: str, dribble_se
 
     async def run() -> tuple[list[MediaError], float, int]:
         async with AsyncMMDataProcessor(
-            checkpoint, limits, net_workers=4, fetches_per_request=2, per_request_timeout=20
+            checkpoint,
+            limits,
+            net_workers=4,
+            fetches_per_request=2,
+            max_concurrent_calls=4,
+            per_request_timeout=20,
         ) as mm:
             await mm.warmup()
             flood = [asyncio.ensure_future(_error_of(mm.process(slow))) for _ in range(3)]

@@ -274,11 +274,30 @@ def _too_large(limit: int) -> APIError:
 def load_json(body: bytes) -> Any:
     """Parse a JSON body: malformed, too deep, NaN/Infinity or a too-long integer is a 400."""
     try:
-        return json.loads(body, parse_constant=_no_constant)
+        data = json.loads(body, parse_constant=_no_constant)
     except RecursionError as e:
         raise APIError("request body is nested too deeply", code="invalid_json") from e
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
         raise APIError(f"request body is not valid JSON: {_reason(e)}", code="invalid_json") from e
+    check_unicode(data)
+    return data
+
+
+def check_unicode(data: Any) -> None:
+    """Refuse strings with unpaired surrogates (`"\\ud800"` parses, but is not text)."""
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending += item.keys()
+            pending += item.values()
+        elif isinstance(item, list):
+            pending += item
+        elif isinstance(item, str) and not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError("request body has invalid Unicode", code="invalid_json") from e
 
 
 def _no_constant(name: str) -> Any:

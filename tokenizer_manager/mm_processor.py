@@ -29,7 +29,6 @@ worker that dies in a job is our own failure: it is replaced and a RuntimeError 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -524,7 +523,9 @@ class AsyncMMDataProcessor:
 
     async def _fetch_one(self, index: int, ref: MediaRef, state: _RequestState) -> _Fetched:
         remote = _is_remote(ref.url)
-        async with self._slots, state.fetch_slots if remote else _NO_LIMIT:
+        # A URL waits for its request's fetch slot only: stalled URLs never hold the shared
+        # slots that data: URLs and decoding need.
+        async with state.fetch_slots if remote else self._slots:
             state.fetching[index] = ref.modality
             pool = self._net if remote else self._io
             fetched = await self._run(pool, self._fetch, ref)
@@ -560,9 +561,6 @@ class AsyncMMDataProcessor:
     @staticmethod
     async def _run(pool: Executor, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-
-
-_NO_LIMIT = contextlib.nullcontext()
 
 
 def _is_remote(url: str) -> bool:
