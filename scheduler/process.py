@@ -47,8 +47,8 @@ class SchedulerChannel:
                 return msgs
 
     def send(self, result: StepResult) -> None:
-        if result.outputs:
-            self.send_sock.send_pyobj(BatchTokenOut(result.outputs))
+        if result.outputs or result.started:
+            self.send_sock.send_pyobj(BatchTokenOut(result.outputs, result.started))
         for reply in result.replies:
             self.send_sock.send_pyobj(reply)
 

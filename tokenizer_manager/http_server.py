@@ -143,7 +143,8 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -190,7 +191,8 @@ def install_auth(app: FastAPI, api_key: str | None) -> None:
 def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        """503 when requests are in flight and no output came back for a while."""
+        return Response(status_code=503 if tm.stalled() else 200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -211,7 +213,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "tp_size": tm.args.tp_size,
             "mm_enable_dp_encoder": tm.args.mm_enable_dp_encoder,
             **vars(info),
-            "api": vars(app.state.counters),
+            "api": vars(app.state.counters) | {"in_flight": len(tm.states)},
         }
 
     @app.get("/metrics")
@@ -348,7 +350,7 @@ async def respond(
     fmt: Any,
 ) -> Response:
     stream = tm.generate(tokenized)
-    first = await first_output(stream)
+    first = await first_output(stream, request)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = sse(fmt, tokenized.rid, first, stream, include_usage, app.state.counters)
@@ -358,9 +360,17 @@ async def respond(
     return JSONResponse(fmt.full(tokenized.rid, outputs))
 
 
-async def first_output(stream: AsyncIterator[StrOutput]) -> StrOutput:
-    """The first output, so a refusal or a fault becomes an HTTP error before any stream starts."""
-    first = await anext(stream)
+async def first_output(stream: AsyncIterator[StrOutput], request: Request) -> StrOutput:
+    """The first output, so a refusal or a fault becomes an HTTP error before any stream starts.
+    A client that leaves while its request waits aborts it (closing the stream sends the abort)."""
+    task = asyncio.ensure_future(anext(stream))
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            await stream.aclose()
+            raise APIError("client disconnected", status=499, code="client_closed")
+    first = task.result()
     err = finish_error(first)
     if err is not None:
         await stream.aclose()
@@ -523,7 +533,7 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
         req = await parse_body(request, GenerateRequest)
         tokenized = await native_request(tm, req)
         stream = tm.generate(tokenized)
-        first = await first_output(stream)
+        first = await first_output(stream, request)
         if req.stream:
             return StreamingResponse(
                 native_sse(tokenized.rid, first, stream), media_type="text/event-stream"
