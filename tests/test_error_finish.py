@@ -14,6 +14,7 @@ from tokenizer_manager.http_server import (
     ApiCounters,
     ChatFormatter,
     collect_until_done,
+    first_output,
     native_sse,
     sse,
 )
@@ -62,3 +63,46 @@ def test_non_streaming_error_finish_raises_a_5xx() -> None:
     with pytest.raises(APIError) as info:
         asyncio.run(collect_until_done(Connected(), out("a"), outputs(out("", FAULT))))
     assert info.value.status == 500 and info.value.body()["error"]["code"] == "x"
+
+
+class Disconnected:
+    async def is_disconnected(self) -> bool:
+        return True
+
+
+def test_a_client_that_leaves_mid_request_gets_its_stream_closed() -> None:
+    """The reader is stopped before the stream is closed (closing a running generator raised
+    RuntimeError, a 500, instead of closing it), and the stream's cleanup (the abort) runs."""
+    cleaned = []
+
+    async def endless() -> AsyncIterator[StrOutput]:
+        try:
+            yield out("b")
+            await asyncio.Event().wait()
+        finally:
+            cleaned.append(True)
+
+    async def run() -> None:
+        stream = endless()
+        first = await first_output(stream, Connected())
+        with pytest.raises(APIError) as info:
+            await collect_until_done(Disconnected(), first, stream)
+        assert info.value.status == 499
+
+    asyncio.run(run())
+    assert cleaned == [True]
+
+
+def test_a_client_that_leaves_while_waiting_gets_its_stream_closed() -> None:
+    cleaned = []
+
+    async def silent() -> AsyncIterator[StrOutput]:
+        try:
+            await asyncio.Event().wait()
+            yield out("never")
+        finally:
+            cleaned.append(True)
+
+    with pytest.raises(APIError) as info:
+        asyncio.run(first_output(silent(), Disconnected()))
+    assert info.value.status == 499 and cleaned == [True]

@@ -367,9 +367,7 @@ async def first_output(stream: AsyncIterator[StrOutput], request: Request) -> St
     while not task.done():
         await asyncio.wait({task}, timeout=0.5)
         if not task.done() and await request.is_disconnected():
-            task.cancel()
-            await stream.aclose()
-            raise APIError("client disconnected", status=499, code="client_closed")
+            await stop_reading(task, stream)
     first = task.result()
     err = finish_error(first)
     if err is not None:
@@ -391,6 +389,15 @@ def finish_error(out: StrOutput) -> APIError | None:
     )
 
 
+async def stop_reading(task: asyncio.Future, stream: AsyncIterator[StrOutput]) -> None:
+    """The client left: stop the reader, wait until it stopped (the stream's own cleanup sends
+    the abort), close the stream, and answer 499."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await stream.aclose()
+    raise APIError("client disconnected", status=499, code="client_closed")
+
+
 def error_event(err: APIError) -> bytes:
     return f"data: {json.dumps(err.body())}\n\n".encode()
 
@@ -409,9 +416,7 @@ async def collect_until_done(
     while task is not None and not task.done():
         done, _ = await asyncio.wait({task}, timeout=0.5)
         if not done and await request.is_disconnected():
-            task.cancel()
-            await stream.aclose()
-            raise APIError("client disconnected", status=499, code="client_closed")
+            await stop_reading(task, stream)
     if task is not None:
         task.result()
     await stream.aclose()
