@@ -183,13 +183,14 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     supervisor.on_fatal(lambda reason: fail_everything(loop, tm, mm, reason))
     app = create_app(tm)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2
     )
     try:
         logger.info("serving on http://%s:%d", args.host, args.port)
         await uvicorn.Server(config).serve()
     finally:
-        await tm.close()
+        # the children stop while the media workers do: a stop never waits for both in turn
+        await asyncio.gather(tm.close(), asyncio.to_thread(supervisor.stop))
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -22,7 +22,14 @@ from typing import Protocol
 import zmq
 
 from runtime.allocator import keep_freed_memory
-from runtime.io_struct import BatchStrOut, BatchTokenOut, ReqOutput, ShutdownReq, StrOutput
+from runtime.io_struct import (
+    BatchStrOut,
+    BatchTokenOut,
+    ReqOutput,
+    ReqStart,
+    ShutdownReq,
+    StrOutput,
+)
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.server_args import ServerArgs
 
@@ -200,6 +207,8 @@ class DetokenizerManager:
         return msg
 
     def handle_batch(self, batch: BatchTokenOut) -> BatchStrOut:
+        for start in batch.started:
+            self.start(start)
         outputs = (self._detokenize(out) for out in batch.outputs)
         return BatchStrOut(outputs=[out for out in outputs if out is not None])
 
@@ -216,6 +225,13 @@ class DetokenizerManager:
             self._drop(out)
         return self._str_output(out, text, finish)
 
+    def start(self, start: ReqStart) -> None:
+        """A request was admitted: its constants arrive once, here."""
+        self.stopped.pop(start.rid, None)
+        self.states[start.rid] = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=start.skip_special_tokens, stop=start.stop
+        )
+
     def _step(self, out: ReqOutput) -> tuple[str, dict | None]:
         state = self.states.get(out.rid) or self._new_state(out)
         text = state.step(out.new_token_ids, final=out.finish_reason is not None)
@@ -227,11 +243,10 @@ class DetokenizerManager:
         return text, out.finish_reason
 
     def _new_state(self, out: ReqOutput) -> IncrementalDetokenizer:
-        state = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=out.skip_special_tokens, stop=out.stop
-        )
-        self.states[out.rid] = state
-        return state
+        """Defaults for a request whose start was not seen (none is lost on the ordered socket;
+        this keeps a stray output harmless)."""
+        self.start(ReqStart(out.rid))
+        return self.states[out.rid]
 
     def _drop(self, out: ReqOutput) -> None:
         """Forget the request; if the scheduler still runs it, ignore what it sends later."""

@@ -47,6 +47,7 @@ class ServerInfo:
     kv_protected: int
     running: int
     waiting: int
+    req_slots_used: int = 0
     radix: dict = field(default_factory=dict)
     encoder_cache: dict = field(default_factory=dict)
     counters: dict = field(default_factory=dict)
@@ -54,8 +55,20 @@ class ServerInfo:
 
 
 @dataclass
+class ReqStart:
+    """A request's detokenization constants, sent to the detokenizer once, at admission.
+
+    Stop strings are bounded (runtime/sampler.py: MAX_STOP_STRINGS strings of at most
+    MAX_STOP_CHARS characters each), checked at the door."""
+
+    rid: str
+    stop: tuple[str, ...] = ()  # stop strings, trimmed by the detokenizer
+    skip_special_tokens: bool = True
+
+
+@dataclass
 class ReqOutput:
-    """New tokens of one request since the previous message."""
+    """New tokens of one request since the previous message (only what changed)."""
 
     rid: str
     new_token_ids: list[int]
@@ -63,15 +76,15 @@ class ReqOutput:
     completion_tokens: int
     cached_tokens: int
     finish_reason: dict | None = None  # {"type": "stop"|"length"|"abort"|"error", "detail"}
-    stop: tuple[str, ...] = ()  # stop strings, trimmed by the detokenizer
-    skip_special_tokens: bool = True
 
 
 @dataclass
 class BatchTokenOut:
-    """Scheduler rank 0 -> detokenizer: outputs of one scheduler step."""
+    """Scheduler rank 0 -> detokenizer: the requests admitted in one step (read first), then the
+    outputs of that step."""
 
     outputs: list[ReqOutput]
+    started: list[ReqStart] = field(default_factory=list)
 
 
 @dataclass

@@ -52,8 +52,8 @@ class SchedulerChannel:
             msgs.append([part.buffer for part in parts])
 
     def send(self, result: StepResult) -> None:
-        if result.outputs:
-            self.send_sock.send_pyobj(BatchTokenOut(result.outputs))
+        if result.outputs or result.started:
+            self.send_sock.send_pyobj(BatchTokenOut(result.outputs, result.started))
         for reply in result.replies:
             self.send_sock.send_pyobj(reply)
 

@@ -25,6 +25,7 @@ from runtime.io_struct import (
     FlushCacheReq,
     GetServerInfoReq,
     ReqOutput,
+    ReqStart,
     ServerInfo,
     TokenizedGenerateReq,
 )
@@ -71,6 +72,7 @@ class Counters:
 @dataclass
 class StepResult:
     outputs: list[ReqOutput] = field(default_factory=list)
+    started: list[ReqStart] = field(default_factory=list)  # admitted this step
     replies: list[object] = field(default_factory=list)  # control answers for rank 0 to send
 
 
@@ -91,6 +93,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.counters = Counters()
         self._arrivals = 0
+        self._started: list[ReqStart] = []
         self._touched: dict[int, Req] = {}  # by id(req): a reused rid never hides another's output
         self._was_idle = True
         self.faults = FaultInjector(
@@ -108,6 +111,7 @@ class Scheduler:
         elif self.running:
             self.run_decode()
         result.outputs = self.collect_outputs()
+        result.started, self._started = self._started, []
         if self.idle and not self._was_idle and self.cfg.check_integrity_when_idle:
             self.check_idle_accounting()  # once per transition to idle, not on every poll
         self._was_idle = self.idle
@@ -133,6 +137,8 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         self._arrivals += 1
         req = Req.from_message(msg, self.cfg.eos_token_ids, self._arrivals)
+        params = req.params
+        self._started.append(ReqStart(req.rid, tuple(params.stop), params.skip_special_tokens))
         problem = self.refusal(req)
         if problem:
             self.counters.refused += 1
@@ -346,6 +352,8 @@ class Scheduler:
         """Check each request's inputs on this rank, agree across ranks on which failed, fail
         those on every rank alike; returns the others in order."""
         errors = {i: problem for i, r in enumerate(reqs) if (problem := self.input_problem(r))}
+        if not (self.faults.rate > 0 or any(self.needs_input_check(r) for r in reqs)):
+            return reqs  # nothing could fail here, on any rank: no collective needed
         failed = self.agree_on_failures(len(reqs), errors)
         for i, rank in failed.items():
             self.fail(reqs[i], f"request fault on TP rank {rank}: {errors.get(i, 'see its log')}")
@@ -355,13 +363,18 @@ class Scheduler:
         """Why this request cannot run its next forward ("" when it can); logged with its rid."""
         self.counters.faults_injected += self.faults.hits(req)
         try:
-            if req.kv_len <= req.cached_tokens and req.retractions == 0:
-                check_inputs(req)  # once, before its first chunk
+            if self.needs_input_check(req):
+                check_inputs(req)
             self.faults.check(req)
         except Exception as exc:  # noqa: BLE001 - this request's fault, reported as its error
             logger.warning("request %s failed its input check: %r", req.rid, exc)
             return repr(exc)
         return ""
+
+    @staticmethod
+    def needs_input_check(req: Req) -> bool:
+        """Once, before its first chunk (the same answer on every rank)."""
+        return req.kv_len <= req.cached_tokens and req.retractions == 0
 
     def agree_on_failures(self, n: int, errors: dict[int, str]) -> dict[int, int]:
         """Index -> the highest TP rank that failed it, agreed by every rank (max all-reduce)."""
@@ -428,8 +441,6 @@ class Scheduler:
                     len(req.output_ids),
                     req.cached_tokens,
                     finish,
-                    tuple(req.params.stop),
-                    req.params.skip_special_tokens,
                 )
             )
         self._touched = {}
@@ -474,6 +485,7 @@ class Scheduler:
             kv_protected=self.radix.protected_size,
             running=len(self.running) + (self.chunked is not None),
             waiting=len(self.waiting),
+            req_slots_used=self.runner.req_pool.size - self.runner.req_pool.available_size,
             radix={"cached_tokens": self.radix.total_cached_tokens()},
             encoder_cache=self.encoder_cache.stats(),
             counters=dict(vars(self.counters)),

@@ -27,6 +27,7 @@ from runtime.io_struct import (
     BatchTokenOut,
     FlushCacheOut,
     ReqOutput,
+    ReqStart,
     ServerInfo,
     ShutdownReq,
 )
@@ -197,19 +198,19 @@ def test_manager_streams_and_drops_state_at_finish(tok: Tokenizer) -> None:
 
 def test_manager_ignores_a_request_after_its_stop_matched(tok: Tokenizer) -> None:
     manager = DetokenizerManager(tok)
-    stop_kw = {"stop": ("sat",)}
     first = manager.handle(
         BatchTokenOut(
             [
-                req_out("a", tok.encode("the cat sat on"), **stop_kw),
+                req_out("a", tok.encode("the cat sat on")),
                 req_out("b", tok.encode("the cat sat on")),
-            ]
+            ],
+            started=[ReqStart("a", ("sat",)), ReqStart("b")],
         )
     )
     a, b = first.outputs
     assert (a.text, a.finish_reason) == ("the cat ", {"type": "stop", "matched": "sat"})
     assert (b.text, b.finish_reason) == ("the cat sat on", None)
-    later = manager.handle(BatchTokenOut([req_out("a", tok.encode(" the"), **stop_kw)]))
+    later = manager.handle(BatchTokenOut([req_out("a", tok.encode(" the"))]))
     assert later.outputs == []
     abort = {"type": "abort", "detail": "aborted"}
     assert manager.handle(BatchTokenOut([req_out("a", [], abort)])).outputs == []
@@ -218,7 +219,8 @@ def test_manager_ignores_a_request_after_its_stop_matched(tok: Tokenizer) -> Non
 
 def test_manager_stop_and_scheduler_finish_in_one_message(tok: Tokenizer) -> None:
     manager = DetokenizerManager(tok)
-    out = manager.handle(BatchTokenOut([req_out("a", tok.encode("x. y"), LENGTH, stop=(".",))]))
+    batch = BatchTokenOut([req_out("a", tok.encode("x. y"), LENGTH)], [ReqStart("a", (".",))])
+    out = manager.handle(batch)
     assert out.outputs[0].text == "x"
     assert out.outputs[0].finish_reason == {"type": "stop", "matched": "."}
     assert manager.states == {} and manager.stopped == {}
@@ -294,3 +296,18 @@ def test_process_round_trip_and_shutdown(detokenizer_process: ServerArgs, tok: T
         assert isinstance(pull.recv_pyobj(), ShutdownReq)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_constants_arrive_once_and_a_restart_forgets_the_old_request(tok: Tokenizer) -> None:
+    """Stop strings and detokenization options come with the request's start, not with its
+    outputs; a new start under an id drops whatever the detokenizer kept for that id."""
+    assert {"stop", "skip_special_tokens"}.isdisjoint(ReqOutput.__dataclass_fields__)
+    manager = DetokenizerManager(tok)
+    manager.handle(
+        BatchTokenOut([req_out("a", tok.encode("the cat sat"))], [ReqStart("a", ("cat",))])
+    )
+    assert "a" in manager.stopped  # matched; the scheduler's finish has not come yet
+    batch = BatchTokenOut([req_out("a", tok.encode("the cat"), LENGTH)], [ReqStart("a")])
+    out = manager.handle(batch).outputs[0]
+    assert (out.text, out.finish_reason) == ("the cat", LENGTH)
+    assert manager.states == {} and manager.stopped == {}

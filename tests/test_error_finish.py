@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,8 +15,10 @@ from tokenizer_manager.http_server import (
     ApiCounters,
     ChatFormatter,
     collect_until_done,
+    first_output,
     native_sse,
     sse,
+    until_disconnect,
 )
 from tokenizer_manager.protocol import APIError
 
@@ -62,3 +65,48 @@ def test_non_streaming_error_finish_raises_a_5xx() -> None:
     with pytest.raises(APIError) as info:
         asyncio.run(collect_until_done(Connected(), out("a"), outputs(out("", FAULT))))
     assert info.value.status == 500 and info.value.body()["error"]["code"] == "x"
+
+
+class Disconnected:
+    url = SimpleNamespace(path="/v1/chat/completions")
+
+    async def is_disconnected(self) -> bool:
+        return True
+
+
+def test_a_client_that_leaves_mid_request_gets_its_stream_closed() -> None:
+    """The route's work is cancelled (no generator is closed while it runs: that raised
+    RuntimeError, a 500), the stream's cleanup (the abort) runs, and the answer is 499."""
+    cleaned = []
+
+    async def endless() -> AsyncIterator[StrOutput]:
+        try:
+            yield out("b")
+            await asyncio.Event().wait()
+        finally:
+            cleaned.append(True)
+
+    async def work() -> None:
+        stream = endless()
+        first = await first_output(stream)
+        await collect_until_done(Connected(), first, stream)
+
+    response = asyncio.run(until_disconnect(Disconnected(), work()))
+    assert response.status_code == 499 and cleaned == [True]
+
+
+def test_a_client_that_leaves_while_waiting_gets_its_stream_closed() -> None:
+    cleaned = []
+
+    async def silent() -> AsyncIterator[StrOutput]:
+        try:
+            await asyncio.Event().wait()
+            yield out("never")
+        finally:
+            cleaned.append(True)
+
+    async def work() -> None:
+        await first_output(silent())
+
+    response = asyncio.run(until_disconnect(Disconnected(), work()))
+    assert response.status_code == 499 and cleaned == [True]

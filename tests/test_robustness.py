@@ -17,6 +17,8 @@ from make_tiny_checkpoint import make_checkpoint
 from test_server import Server, idle_info, png_url
 from vlm_cases import noise_image
 
+KV_TOKENS, MAX_QUEUED, STALL_S = 1000, 2, 3
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -25,7 +27,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def server(folder: str, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(folder, tmp_path_factory.mktemp("log") / "server.log")
+    srv = Server(
+        folder,
+        tmp_path_factory.mktemp("log") / "server.log",
+        *("--max-total-tokens", str(KV_TOKENS), "--max-queued-requests", str(MAX_QUEUED)),
+        *("--health-stall-timeout", str(STALL_S)),
+    )
     yield srv
     srv.stop()
 
@@ -131,8 +138,7 @@ def test_native_sampling_params_are_checked(server: Server, params: dict) -> Non
 def media_worker_pids(server: Server) -> list[int]:
     """The main process's children that are not the scheduler ranks or the detokenizer."""
     known = {server.pid_of(n) for n in ("scheduler-TP0", "scheduler-TP1", "detokenizer")}
-    children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text()
-    return [int(p) for p in children.split() if int(p) not in known]
+    return [pid for pid in server.children() if pid not in known]
 
 
 @pytest.mark.parametrize("victim", ["scheduler-TP0", "detokenizer"])
@@ -179,3 +185,100 @@ def stream_lines(server: Server, body: dict, victim: str) -> list[str]:
         lines.append(f"transport error after killing {victim}: {exc!r}")
     return lines
 
+
+def test_omitted_max_tokens_fits_the_kv_pool(server: Server) -> None:
+    """Issue 10, seen 7: without max_tokens the request asked for context - prompt tokens, more
+    than the KV pool holds, and was refused. Now it gets what fits: pool - prompt."""
+    prompt = [7] * (KV_TOKENS - 5)
+    body = {"model": "qwen2_vl", "prompt": prompt, "temperature": 0, "ignore_eos": True}
+    resp = post(server, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 5
+    too_long = post(server, "/v1/completions", {**body, "prompt": [7] * KV_TOKENS})
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+
+
+def generate(server: Server, rid: str, timeout: float = 120, **params: object) -> httpx.Response:
+    body = {"text": "Hello there", "rid": rid, "sampling_params": {"temperature": 0, **params}}
+    return post(server, "/generate", body, timeout)
+
+
+def test_client_rid_in_flight_is_refused_and_reusable_after_abort(server: Server) -> None:
+    """With rank 0 frozen: a request with id "dup" waits; a second "dup" gets 409; the first
+    client hangs up (abort); a third "dup" is sent while the abort is still queued, so the
+    scheduler sees the abort and the new request in one step, and must keep them apart."""
+    expected = generate(server, "fresh", max_new_tokens=6, ignore_eos=True).json()
+    rank0 = server.pid_of("scheduler-TP0")
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(generate, server, "dup", max_new_tokens=6, timeout=2)
+            time.sleep(0.5)
+            again = generate(server, "dup", max_new_tokens=2)
+            assert again.status_code == 409, again.text
+            assert again.json()["error"]["code"] == "duplicate_request_id"
+            with pytest.raises(httpx.ReadTimeout):
+                first.result(30)
+            time.sleep(1.5)  # the server notices the hang-up and aborts
+            reused = pool.submit(generate, server, "dup", max_new_tokens=6, ignore_eos=True)
+            time.sleep(0.5)
+            os.kill(rank0, signal.SIGCONT)
+            resp = reused.result(60)
+    finally:
+        os.kill(rank0, signal.SIGCONT)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["output_ids"] == expected["output_ids"]
+    assert resp.json()["meta_info"]["id"] == "dup"
+    assert_idle_and_clean(server)
+
+
+def test_client_rid_reused_right_after_a_stop_string(server: Server) -> None:
+    """Issue 10, seen 5: the detokenizer kept the old request's stop strings and state."""
+    expected = generate(server, "plain", max_new_tokens=8, ignore_eos=True).json()
+    text = expected["text"]
+    stop = text[len(text) // 2 :][:2]
+    assert stop.strip(), f"no usable stop string in {text!r}"
+    first = generate(server, "again", max_new_tokens=8, ignore_eos=True, stop=[stop])
+    assert first.json()["meta_info"]["finish_reason"]["matched"] == stop
+    reused = generate(server, "again", max_new_tokens=8, ignore_eos=True)
+    assert reused.status_code == 200, reused.text
+    assert reused.json()["text"] == text
+    assert_idle_and_clean(server)
+
+
+def counters(server: Server) -> dict:
+    return httpx.get(server.url + "/server_info", timeout=10).json()["counters"]
+
+
+def test_backpressure_health_and_abandoned_waiting_request(server: Server) -> None:
+    """With rank 0 frozen nothing starts: a client that gives up while waiting is aborted
+    before any token, the queue cap answers 503 with Retry-After, and /health turns 503."""
+    before = counters(server)
+    rank0 = server.pid_of("scheduler-TP0")
+    body = chat_body("Wait for it.", max_tokens=3, temperature=0, ignore_eos=True)
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, "/v1/chat/completions", body, timeout=1)
+        time.sleep(1.5)  # the server notices the hang-up within its 0.5 s poll
+        with ThreadPoolExecutor(MAX_QUEUED) as pool:
+            waiting = [
+                pool.submit(post, server, "/v1/chat/completions", body) for _ in range(MAX_QUEUED)
+            ]
+            time.sleep(1)
+            over = post(server, "/v1/chat/completions", body)
+            assert over.status_code == 503, over.text
+            assert over.headers["retry-after"] == "1"
+            assert over.json()["error"]["code"] == "server_overloaded"
+            time.sleep(STALL_S + 0.5)
+            assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+            os.kill(rank0, signal.SIGCONT)
+            assert all(f.result(60).status_code == 200 for f in waiting)
+    finally:
+        os.kill(rank0, signal.SIGCONT)
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    after = counters(server)
+    assert after["aborted"] == before["aborted"] + 1
+    assert after["generated_tokens"] == before["generated_tokens"] + 3 * MAX_QUEUED
+    assert_idle_and_clean(server)

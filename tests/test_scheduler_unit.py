@@ -121,3 +121,14 @@ def test_requests_compare_by_identity_not_by_fields() -> None:
     assert a != b and a == a
     assert b not in [a] and a in [b, a]
     assert [b, a].index(a) == 1
+
+
+def test_request_constants_go_to_the_detokenizer_once(model) -> None:
+    """Stop strings and detokenization options leave the scheduler at admission only."""
+    sched = make_scheduler(model, kv_tokens=256)
+    params = SamplingParams(temperature=0, max_new_tokens=3, stop=["x" * 200], ignore_eos=True)
+    first = sched.step([TokenizedGenerateReq("s", [1, 2, 3, 4], params)])
+    assert [(s.rid, s.stop) for s in first.started] == [("s", ("x" * 200,))]
+    later = [sched.step([]) for _ in range(4)]
+    assert all(not r.started for r in later)
+    assert sum(len(o.new_token_ids) for r in [first, *later] for o in r.outputs) == 3

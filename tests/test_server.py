@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from dist_utils import free_port
 from make_tiny_checkpoint import make_checkpoint
 from PIL import Image
+from stress import LaunchedServer
 from test_media import png_header_only
 from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
 
@@ -52,59 +52,22 @@ def mp4_bytes(frames: np.ndarray, fps: int = 4) -> bytes:
     return buf.getvalue()
 
 
-class Server:
-    """launch.py in its own session, so teardown can check that no process is left."""
+class Server(LaunchedServer):
+    """launch.py at tp 2 with the DP encoder on CPU; teardown checks that no process is left."""
 
     def __init__(self, folder: str, log: Path, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            "--model-path",
-            folder,
-            "--tp",
-            "2",
-            "--mm-enable-dp-encoder",
-            "--device",
-            "cpu",
-            "--port",
-            str(self.port),
-            "--max-total-tokens",
-            "6000",
-            *extra,
-        ]
-        self.proc = subprocess.Popen(
-            cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
-        )
-        self.wait_healthy(240)
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"server not healthy:\n{self.log.read_text()[-4000:]}")
+        flags = ["--model-path", folder, "--tp", "2", "--mm-enable-dp-encoder", "--device", "cpu"]
+        super().__init__([*flags, "--max-total-tokens", "6000", *extra], log)
+        try:
+            self.wait_healthy(240)
+        except BaseException:
+            self.stop()
+            raise
 
     def pid_of(self, name: str) -> int:
         match = re.search(rf"started {name} \(pid (\d+)\)", self.log.read_text())
         assert match, f"no pid logged for {name}"
         return int(match.group(1))
-
-    def group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -505,7 +468,7 @@ def test_api_key_is_checked() -> None:
     from tokenizer_manager.http_server import create_app
 
     args = ServerArgs(model_path="/models/demo", api_key="sekret")
-    app = create_app(SimpleNamespace(args=args, context_length=128))
+    app = create_app(SimpleNamespace(args=args, context_length=128, stalled=lambda: False))
     http = TestClient(app)
     assert http.get("/health").status_code == 200
     denied = http.get("/v1/models")

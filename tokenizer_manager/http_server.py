@@ -148,7 +148,8 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -196,7 +197,8 @@ def api_key_check(api_key: str) -> Callable[[Request], None]:
 def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        """503 when requests are in flight and no output came back for a while."""
+        return Response(status_code=503 if tm.stalled() else 200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -218,7 +220,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "mm_enable_dp_encoder": tm.args.mm_enable_dp_encoder,
             "mm_encoder_mode": tm.args.mm_encoder_mode,
             **vars(info),
-            "api": vars(app.state.counters),
+            "api": vars(app.state.counters) | {"in_flight": len(tm.states)},
         }
 
     @app.get("/metrics")
@@ -432,7 +434,8 @@ async def respond(
 
 
 async def first_output(stream: AsyncIterator[StrOutput]) -> StrOutput:
-    """The first output, so a refusal or a fault becomes an HTTP error before any stream starts."""
+    """The first output, so a refusal or a fault becomes an HTTP error before any stream starts.
+    (A client that leaves while its request waits cancels the route: see until_disconnect.)"""
     first = await anext(stream)
     err = finish_error(first)
     if err is not None:

@@ -21,6 +21,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,  # noqa: A002 - the JSON field's name
+        retry_after: int | None = None,  # seconds, sent as a Retry-After header
     ):
         super().__init__(message)
         self.message = message
@@ -28,6 +29,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or ("invalid_request_error" if status < 500 else "internal_server_error")
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return {

@@ -9,6 +9,8 @@ detokenizer and is routed to the waiting request by rid.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import json
 import re
 import time
@@ -68,6 +70,7 @@ class ReqState:
     timeline: RequestTimeline
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    started: bool = False  # an output arrived: no longer queued
 
 
 class TokenizerManager:
@@ -90,6 +93,9 @@ class TokenizerManager:
         self.states: dict[str, ReqState] = {}
         self.metrics = ServingMetrics()
         self.fatal: str | None = None  # set when the server is going down: new requests get 503
+        self.client_rids: set[str] = set()  # ids of the requests in flight, as clients know them
+        self._serial = itertools.count()
+        self.last_progress = time.monotonic()  # when the detokenizer last sent anything
         self._replies: dict[type, asyncio.Future] = {}
         self._reply_lock = asyncio.Lock()
         self._ctx = zmq.asyncio.Context()
@@ -121,6 +127,7 @@ class TokenizerManager:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self._from_detok.recv_pyobj()
+            self.last_progress = time.monotonic()
             try:
                 self._dispatch(msg)
             except Exception:  # noqa: BLE001 - one bad message must not stop routing
@@ -139,6 +146,7 @@ class TokenizerManager:
         state = self.states.get(out.rid)
         if state is None or state.finished:
             return
+        state.started = True
         if out.finish_reason is not None:
             state.finished = True
             # A stop string or a detokenizer failure ends the request before the scheduler does.
@@ -274,19 +282,19 @@ class TokenizerManager:
         self, req: TokenizedGenerateReq, arrival: float | None = None
     ) -> AsyncIterator[StrOutput]:
         """Send to the scheduler and yield outputs until finished; abort if abandoned.
-        `arrival` (perf_counter) is when the HTTP request came in: latencies count from it."""
-        if self.fatal is not None:
-            raise APIError(self.fatal, status=503, code="server_shutdown")
-        if req.rid in self.states:
-            raise APIError(
-                f"a request with id {req.rid} is still in flight",
-                status=409,
-                param="rid",
-                code="duplicate_request_id",
-            )
+        `arrival` (perf_counter) is when the HTTP request came in: latencies count from it.
+
+        Inside the server the request gets a unique id (the client's id plus a serial number), so
+        a client that reuses an id after its request ended never meets that request's leftovers
+        in the scheduler or the detokenizer."""
+        self.check_admission(req.rid)
+        if not self.states:
+            self.last_progress = time.monotonic()
+        rid = f"{req.rid}-{next(self._serial)}"
         timeline = RequestTimeline(self.metrics, arrival or time.perf_counter())
-        state = self.states[req.rid] = ReqState(timeline)
-        self._send(req)
+        state = self.states[rid] = ReqState(timeline)
+        self.client_rids.add(req.rid)
+        self._send(dataclasses.replace(req, rid=rid))
         try:
             while True:
                 out = await state.queue.get()
@@ -299,8 +307,34 @@ class TokenizerManager:
                 yield out
         finally:
             if not state.finished:
-                self._send(AbortReq(req.rid))
-            self.states.pop(req.rid, None)
+                self._send(AbortReq(rid))
+            self.states.pop(rid, None)
+            self.client_rids.discard(req.rid)
+
+    def check_admission(self, rid: str) -> None:
+        """503 while shutting down or when too many requests wait; 409 for an id in flight."""
+        if self.fatal is not None:
+            raise APIError(self.fatal, status=503, code="server_shutdown")
+        if rid in self.client_rids:
+            raise APIError(
+                f"a request with id {rid} is still in flight",
+                status=409,
+                param="rid",
+                code="duplicate_request_id",
+            )
+        queued = sum(not s.started for s in self.states.values())
+        if queued >= self.args.max_queued_requests:
+            raise APIError(
+                f"{queued} requests are waiting to start; try again shortly",
+                status=503,
+                code="server_overloaded",
+                retry_after=1,
+            )
+
+    def stalled(self) -> bool:
+        """Requests are in flight and nothing came back for --health-stall-timeout seconds."""
+        quiet = time.monotonic() - self.last_progress
+        return bool(self.states) and quiet > self.args.health_stall_timeout
 
     async def _ask(self, msg: object, reply: type, timeout: float = 30.0) -> Any:
         async with self._reply_lock:

@@ -1,0 +1,398 @@
+"""Seeded stress test of a whole tessera server (issue 10: the server never falls over).
+
+    python scripts/stress.py --minutes 10 --tp 2 --mm-enable-dp-encoder
+
+It starts `launch.py` on the built-in tiny checkpoint with a KV pool small enough to force
+retraction, chunked prefill small enough to cut images, and (unless --fault-injection-rate 0)
+injected per-request faults, then sends for the given time, from several client threads with
+random arrivals: text and image requests (a few images, repeated; identical prompts), random
+max_tokens, streaming and not, extreme sampling values, invalid requests, and clients that hang
+up at every stage (waiting, prefill, decode, mid-stream).
+
+Checks, each a line of the summary and a non-zero exit when one fails:
+- the server stays up and /health answers 200 after the load;
+- every greedy /generate request that completes equals that request run alone (token ids);
+- after the load: free + evictable == total KV, no radix lock, no encoder-cache pin, no request
+  slot held, nothing queued or in flight, no child process beyond the ones at the start;
+- stopping the server leaves no process behind within 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from make_tiny_checkpoint import make_checkpoint  # noqa: E402
+
+TEXTS = ["Describe the picture.", "What colour is it?", "Tell a story about a cat.", "Hi"]
+MAX_TOKENS = 48
+EXTREMES = [
+    {"temperature": 1e-39},
+    {"top_p": 1e-50},
+    {"temperature": 2.0, "top_p": 1.0},
+    {"top_k": 1},
+    {"min_p": 1.0},
+    {"temperature": 0.7, "seed": 123},
+]
+
+
+# ---------------------------------------------------------------------- server
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedServer:
+    """launch.py with the given flags, in its own session, so that every process it starts can be
+    found, and checked gone, through its process group."""
+
+    def __init__(self, flags: list[str], log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(self.port), *flags]
+        self.proc = subprocess.Popen(
+            cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+        )
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy:\n{self.log.read_text()[-4000:]}")
+
+    def children(self) -> list[int]:
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def stop_and_time(server: LaunchedServer) -> float:
+    """SIGTERM; seconds until the whole process group is gone (killed after 30 s)."""
+    start = time.monotonic()
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+    while server.group_alive() and time.monotonic() - start < 30:
+        server.proc.poll()
+        time.sleep(0.1)
+    took = time.monotonic() - start
+    if server.group_alive():
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+    return took
+
+
+def stress_flags(opts: argparse.Namespace, folder: Path) -> list[str]:
+    """The settings that make the load hard: retraction, images cut by chunks, faults."""
+    flags = ["--model-path", str(folder), "--tp", str(opts.tp), "--device", "cpu"]
+    flags += ["--max-total-tokens", str(opts.kv_tokens), "--chunked-prefill-size", "64"]
+    flags += ["--max-running-requests", "12", "--max-queued-requests", str(opts.max_queued)]
+    flags += ["--fault-injection-rate", str(opts.fault_injection_rate)]
+    flags += ["--random-seed", str(opts.seed), "--log-level", "warning"]
+    return flags + (["--mm-enable-dp-encoder"] if opts.mm_enable_dp_encoder else [])
+
+
+# ---------------------------------------------------------------------- workload
+
+
+def png_url(seed: int, size: tuple[int, int]) -> str:
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 255, (*size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@dataclass
+class Prompt:
+    text: str
+    image: str | None  # data URL
+
+
+def prompts() -> list[Prompt]:
+    images = [png_url(0, (56, 56)), png_url(1, (84, 112)), png_url(2, (168, 168))]
+    out = [Prompt(t, None) for t in TEXTS]
+    out += [Prompt(t, img) for img in images for t in TEXTS[:2]]
+    return out
+
+
+@dataclass
+class Stats:
+    sent: Counter = field(default_factory=Counter)
+    status: Counter = field(default_factory=Counter)
+    greedy_checked: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def note(self, kind: str, outcome: str) -> None:
+        with self.lock:
+            self.sent[kind] += 1
+            self.status[outcome] += 1
+
+
+class Load:
+    def __init__(self, url: str, seed: int, refs: dict[int, list[int]], pool: list[Prompt]):
+        self.url, self.seed, self.refs, self.pool = url, seed, refs, pool
+        self.stats = Stats()
+
+    def native_body(self, i: int, max_new: int, params: dict) -> dict:
+        p = self.pool[i]
+        body = {"text": p.text, "sampling_params": {"max_new_tokens": max_new, **params}}
+        if p.image:
+            body["image_data"] = p.image
+        return body
+
+    def chat_body(self, i: int, max_tokens: int, params: dict, stream: bool) -> dict:
+        p = self.pool[i]
+        content: list[dict] = [{"type": "text", "text": p.text}]
+        if p.image:
+            content.insert(0, {"type": "image_url", "image_url": {"url": p.image}})
+        messages = [{"role": "user", "content": content}]
+        return {"messages": messages, "max_tokens": max_tokens, "stream": stream, **params}
+
+    def one(self, rng: random.Random) -> None:
+        i = rng.randrange(len(self.pool))
+        max_new = rng.randint(1, MAX_TOKENS)
+        hang_up = rng.random() < 0.15  # the client leaves at a random moment
+        timeout = rng.uniform(0.05, 3.0) if hang_up else 120.0
+        roll = rng.random()
+        if roll < 0.45:
+            self.greedy(i, max_new, timeout)
+        elif roll < 0.7:
+            params = rng.choice(EXTREMES) | {"ignore_eos": rng.random() < 0.5}
+            body = self.chat_body(i, max_new, params, stream=False)
+            self.post("chat", "/v1/chat/completions", body, timeout)
+        elif roll < 0.95:
+            body = self.chat_body(i, max_new, rng.choice(EXTREMES), stream=True)
+            self.stream(body, rng.randint(1, MAX_TOKENS + 2), timeout)
+        else:
+            body = self.chat_body(i, 0, {}, stream=False)  # invalid: 400 expected
+            self.post("invalid", "/v1/chat/completions", body, timeout, expect=400)
+
+    def greedy(self, i: int, max_new: int, timeout: float) -> None:
+        params = {"temperature": 0, "ignore_eos": True}
+        resp = self.post("greedy", "/generate", self.native_body(i, max_new, params), timeout)
+        if resp is None or resp.status_code != 200:
+            return
+        got, want = resp.json()["output_ids"], self.refs[i][:max_new]
+        with self.stats.lock:
+            self.stats.greedy_checked += 1
+            if got != want:
+                self.stats.mismatches.append(f"prompt {i} max {max_new}: {got} != {want}")
+
+    def post(
+        self, kind: str, path: str, body: dict, timeout: float, expect: int | None = None
+    ) -> httpx.Response | None:
+        try:
+            resp = httpx.post(self.url + path, json=body, timeout=timeout)
+        except httpx.TimeoutException:
+            self.stats.note(kind, "client_hung_up")
+            return None
+        self.stats.note(kind, str(resp.status_code))
+        self.check_error(kind, resp, expect)
+        return resp
+
+    def check_error(self, kind: str, resp: httpx.Response, expect: int | None) -> None:
+        ok = {expect} if expect else {200, 500, 503}  # 500: injected fault; 503: queue full
+        if resp.status_code not in ok:
+            with self.stats.lock:
+                self.stats.unexpected.append(f"{kind}: {resp.status_code} {resp.text[:200]}")
+        elif resp.status_code != 200 and set(resp.json()["error"]) != {
+            "message",
+            "type",
+            "param",
+            "code",
+        }:
+            self.stats.unexpected.append(f"{kind}: not OpenAI error JSON: {resp.text[:200]}")
+
+    def stream(self, body: dict, read_events: int, timeout: float) -> None:
+        """Read `read_events` events, then hang up (or read to the end if there are fewer)."""
+        outcome = "200"
+        try:
+            with httpx.stream(
+                "POST", self.url + "/v1/chat/completions", json=body, timeout=timeout
+            ) as r:
+                outcome = str(r.status_code)
+                if r.status_code == 200:
+                    outcome = self.read_stream(r, read_events)
+                else:
+                    r.read()
+                    self.check_error("stream", r, None)
+        except httpx.TimeoutException:
+            outcome = "client_hung_up"
+        self.stats.note("stream", outcome)
+
+    def read_stream(self, r: httpx.Response, read_events: int) -> str:
+        events = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"error"' in line[:20]:
+                return "stream_error_event"
+            if line == "data: [DONE]":
+                return "200"
+            if line.startswith("data:"):
+                events += 1
+                if events >= read_events:
+                    return "client_hung_up_mid_stream"
+        with self.stats.lock:
+            self.stats.unexpected.append("stream ended without [DONE]")
+        return "stream_cut"
+
+    def worker(self, index: int, until: float, mean_gap: float) -> None:
+        rng = random.Random(self.seed * 1000 + index)
+        while time.monotonic() < until:
+            time.sleep(rng.expovariate(1 / mean_gap))
+            try:
+                self.one(rng)
+            except Exception as exc:  # noqa: BLE001 - any client-side surprise is a finding
+                with self.stats.lock:
+                    self.stats.unexpected.append(f"client error: {exc!r}")
+
+
+def references(url: str, pool: list[Prompt]) -> dict[int, list[int]]:
+    """Each prompt's greedy tokens, run alone before the load."""
+    load = Load(url, 0, {}, pool)
+    refs = {}
+    for i in range(len(pool)):
+        body = load.native_body(i, MAX_TOKENS, {"temperature": 0, "ignore_eos": True})
+        for _ in range(20):  # an injected fault may hit the reference too: run it again
+            resp = httpx.post(url + "/generate", json=body, timeout=120)
+            if resp.status_code == 200:
+                refs[i] = resp.json()["output_ids"]
+                break
+        else:
+            raise RuntimeError(f"no reference for prompt {i}: {resp.text}")
+    return refs
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def idle_info(url: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        quiet = info["running"] == 0 and info["waiting"] == 0 and info["api"]["in_flight"] == 0
+        if quiet or time.monotonic() > deadline:
+            return info
+        time.sleep(0.5)
+
+
+def after_load_checks(server: LaunchedServer, children_before: int) -> tuple[dict[str, bool], dict]:
+    info = idle_info(server.url)
+    health = httpx.get(server.url + "/health", timeout=10).status_code
+    return {
+        "server_alive": server.proc.poll() is None and health == 200,
+        "nothing_running_or_queued": info["running"] == 0 and info["waiting"] == 0,
+        "nothing_in_flight": info["api"]["in_flight"] == 0,
+        "kv_free_plus_evictable_is_total": info["kv_free"] + info["kv_evictable"]
+        == info["kv_total"],
+        "no_radix_lock": info["kv_protected"] == 0,
+        "no_encoder_pin": info["encoder_cache"]["pins"] == 0,
+        "no_req_slot": info["req_slots_used"] == 0,
+        "no_extra_child": len(server.children()) <= children_before,
+    }, info
+
+
+def run(opts: argparse.Namespace) -> int:
+    work = Path(tempfile.mkdtemp(prefix="tessera-stress-"))
+    folder = make_checkpoint("qwen2_vl", work / "qwen2_vl")
+    server = LaunchedServer(stress_flags(opts, folder), work / "server.log")
+    try:
+        server.wait_healthy()
+        pool = prompts()
+        refs = references(server.url, pool)
+        children = len(server.children())
+        load = Load(server.url, opts.seed, refs, pool)
+        until = time.monotonic() + opts.minutes * 60
+        threads = [
+            threading.Thread(target=load.worker, args=(k, until, opts.mean_gap))
+            for k in range(opts.clients)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        checks, info = after_load_checks(server, children)
+    finally:
+        stop_s = stop_and_time(server)
+    checks["stopped_within_10s"] = stop_s < 10
+    checks["greedy_outputs_match"] = not load.stats.mismatches
+    checks["no_unexpected_response"] = not load.stats.unexpected
+    summary = {
+        "minutes": opts.minutes,
+        "tp": opts.tp,
+        "dp_encoder": opts.mm_enable_dp_encoder,
+        "seed": opts.seed,
+        "requests": sum(load.stats.sent.values()),
+        "by_kind": dict(load.stats.sent),
+        "outcomes": dict(load.stats.status),
+        "greedy_checked": load.stats.greedy_checked,
+        "scheduler": {
+            k: info["counters"][k]
+            for k in ("finished", "aborted", "retractions", "failed", "faults_injected", "refused")
+        },
+        "stop_seconds": round(stop_s, 2),
+        "checks": checks,
+        "mismatches": load.stats.mismatches[:5],
+        "unexpected": load.stats.unexpected[:5],
+        "log": str(server.log),
+    }
+    print(json.dumps(summary, indent=2))
+    return 0 if all(checks.values()) else 1
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=1.0)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--mm-enable-dp-encoder", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--mean-gap", type=float, default=0.3, help="seconds between requests")
+    parser.add_argument("--kv-tokens", type=int, default=400)
+    parser.add_argument("--max-queued", type=int, default=8)
+    parser.add_argument("--fault-injection-rate", type=float, default=0.01)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run(parse()))
