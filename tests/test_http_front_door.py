@@ -17,7 +17,8 @@ LIMIT = 4096
 
 def client(api_key: str | None = None, limit: int = LIMIT) -> TestClient:
     args = ServerArgs(model_path="/models/demo", api_key=api_key, max_request_bytes=limit)
-    return TestClient(create_app(SimpleNamespace(args=args, context_length=128)))
+    fake_tm = SimpleNamespace(args=args, context_length=128, stalled=lambda: False)
+    return TestClient(create_app(fake_tm))
 
 
 def post(http: TestClient, body: bytes | Iterator[bytes], **headers: str) -> tuple[int, dict]:
