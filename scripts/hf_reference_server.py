@@ -18,6 +18,7 @@ import asyncio
 import base64
 import io
 import json
+import sys
 import threading
 import time
 import uuid
@@ -28,6 +29,11 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tokenizer_manager.tokenizer_manager import load_chat_template  # noqa: E402
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -44,7 +50,7 @@ class Reference:
         self.model = model_class.from_pretrained(model_path, dtype=dtype).to(device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.images = AutoImageProcessor.from_pretrained(model_path)
-        self.template = chat_template(Path(model_path), self.tokenizer)
+        self.template = load_chat_template(model_path, self.tokenizer)
         self.name = Path(model_path).name
         self.device, self.dtype = device, dtype
         self.lock = threading.Lock()
@@ -96,14 +102,6 @@ class Reference:
             "total_tokens": prompt + generated,
         }
         result["reason"] = "length" if generated >= kwargs["max_new_tokens"] else "stop"
-
-
-def chat_template(root: Path, tokenizer: Any) -> str:
-    if (root / "chat_template.json").is_file():
-        return json.loads((root / "chat_template.json").read_text())["chat_template"]
-    if (root / "chat_template.jinja").is_file():
-        return (root / "chat_template.jinja").read_text()
-    return tokenizer.chat_template
 
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:
