@@ -56,14 +56,10 @@ def test_native_stream_gets_an_error_event_before_done() -> None:
     assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "internal_server_error"
 
 
-class Connected:
-    async def is_disconnected(self) -> bool:
-        return False
-
 
 def test_non_streaming_error_finish_raises_a_5xx() -> None:
     with pytest.raises(APIError) as info:
-        asyncio.run(collect_until_done(Connected(), out("a"), outputs(out("", FAULT))))
+        asyncio.run(collect_until_done(out("a"), outputs(out("", FAULT))))
     assert info.value.status == 500 and info.value.body()["error"]["code"] == "x"
 
 
@@ -89,7 +85,7 @@ def test_a_client_that_leaves_mid_request_gets_its_stream_closed() -> None:
     async def work() -> None:
         stream = endless()
         first = await first_output(stream)
-        await collect_until_done(Connected(), first, stream)
+        await collect_until_done(first, stream)
 
     response = asyncio.run(until_disconnect(Disconnected(), work()))
     assert response.status_code == 499 and cleaned == [True]

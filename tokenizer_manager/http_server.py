@@ -428,7 +428,7 @@ async def respond(
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = sse(fmt, tokenized.rid, first, stream, include_usage, app.state.counters)
         return StreamingResponse(body, media_type="text/event-stream")
-    outputs = await collect_until_done(request, first, stream)
+    outputs = await collect_until_done(first, stream)
     record_usage(app.state.counters, outputs[-1])
     return JSONResponse(fmt.full(tokenized.rid, outputs))
 
@@ -461,9 +461,7 @@ def error_event(err: APIError) -> bytes:
     return f"data: {json.dumps(err.body())}\n\n".encode()
 
 
-async def collect_until_done(
-    request: Request, first: StrOutput, stream: AsyncIterator[StrOutput]
-) -> list[StrOutput]:
+async def collect_until_done(first: StrOutput, stream: AsyncIterator[StrOutput]) -> list[StrOutput]:
     """Gather all outputs. A client that disconnects cancels this (until_disconnect), and the
     request's generator sends the abort as it closes."""
     outputs = [first]
@@ -602,7 +600,7 @@ async def native_response(
         return StreamingResponse(
             native_sse(tokenized.rid, first, stream), media_type="text/event-stream"
         )
-    outputs = await collect_until_done(request, first, stream)
+    outputs = await collect_until_done(first, stream)
     record_usage(app.state.counters, outputs[-1])
     return JSONResponse(native_body(tokenized.rid, outputs))
 
