@@ -1,4 +1,4 @@
-"""Write a random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint folder for tessera's tests and benchmarks.
+"""Write a random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint folder for tessera's tests.
 
 The folder looks like a published Instruct repository: the published config.json layout (flat for
 Qwen2-VL / Qwen2.5-VL, nested `text_config` for Qwen3-VL), safetensors with the published tensor
@@ -460,8 +460,8 @@ def hf_config(flat: dict[str, Any]) -> Any:
     """transformers' config object for a flat config dict."""
     import transformers
 
-    names = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig"}
-    cls_name = names[flat["model_type"]]
+    names = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}
+    cls_name = names.get(flat["model_type"], "Qwen3VLConfig")
     return getattr(transformers, cls_name)(**flat)
 
 
