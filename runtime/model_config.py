@@ -102,6 +102,12 @@ class ModelConfig:
     torch_dtype: str = "float32"
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def timestamped_video(self) -> bool:
+        """Qwen3-VL: every temporal patch of a video is its own `<t seconds>`-stamped run of
+        placeholders in the prompt, with its own MRoPE grid (t = 1)."""
+        return self.arch == "qwen3_vl"
+
     @classmethod
     def from_dir(cls, model_path: str | Path) -> ModelConfig:
         path = Path(model_path) / "config.json"

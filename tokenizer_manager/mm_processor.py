@@ -70,6 +70,7 @@ from tokenizer_manager.video_processor import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
     VideoProcessingConfig,
+    frame_timestamps,
     normalize_frames,
     pad_temporal,
     patchify,
@@ -169,11 +170,17 @@ class ProcessedMedia:
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None
     digest: int | None = None  # media_digest of the encoded bytes and the processor settings
+    frame_times: tuple[float, ...] | None = None  # video: seconds of each temporal patch
 
     def to_prepared(self) -> PreparedMedia:
         pixels = torch.from_numpy(self.pixel_values)
         return PreparedMedia(
-            self.modality, pixels, self.grid_thw, self.second_per_grid_t, self.digest
+            self.modality,
+            pixels,
+            self.grid_thw,
+            self.second_per_grid_t,
+            self.digest,
+            self.frame_times,
         )
 
 
@@ -238,19 +245,20 @@ def process_video_bytes(data: bytes, spec: ProcessorSpec, limits: MediaLimits) -
     but frames are resized chunk by chunk, so full-size frames never pile up in memory.
     """
     cfg = spec.video
-    frames, sampled_fps = read_resized_frames(data, cfg, limits)
+    frames, sampled_fps, times = read_resized_frames(data, cfg, limits)
     pixels = normalize_frames(frames, cfg.rescale_factor, cfg.image_mean, cfg.image_std)
     pixels = pad_temporal(pixels, cfg.temporal_patch_size)
     patches, grid = patchify(pixels, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
     seconds = second_per_grid_t(sampled_fps, cfg.temporal_patch_size)
     digest = media_digest(Modality.VIDEO, data, spec)
-    return ProcessedMedia(Modality.VIDEO, patches, grid, seconds, digest)
+    return ProcessedMedia(Modality.VIDEO, patches, grid, seconds, digest, times)
 
 
 def read_resized_frames(
     data: bytes, cfg: VideoProcessingConfig, limits: MediaLimits
-) -> tuple[np.ndarray, float]:
-    """Sampled frames, already resized to the video's target size, and their frame rate."""
+) -> tuple[np.ndarray, float, tuple[float, ...]]:
+    """Sampled frames, already resized to the video's target size, their frame rate, and the
+    timestamp of each temporal patch."""
     header = probe_video(data, video_container(data))
     check_video_header(header, limits)
     reader = open_video_reader(data)
@@ -266,7 +274,8 @@ def read_resized_frames(
             chunks.append(_resize_all(batch, size))
     finally:
         del reader
-    return np.concatenate(chunks), len(indices) / total * video_fps
+    times = frame_timestamps(indices, video_fps, cfg.temporal_patch_size)
+    return np.concatenate(chunks), len(indices) / total * video_fps, times
 
 
 def open_video_reader(data: bytes) -> Any:

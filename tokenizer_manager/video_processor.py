@@ -123,6 +123,20 @@ def read_video_frames(
     return frames, len(indices) / total * video_fps
 
 
+def frame_timestamps(
+    indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2
+) -> tuple[float, ...]:
+    """Seconds at the middle of each temporal patch of sampled frames `indices` (Qwen3-VL writes
+    them into the prompt): the last index repeats to fill the final patch, then each patch's
+    time is the mean of its first and last frame's. Pure."""
+    if not indices or not video_fps > 0:
+        raise ValueError("frame timestamps need sampled frames and a positive frame rate")
+    padded = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
+    times = [i / video_fps for i in padded]
+    step = temporal_patch_size
+    return tuple((times[i] + times[i + step - 1]) / 2 for i in range(0, len(times), step))
+
+
 def second_per_grid_t(sampled_fps: float, temporal_patch_size: int = 2) -> float:
     """Seconds covered by one temporal patch of a video sampled at `sampled_fps`."""
     return temporal_patch_size / sampled_fps
