@@ -7,6 +7,7 @@ archs); the tower against HF in test_vision_towers.py; serving in test_server_qw
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 from functools import partial
@@ -25,7 +26,12 @@ from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
 from scheduler.model_runner import ModelRunner, Sequence, greedy_generate
 from tokenizer_manager.multimodal_inputs import expand_placeholders
-from tokenizer_manager.video_processor import frame_timestamps
+from tokenizer_manager.video_processor import (
+    checkpoint_video_config,
+    frame_timestamps,
+    sample_frame_indices,
+    smart_resize,
+)
 from vision.qwen2_vl import build_model
 
 
@@ -152,6 +158,43 @@ def test_frame_timestamps_match_transformers() -> None:
     for indices, fps in (([0, 3, 6, 9], 4.0), ([0, 12, 24, 36, 48], 24.0), ([5], 2.0)):
         ref = Qwen3VLProcessor._calculate_timestamps(None, list(indices), fps, 2)
         assert list(frame_timestamps(indices, fps)) == pytest.approx(ref, abs=0)
+
+
+def hf_video_functions() -> SimpleNamespace:
+    """`smart_resize` and `sample_frames` of transformers' Qwen3-VL video processor, compiled from
+    its source file (the module itself needs torchvision to import, which this machine lacks)."""
+    import logging
+    import math
+
+    import numpy as np
+    import transformers
+
+    path = Path(transformers.__file__).parent / "models/qwen3_vl/video_processing_qwen3_vl.py"
+    tree = ast.parse(path.read_text())
+    wanted = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+              and n.name in ("smart_resize", "sample_frames")]
+    scope: dict[str, Any] = {"math": math, "np": np, "logger": logging.getLogger("hf")}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), str(path), "exec"), scope)  # noqa: S102
+    return SimpleNamespace(smart_resize=scope["smart_resize"], sample_frames=scope["sample_frames"])
+
+
+def test_video_resize_and_sampling_follow_transformers(folder: Path) -> None:
+    """Qwen3-VL's video rules: pixel bounds per clip, frame counts not rounded to patches."""
+    from transformers.video_utils import VideoMetadata
+
+    hf = hf_video_functions()
+    cfg = checkpoint_video_config(folder)
+    assert cfg.clip_budget and (cfg.patch_size, cfg.image_mean) == (16, (0.5, 0.5, 0.5))
+    for frames, height, width in ((4, 64, 96), (5, 480, 640), (2, 30, 1000), (8, 1080, 1920)):
+        bounds = dict(factor=32, min_pixels=4096, max_pixels=200704)
+        ref = hf.smart_resize(frames, height, width, temporal_factor=2, **bounds)
+        ours = smart_resize(height, width, **bounds, num_frames=frames, temporal_factor=2)
+        assert ours == ref, (frames, height, width)
+    fake = SimpleNamespace(fps=2, min_frames=4, max_frames=768)
+    for total, fps in ((9, 4.0), (100, 30.0), (3, 24.0), (61, 24.0)):
+        meta = VideoMetadata(total_num_frames=total, fps=fps)
+        ref = hf.sample_frames(fake, meta).tolist()
+        assert sample_frame_indices(total, fps, 2, 4, 768, 2, clip_budget=True) == ref
 
 
 def test_video_is_one_item_with_a_stamped_run_per_temporal_patch(folder: Path) -> None:

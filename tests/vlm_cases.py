@@ -18,7 +18,11 @@ from tokenizer_manager.multimodal_inputs import (
     build_multimodal_inputs,
     expand_placeholders,
 )
-from tokenizer_manager.video_processor import frame_timestamps, preprocess_video
+from tokenizer_manager.video_processor import (
+    checkpoint_video_config,
+    frame_timestamps,
+    preprocess_video,
+)
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 VIDEO_FPS = 2.0  # the frame rate test videos given as frame arrays are taken to have
@@ -99,15 +103,10 @@ class Checkpoint:
         return PreparedMedia(Modality.IMAGE, out["pixel_values"], grid)
 
     def video_media(self, frames: np.ndarray) -> PreparedMedia:
-        p = self.preprocessor
-        size = p.get("size", {})
-        pixels, grid = preprocess_video(
-            frames,
-            patch_size=p["patch_size"],
-            min_pixels=p.get("min_pixels", size.get("shortest_edge")),
-            max_pixels=p.get("max_pixels", size.get("longest_edge")),
-            image_mean=p["image_mean"], image_std=p["image_std"],
-        )
+        """Frames taken at VIDEO_FPS, preprocessed with the checkpoint's video settings (for
+        Qwen2-VL / Qwen2.5-VL: preprocessor_config.json's pixel bounds, small test grids)."""
+        cfg = checkpoint_video_config(self.folder)
+        pixels, grid = preprocess_video(frames, **cfg.preprocess_kwargs())
         seconds = 1.0 if self.config.arch == "qwen2_5_vl" else None
         times = frame_timestamps(range(len(frames)), VIDEO_FPS)
         grid_thw = tuple(int(x) for x in grid[0])

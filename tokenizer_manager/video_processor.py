@@ -1,4 +1,9 @@
-"""Video preprocessing for Qwen2-VL / Qwen2.5-VL: frame sampling, decoding, resizing and patchify.
+"""Video preprocessing for Qwen2-VL / Qwen2.5-VL / Qwen3-VL: frame sampling, decoding, resizing
+and patchify.
+
+Qwen3-VL's video processor differs in two rules (`clip_budget`): the pixel bounds hold for the
+whole clip (temporal patches x height x width), and the sampled frame count is not rounded to
+whole temporal patches (the last frame repeats to fill the final one).
 
 Everything here is pure: functions take bytes, paths or frames and return numpy arrays or tensors.
 A video file is opened only inside the calling process and only frames leave it, never a reader
@@ -12,9 +17,11 @@ temporal patch pairs: row order (grid_t, h / merge, w / merge, merge, merge), an
 from __future__ import annotations
 
 import io
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,20 +43,30 @@ def smart_resize(
     factor: int = 28,
     min_pixels: int = 56 * 56,
     max_pixels: int = 14 * 14 * 4 * 1280,
+    num_frames: int = 1,
+    temporal_factor: int = 1,
 ) -> tuple[int, int]:
-    """Target (height, width): multiples of `factor`, pixel count within bounds, aspect kept."""
+    """Target (height, width): multiples of `factor`, pixel count within bounds, aspect kept.
+
+    With `num_frames` and `temporal_factor` (Qwen3-VL videos) the bounds hold for the clip: the
+    frame count rounded to whole temporal patches times the frame's pixels; a frame side shorter
+    than `factor` is first scaled up to it (aspect kept)."""
     if height < 1 or width < 1:
         raise ValueError(f"image is too small to resize: {height}x{width}")
+    if temporal_factor > 1 and min(height, width) < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         ratio = max(height, width) / min(height, width)
         raise ValueError(f"absolute aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio}")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
+    t_bar = max(temporal_factor, round(num_frames / temporal_factor) * temporal_factor)
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     if h_bar == 0 or w_bar == 0:
@@ -69,15 +86,21 @@ def sample_frame_indices(
     min_frames: int = 4,
     max_frames: int = 768,
     temporal_patch_size: int = 2,
+    clip_budget: bool = False,
 ) -> list[int]:
     """Indices of frames to keep: uniform over the video at `fps` frames per second.
 
     The count is clamped to [min_frames, max_frames] and to the video length, then rounded down to
-    a multiple of `temporal_patch_size`. A video shorter than one temporal patch keeps all frames
-    (preprocessing pads it by repeating the last one).
+    a multiple of `temporal_patch_size` (not with `clip_budget`, Qwen3-VL's rule). A video shorter
+    than one temporal patch keeps all frames (preprocessing pads it by repeating the last one).
     """
     _check_sampling_args(total_frames, video_fps, fps)
-    count = _sample_count(total_frames, video_fps, fps, min_frames, max_frames, temporal_patch_size)
+    if clip_budget:
+        count = _clip_count(total_frames, video_fps, fps, min_frames, max_frames)
+    else:
+        count = _sample_count(
+            total_frames, video_fps, fps, min_frames, max_frames, temporal_patch_size
+        )
     if count == 0:
         return list(range(total_frames))
     return np.linspace(0, total_frames - 1, count).round().astype(np.int64).tolist()
@@ -100,6 +123,11 @@ def _sample_count(
     return math.floor(count / tps) * tps
 
 
+def _clip_count(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> int:
+    wanted = int(total / video_fps * fps)
+    return min(max(wanted, min_frames), max_frames, total)
+
+
 def read_video_frames(
     data: bytes | str,
     *,
@@ -107,6 +135,7 @@ def read_video_frames(
     min_frames: int = 4,
     max_frames: int = 768,
     temporal_patch_size: int = 2,
+    clip_budget: bool = False,
 ) -> tuple[np.ndarray, float]:
     """Decode the sampled frames of a video given as bytes or a file path.
 
@@ -116,7 +145,7 @@ def read_video_frames(
     reader = _open_video(data)
     total, video_fps = len(reader), float(reader.get_avg_fps())
     indices = sample_frame_indices(
-        total, video_fps, fps, min_frames, max_frames, temporal_patch_size
+        total, video_fps, fps, min_frames, max_frames, temporal_patch_size, clip_budget
     )
     frames = _decode_frames(reader, indices)
     del reader
@@ -184,17 +213,28 @@ def preprocess_video(
     image_mean: Sequence[float] = CLIP_MEAN,
     image_std: Sequence[float] = CLIP_STD,
     rescale_factor: float = 1 / 255,
+    clip_budget: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Frames -> (pixel_values_videos [t*h*w, C*tps*ps*ps] float32, video_grid_thw [1, 3] long)."""
     stack = frames_to_array(frames)
     height, width = smart_resize(
-        stack.shape[1], stack.shape[2], patch_size * merge_size, min_pixels, max_pixels
+        stack.shape[1],
+        stack.shape[2],
+        patch_size * merge_size,
+        min_pixels,
+        max_pixels,
+        *clip_frames(len(stack), temporal_patch_size, clip_budget),
     )
     resized = np.stack([resize_frame(frame, height, width) for frame in stack])
     pixels = normalize_frames(resized, rescale_factor, image_mean, image_std)
     pixels = pad_temporal(pixels, temporal_patch_size)
     patches, grid = patchify(pixels, patch_size, temporal_patch_size, merge_size)
     return torch.from_numpy(patches), torch.tensor([grid], dtype=torch.long)
+
+
+def clip_frames(num_frames: int, temporal_patch_size: int, clip_budget: bool) -> tuple[int, int]:
+    """(num_frames, temporal_factor) for `smart_resize`: the clip's, or one frame's."""
+    return (num_frames, temporal_patch_size) if clip_budget else (1, 1)
 
 
 def frames_to_array(frames: Frames) -> np.ndarray:
@@ -277,6 +317,7 @@ class VideoProcessingConfig:
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
+    clip_budget: bool = False  # Qwen3-VL: pixel bounds per clip, frame count not rounded
 
     @classmethod
     def from_preprocessor_config(
@@ -294,12 +335,12 @@ class VideoProcessingConfig:
         return cls(**values)
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        keys = ("fps", "min_frames", "max_frames", "temporal_patch_size")
+        keys = ("fps", "min_frames", "max_frames", "temporal_patch_size", "clip_budget")
         return {key: getattr(self, key) for key in keys}
 
     def preprocess_kwargs(self) -> dict[str, Any]:
         keys = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels")
-        keys += ("image_mean", "image_std", "rescale_factor")
+        keys += ("image_mean", "image_std", "rescale_factor", "clip_budget")
         return {key: getattr(self, key) for key in keys}
 
     def read(self, data: bytes | str) -> tuple[np.ndarray, float]:
@@ -307,6 +348,24 @@ class VideoProcessingConfig:
 
     def preprocess(self, frames: Frames) -> tuple[torch.Tensor, torch.Tensor]:
         return preprocess_video(frames, **self.preprocess_kwargs())
+
+
+CLIP_BUDGET_PROCESSORS = ("Qwen3VLVideoProcessor",)
+
+
+def checkpoint_video_config(model_path: str | Path, **fallback: Any) -> VideoProcessingConfig:
+    """A checkpoint's video settings: its own video_preprocessor_config.json when that names a
+    processor with Qwen3-VL's rules (pixel bounds, fps and frame counts all from the file), else
+    preprocessor_config.json with `fallback` (e.g. video pixel bounds) winning over the file."""
+    video = _read_json(Path(model_path) / "video_preprocessor_config.json")
+    if video.get("video_processor_type") in CLIP_BUDGET_PROCESSORS:
+        return VideoProcessingConfig.from_preprocessor_config(video, clip_budget=True)
+    config = _read_json(Path(model_path) / "preprocessor_config.json")
+    return VideoProcessingConfig.from_preprocessor_config(config, **fallback)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 _CONFIG_KEYS = (
