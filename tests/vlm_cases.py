@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from video_reference import preprocess_video
 
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality, MultimodalInputs
 from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_inputs
-from tokenizer_manager.video_processor import preprocess_video
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl")
 PLACEHOLDER = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
