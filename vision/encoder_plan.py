@@ -21,8 +21,10 @@ tower without a shard, so it issues no TP collective inside the tower.
 from __future__ import annotations
 
 import json
+import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -106,12 +108,14 @@ class TowerShape:
 @dataclass(frozen=True)
 class EncoderPlan:
     """`tp_items` run TP across all ranks (first), `dp_items` are balanced DP; item indices are
-    in the call's original order. `est_s` is the cost model's estimate."""
+    in the call's original order. `est_s` is the cost model's estimate, `tp_s` + `dp_s`."""
 
     kind: str
     tp_items: tuple[int, ...]
     dp_items: tuple[int, ...]
     est_s: float
+    tp_s: float = 0.0
+    dp_s: float = 0.0
 
 
 def item_work(grid: Sequence[int], shape: TowerShape) -> tuple[int, int]:
@@ -173,21 +177,86 @@ def tp_cost(works: Sequence[tuple[int, int]], shape: TowerShape, costs: EncoderC
 
 
 def plan_encoder(grids: Sequence[Sequence[int]], ranks: int, shape: TowerShape,
-                 costs: EncoderCosts) -> EncoderPlan:
-    """The cheapest split "k largest items TP, the rest DP" (ties: fewer TP items). Pure."""
+                 costs: EncoderCosts, scale: Scale | None = None) -> EncoderPlan:
+    """The cheapest split "k largest items TP, the rest DP" (ties: fewer TP items). Pure.
+    `scale` multiplies the modeled TP and DP times (see EncoderFeedback)."""
+    scale = scale or Scale()
     works = [item_work(g, shape) for g in grids]
     if ranks == 1 or not works:
-        return EncoderPlan("dp", (), tuple(range(len(works))), dp_cost(works, 1, shape, costs))
+        est = dp_cost(works, 1, shape, costs)
+        return EncoderPlan("dp", (), tuple(range(len(works))), est, 0.0, est)
     order = sorted(range(len(works)), key=lambda i: -works[i][0])  # stable: ties keep index order
-    best_k, best = 0, float("inf")
+    best_k, best = 0, (float("inf"), 0.0, 0.0)
     for k in range(len(order) + 1):
-        est = tp_cost([works[i] for i in order[:k]], shape, costs)
-        est += dp_cost([works[i] for i in sorted(order[k:])], ranks, shape, costs)
-        if est < best:
-            best_k, best = k, est
+        tp_s = scale.tp * tp_cost([works[i] for i in order[:k]], shape, costs)
+        dp_s = scale.dp * dp_cost([works[i] for i in sorted(order[k:])], ranks, shape, costs)
+        if tp_s + dp_s < best[0]:
+            best_k, best = k, (tp_s + dp_s, tp_s, dp_s)
     tp_items, dp_items = tuple(sorted(order[:best_k])), tuple(sorted(order[best_k:]))
     kind = "dp" if not tp_items else "tp" if not dp_items else "hybrid"
-    return EncoderPlan(kind, tp_items, dp_items, best)
+    return EncoderPlan(kind, tp_items, dp_items, *best)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Factors on the modeled TP and DP times: measured over modeled, learned while serving."""
+
+    tp: float = 1.0
+    dp: float = 1.0
+
+
+@dataclass
+class EncoderFeedback:
+    """Corrects the calibrated model with what the calls it planned really took.
+
+    Start-up probes are short and may meet a machine busier or quieter than in service (on a
+    small CPU host, TP's per-layer all-reduces cost far more under load than the probes show).
+    After each call, every rank feeds in the same measured time (the slowest rank's, agreed by
+    one small all-reduce), and each part of the plan moves its factor part of the way towards
+    measured over modeled, in proportion to its share of the estimate. Every rank sees the
+    same numbers in the same order, so every rank keeps the same factors and plans alike."""
+
+    rate: float = 0.5  # how far one call moves a factor (in log space)
+    bounds: tuple[float, float] = (1 / 16, 16.0)
+    scale: Scale = field(default_factory=Scale)
+
+    def observe(self, plan: EncoderPlan, seconds: float) -> None:
+        if plan.est_s <= 0 or seconds <= 0:
+            return
+        ratio = seconds / plan.est_s
+        self.scale = Scale(
+            self._moved(self.scale.tp, ratio, plan.tp_s / plan.est_s),
+            self._moved(self.scale.dp, ratio, plan.dp_s / plan.est_s),
+        )
+
+    def _moved(self, factor: float, ratio: float, share: float) -> float:
+        low, high = self.bounds
+        return min(high, max(low, factor * ratio ** (self.rate * share)))
+
+
+class AutoEncoder:
+    """The auto mode's loop for each encoder call: plan, run, time, learn. The model and the
+    benchmark both encode through it. Besides the plan's own collectives it adds one small
+    CPU all-reduce per call (the measured time every rank learns from)."""
+
+    def __init__(self, tower: nn.Module, tp: TPGroup, shape: TowerShape, costs: EncoderCosts):
+        self.tower, self.tp, self.shape, self.costs = tower, tp, shape, costs
+        self.feedback = EncoderFeedback()
+        self.plan_counts: Counter[str] = Counter()
+
+    def plan(self, grids: Sequence[Sequence[int]]) -> EncoderPlan:
+        return plan_encoder(grids, self.tp.size, self.shape, self.costs, self.feedback.scale)
+
+    def __call__(self, pixel_values: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
+        plan = self.plan(grids)
+        self.plan_counts[plan.kind] += 1
+        start = time.perf_counter()
+        out = run_planned_encoder(self.tower, pixel_values, grids, self.tp, plan)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        self.feedback.observe(plan, float(self.tp.all_reduce_cpu(elapsed, "max")))
+        return out
 
 
 def fixed_plan(kind: str, num_items: int) -> EncoderPlan:
