@@ -7,7 +7,7 @@ Three pools keep the asyncio loop free:
 - a small pool of CPU worker processes (cpu_pool.WorkerPool, started with `spawn`) decodes and
   preprocesses: images go through the checkpoint's HF image processor (built once per worker),
   videos are identified from their bytes, probed, then opened with decord inside the worker and
-  only numpy arrays come back (invariant 8).
+  only numpy arrays come back (invariant 8, docs/architecture.md).
 
 Every item is fetched and header-checked before any is decoded: the images' tokens (the
 checkpoint's resize rule over the header size) must fit what the context leaves, and the decoded
