@@ -22,6 +22,7 @@ from vision.encoder_plan import (
     EncoderCosts,
     EncoderFeedback,
     EncoderPlan,
+    Scale,
     TowerShape,
     dp_cost,
     fixed_plan,
@@ -189,20 +190,19 @@ def test_feedback_moves_a_mispredicted_tp_plan_to_dp() -> None:
     for _ in range(6):
         plan = plan_encoder(batch, 2, SHAPE, COSTS, feedback.scale)
         kinds.append(plan.kind)
-        truth = 3 * plan.tp_s / feedback.scale.tp + plan.dp_s / feedback.scale.dp
-        feedback.observe(plan, truth)
+        modeled = plan.est_s / feedback.scale.of(plan.kind)
+        feedback.observe(plan, modeled * (3 if plan.kind == "tp" else 1))
     assert kinds[0] == "tp" and kinds[-2:] == ["dp", "dp"]
     assert feedback.scale.tp > 1.3 and feedback.scale.dp == pytest.approx(1.0)
 
 
-def test_feedback_splits_a_hybrid_plans_error_by_share_and_stays_bounded() -> None:
+def test_feedback_learns_each_kind_apart_and_stays_bounded() -> None:
     feedback = EncoderFeedback()
-    feedback.observe(EncoderPlan("hybrid", (0,), (1,), 4.0, 3.0, 1.0), 8.0)
-    assert feedback.scale.tp == pytest.approx(2 ** (0.5 * 0.75))
-    assert feedback.scale.dp == pytest.approx(2 ** (0.5 * 0.25))
+    feedback.observe(EncoderPlan("hybrid", (0,), (1,), 4.0), 1.0)
+    assert feedback.scale == Scale(hybrid=0.5)  # (1/4) ** 0.5; TP and DP untouched
     for _ in range(50):
-        feedback.observe(EncoderPlan("tp", (0,), (), 1.0, 1.0, 0.0), 1e6)
-    assert feedback.scale.tp == 16.0
+        feedback.observe(EncoderPlan("tp", (0,), (), 1.0), 1e6)
+    assert feedback.scale == Scale(tp=16.0, hybrid=0.5)
 
 
 def test_server_args_encoder_mode() -> None:

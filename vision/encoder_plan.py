@@ -24,7 +24,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -108,14 +108,12 @@ class TowerShape:
 @dataclass(frozen=True)
 class EncoderPlan:
     """`tp_items` run TP across all ranks (first), `dp_items` are balanced DP; item indices are
-    in the call's original order. `est_s` is the cost model's estimate, `tp_s` + `dp_s`."""
+    in the call's original order. `est_s` is the cost model's estimate."""
 
     kind: str
     tp_items: tuple[int, ...]
     dp_items: tuple[int, ...]
     est_s: float
-    tp_s: float = 0.0
-    dp_s: float = 0.0
 
 
 def item_work(grid: Sequence[int], shape: TowerShape) -> tuple[int, int]:
@@ -179,30 +177,38 @@ def tp_cost(works: Sequence[tuple[int, int]], shape: TowerShape, costs: EncoderC
 def plan_encoder(grids: Sequence[Sequence[int]], ranks: int, shape: TowerShape,
                  costs: EncoderCosts, scale: Scale | None = None) -> EncoderPlan:
     """The cheapest split "k largest items TP, the rest DP" (ties: fewer TP items). Pure.
-    `scale` multiplies the modeled TP and DP times (see EncoderFeedback)."""
+    `scale` multiplies the modeled time of each kind of plan (see EncoderFeedback)."""
     scale = scale or Scale()
     works = [item_work(g, shape) for g in grids]
     if ranks == 1 or not works:
-        est = dp_cost(works, 1, shape, costs)
-        return EncoderPlan("dp", (), tuple(range(len(works))), est, 0.0, est)
+        return EncoderPlan("dp", (), tuple(range(len(works))), dp_cost(works, 1, shape, costs))
     order = sorted(range(len(works)), key=lambda i: -works[i][0])  # stable: ties keep index order
-    best_k, best = 0, (float("inf"), 0.0, 0.0)
+    best_k, best = 0, float("inf")
     for k in range(len(order) + 1):
-        tp_s = scale.tp * tp_cost([works[i] for i in order[:k]], shape, costs)
-        dp_s = scale.dp * dp_cost([works[i] for i in sorted(order[k:])], ranks, shape, costs)
-        if tp_s + dp_s < best[0]:
-            best_k, best = k, (tp_s + dp_s, tp_s, dp_s)
+        est = tp_cost([works[i] for i in order[:k]], shape, costs)
+        est += dp_cost([works[i] for i in sorted(order[k:])], ranks, shape, costs)
+        est *= scale.of(_kind(k, len(order)))
+        if est < best:
+            best_k, best = k, est
     tp_items, dp_items = tuple(sorted(order[:best_k])), tuple(sorted(order[best_k:]))
-    kind = "dp" if not tp_items else "tp" if not dp_items else "hybrid"
-    return EncoderPlan(kind, tp_items, dp_items, *best)
+    return EncoderPlan(_kind(best_k, len(order)), tp_items, dp_items, best)
+
+
+def _kind(tp_count: int, total: int) -> str:
+    return "dp" if tp_count == 0 else "tp" if tp_count == total else "hybrid"
 
 
 @dataclass(frozen=True)
 class Scale:
-    """Factors on the modeled TP and DP times: measured over modeled, learned while serving."""
+    """Factors on the modeled time of each kind of plan: measured over modeled, learned while
+    serving."""
 
-    tp: float = 1.0
     dp: float = 1.0
+    tp: float = 1.0
+    hybrid: float = 1.0
+
+    def of(self, kind: str) -> float:
+        return getattr(self, kind)
 
 
 @dataclass
@@ -212,26 +218,21 @@ class EncoderFeedback:
     Start-up probes are short and may meet a machine busier or quieter than in service (on a
     small CPU host, TP's per-layer all-reduces cost far more under load than the probes show).
     After each call, every rank feeds in the same measured time (the slowest rank's, agreed by
-    one small all-reduce), and each part of the plan moves its factor part of the way towards
-    measured over modeled, in proportion to its share of the estimate. Every rank sees the
-    same numbers in the same order, so every rank keeps the same factors and plans alike."""
+    one small all-reduce), and the factor of that kind of plan moves part of the way towards
+    measured over modeled. Kinds learn apart: a hybrid that does well says little about a
+    call that is all TP. Every rank sees the same numbers in the same order, so every rank
+    keeps the same factors and plans alike."""
 
-    rate: float = 0.5  # how far one call moves a factor (in log space)
+    rate: float = 0.5  # how far one call moves its factor (in log space)
     bounds: tuple[float, float] = (1 / 16, 16.0)
     scale: Scale = field(default_factory=Scale)
 
     def observe(self, plan: EncoderPlan, seconds: float) -> None:
         if plan.est_s <= 0 or seconds <= 0:
             return
-        ratio = seconds / plan.est_s
-        self.scale = Scale(
-            self._moved(self.scale.tp, ratio, plan.tp_s / plan.est_s),
-            self._moved(self.scale.dp, ratio, plan.dp_s / plan.est_s),
-        )
-
-    def _moved(self, factor: float, ratio: float, share: float) -> float:
         low, high = self.bounds
-        return min(high, max(low, factor * ratio ** (self.rate * share)))
+        moved = self.scale.of(plan.kind) * (seconds / plan.est_s) ** self.rate
+        self.scale = replace(self.scale, **{plan.kind: min(high, max(low, moved))})
 
 
 class AutoEncoder:
