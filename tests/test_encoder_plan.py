@@ -199,10 +199,10 @@ def test_feedback_moves_a_mispredicted_tp_plan_to_dp() -> None:
 def test_feedback_learns_each_kind_apart_and_stays_bounded() -> None:
     feedback = EncoderFeedback()
     feedback.observe(EncoderPlan("hybrid", (0,), (1,), 4.0), 1.0)
-    assert feedback.scale == Scale(hybrid=0.5)  # (1/4) ** 0.5; TP and DP untouched
+    assert feedback.scale == Scale(hybrid=0.25**feedback.rate)  # TP and DP untouched
     for _ in range(50):
         feedback.observe(EncoderPlan("tp", (0,), (), 1.0), 1e6)
-    assert feedback.scale == Scale(tp=16.0, hybrid=0.5)
+    assert feedback.scale == Scale(tp=16.0, hybrid=0.25**feedback.rate)
 
 
 def test_server_args_encoder_mode() -> None:

@@ -223,7 +223,7 @@ class EncoderFeedback:
     call that is all TP. Every rank sees the same numbers in the same order, so every rank
     keeps the same factors and plans alike."""
 
-    rate: float = 0.5  # how far one call moves its factor (in log space)
+    rate: float = 0.25  # how far one call moves its factor (log space); slow: timings are noisy
     bounds: tuple[float, float] = (1 / 16, 16.0)
     scale: Scale = field(default_factory=Scale)
 
