@@ -16,6 +16,14 @@ class Modality(str, enum.Enum):
     VIDEO = "video"
 
 
+def item_tokens(grid_thw: tuple[int, int, int], spatial_merge_size: int) -> int:
+    """Prompt tokens of one image or video with this patch grid: one per merged patch window.
+    Every count of an item's tokens (placeholder expansion, header budgets, MRoPE spans) is
+    this one."""
+    t, h, w = grid_thw
+    return t * h * w // spatial_merge_size**2
+
+
 @dataclass
 class MultimodalDataItem:
     """One image or video: its preprocessed patches and where its placeholder run sits.

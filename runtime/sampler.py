@@ -1,7 +1,7 @@
 """Sampling parameters of a request and the sampler that turns a batch of logits into tokens.
 
-How TP ranks agree on tokens (design invariant 9): only the entry rank (rank 0) calls
-`Sampler.sample`; the scheduler then broadcasts the chosen token ids to the other ranks with
+How TP ranks agree on tokens (invariant 9 in docs/architecture.md): only the entry rank (rank 0)
+calls `Sampler.sample`; the scheduler then broadcasts the chosen token ids to the other ranks with
 `broadcast_pyobj`, so the ranks cannot disagree even when their logits differ in the last bit.
 Sampling is also deterministic on its own: with identical logits, params and steps, samplers
 built with the same `Sampler(seed=...)` draw identical tokens, on any rank.

@@ -31,6 +31,7 @@ from runtime.io_struct import (
 )
 from runtime.logging_utils import get_logger
 from runtime.sampler import Sampler
+from runtime.token_budget import TokenBudget
 from scheduler.encoder_cache import EncoderCache
 from scheduler.faults import FaultInjector, check_inputs
 from scheduler.model_runner import ModelRunner
@@ -150,21 +151,10 @@ class Scheduler:
 
     def refusal(self, req: Req) -> str:
         """Why this request can never run here ("" when it can): refused up front, not retried."""
-        need = req.prompt_len + req.params.max_new_tokens
         if req.prompt_len == 0:
             return "empty prompt"
-        if need > self.cfg.context_length:
-            return (
-                f"prompt ({req.prompt_len} tokens) plus max_new_tokens "
-                f"({req.params.max_new_tokens}) exceeds the context length "
-                f"{self.cfg.context_length}"
-            )
-        if need > self.runner.kv_pool.size:
-            return (
-                f"prompt plus max_new_tokens needs {need} KV slots; "
-                f"the pool holds {self.runner.kv_pool.size}"
-            )
-        return ""
+        budget = TokenBudget(self.cfg.context_length, self.runner.kv_pool.size)
+        return budget.problem(req.prompt_len, req.params.max_new_tokens)
 
     def abort(self, rid: str) -> None:
         for req in self.waiting:

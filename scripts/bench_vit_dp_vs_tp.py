@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,13 +41,7 @@ from runtime.model_loader import iterate_weights  # noqa: E402
 from tokenizer_manager.video_processor import smart_resize  # noqa: E402
 from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
 from vision.encoder_calibration import calibrate_encoder_costs  # noqa: E402
-from vision.encoder_plan import (  # noqa: E402
-    EncoderCosts,
-    EncoderPlan,
-    TowerShape,
-    plan_encoder,
-    run_planned_encoder,
-)
+from vision.encoder_plan import AutoEncoder, EncoderCosts, TowerShape  # noqa: E402
 from vision.qwen2_vl import VISION_TOWERS, normalize_checkpoint_name  # noqa: E402
 
 
@@ -178,10 +171,10 @@ class Runner:
     """One rank's three ways to encode a batch, each with its own collective counter."""
 
     def __init__(self, tp_tower, full_tower, base: TPGroup, costs: EncoderCosts):
-        self.tp_tower, self.full_tower, self.base, self.costs = tp_tower, full_tower, base, costs
-        self.shape = TowerShape.of(full_tower.cfg, full_tower.dtype.itemsize)
+        self.tp_tower, self.full_tower, self.base = tp_tower, full_tower, base
         self.groups = {m: CountingGroup(base) for m in MODES}
-        self.plans: Counter[str] = Counter()
+        shape = TowerShape.of(full_tower.cfg, full_tower.dtype.itemsize)
+        self.auto = AutoEncoder(full_tower, self.groups["auto"], shape, costs)
 
     def run(self, mode: str, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         group = self.groups[mode]
@@ -192,12 +185,7 @@ class Runner:
             return run_dp_sharded_mrope_vision_model(
                 self.full_tower, pixels, grids, group, spatial_merge_size=merge
             )
-        plan = plan_encoder(grids, group.size, self.shape, self.costs)
-        self.plans[plan.kind] += 1
-        return run_planned_encoder(self.full_tower, pixels, grids, group, plan)
-
-    def plan(self, grids: list[list[int]]) -> EncoderPlan:
-        return plan_encoder(grids, self.base.size, self.shape, self.costs)
+        return self.auto(pixels, grids)
 
 
 def time_interleaved(runner: Runner, batches: list, args: argparse.Namespace, device: str) -> dict:
@@ -230,7 +218,7 @@ def mode_loads(mode: str, runner: Runner, grids_list: list[list[list[int]]]) -> 
         elif mode == "dp":
             tp_items, dp_items = [], range(len(sizes))
         else:
-            plan = runner.plan(grids)
+            plan = runner.auto.plan(grids)
             tp_items, dp_items = plan.tp_items, plan.dp_items
         shared = sum(sizes[i] for i in tp_items)
         _, _, dp_loads = get_dp_encoder_lb_assignment([sizes[i] for i in dp_items], size)
@@ -299,7 +287,7 @@ def run_workload(
     for i, items in enumerate(workload_batches(name, args)):
         pixels, grids = make_batch(cfg, items, args.seed + i)
         batches.append((pixels.to(device=device, dtype=dtype), grids))
-    runner.plans.clear()
+    runner.auto.plan_counts.clear()
     for group in [runner.tp_tower.tp, *runner.groups.values()]:
         group.counter[0] = 0
     times = time_interleaved(runner, batches, args, device)
@@ -310,7 +298,7 @@ def run_workload(
     for mode in MODES:
         group = runner.tp_tower.tp if mode == "tp" else runner.groups[mode]
         loads = mode_loads(mode, runner, grids_list)
-        plans = dict(runner.plans) if mode == "auto" else {}
+        plans = dict(runner.auto.plan_counts) if mode == "auto" else {}
         out.append(summarize(name, mode, times[mode], n_items, loads, group.counter[0] // runs,
                              plans))
     return out

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runtime.multimodal import item_tokens  # noqa: E402
 from tokenizer_manager.tokenizer_manager import load_chat_template  # noqa: E402
 
 IMAGE_PAD = "<|image_pad|>"
@@ -144,8 +145,7 @@ def expand_image_pads(prompt: str, grids: torch.Tensor, merge_size: int) -> str:
     pieces = prompt.split(IMAGE_PAD)
     out = [pieces[0]]
     for grid, rest in zip(grids.tolist(), pieces[1:]):
-        t, h, w = grid
-        out += [IMAGE_PAD * (t * h * w // merge_size**2), rest]
+        out += [IMAGE_PAD * item_tokens(tuple(grid), merge_size), rest]
     return "".join(out)
 
 

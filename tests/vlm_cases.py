@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from video_reference import preprocess_video
 
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality, MultimodalInputs
@@ -18,11 +20,7 @@ from tokenizer_manager.multimodal_inputs import (
     build_multimodal_inputs,
     expand_placeholders,
 )
-from tokenizer_manager.video_processor import (
-    checkpoint_video_config,
-    frame_timestamps,
-    preprocess_video,
-)
+from tokenizer_manager.video_processor import checkpoint_video_config, frame_timestamps
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 VIDEO_FPS = 2.0  # the frame rate test videos given as frame arrays are taken to have
@@ -106,7 +104,7 @@ class Checkpoint:
         """Frames taken at VIDEO_FPS, preprocessed with the checkpoint's video settings (for
         Qwen2-VL / Qwen2.5-VL: preprocessor_config.json's pixel bounds, small test grids)."""
         cfg = checkpoint_video_config(self.folder)
-        pixels, grid = preprocess_video(frames, **cfg.preprocess_kwargs())
+        pixels, grid = preprocess_video(frames, **dataclasses.asdict(cfg))
         seconds = 1.0 if self.config.arch == "qwen2_5_vl" else None
         times = frame_timestamps(range(len(frames)), VIDEO_FPS)
         grid_thw = tuple(int(x) for x in grid[0])

@@ -32,7 +32,7 @@ from tokenizer_manager.protocol import (
     now,
     usage,
 )
-from tokenizer_manager.tokenizer_manager import TokenizerManager
+from tokenizer_manager.tokenizer_manager import GenerateInput, TokenizerManager
 
 logger = get_logger(__name__)
 
@@ -365,11 +365,15 @@ async def chat_response(
 ) -> Response:
     check_model(tm, req.model)
     refuse_unsupported(req)
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    prompt, refs = await tm.in_thread(tm.render_chat, messages)
-    tokenized = await tokenize(
-        tm, prompt, refs, req, req.max_completion_tokens or req.max_tokens, "chatcmpl"
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    inp = GenerateInput(
+        new_id("chatcmpl"),
+        req.stream,
+        lambda room: sampling_params(req, max_tokens, room),
+        max_tokens,
+        messages=[m.model_dump(exclude_none=True) for m in req.messages],
     )
+    tokenized = await tm.tokenize_request(inp)
     return await respond(app, request, tm, tokenized, req, ChatFormatter(model_name(tm)))
 
 
@@ -378,40 +382,22 @@ async def completion_response(
 ) -> Response:
     check_model(tm, req.model)
     refuse_unsupported(req)
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
-        if len(req.prompt) != 1:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
             raise APIError("only one prompt per request is supported", param="prompt")
-        req.prompt = req.prompt[0]
-    if isinstance(req.prompt, list):
-        ids = list(req.prompt)
-        check_token_ids(tm, ids)
-        params = sampling_params(req, req.max_tokens, tm.room(len(ids)))
-        tokenized = await tm.in_thread(
-            tm.build_request, new_id("cmpl"), ids, [], params, req.stream
-        )
-    else:
-        tokenized = await tokenize(tm, req.prompt, [], req, req.max_tokens, "cmpl")
+        prompt = prompt[0]
+    ids, text = (list(prompt), None) if isinstance(prompt, list) else (None, prompt)
+    inp = GenerateInput(
+        new_id("cmpl"),
+        req.stream,
+        lambda room: sampling_params(req, req.max_tokens, room),
+        req.max_tokens,
+        text=text,
+        input_ids=ids,
+    )
+    tokenized = await tm.tokenize_request(inp)
     return await respond(app, request, tm, tokenized, req, CompletionFormatter(model_name(tm)))
-
-
-def check_token_ids(tm: TokenizerManager, ids: list[int]) -> None:
-    vocab = tm.config.text.vocab_size
-    if any(not 0 <= i < vocab for i in ids):
-        raise APIError(f"token ids must be in [0, {vocab})", param="prompt")
-
-
-async def tokenize(
-    tm: TokenizerManager,
-    prompt: str,
-    refs: list[MediaRef],
-    req: SamplingFields,
-    max_tokens: int | None,
-    prefix: str,
-) -> Any:
-    media = await tm.prepare_media(refs, prompt, max_tokens)
-    ids = await tm.in_thread(tm.tokenize, prompt, media)
-    params = sampling_params(req, max_tokens, tm.room(len(ids)))
-    return await tm.in_thread(tm.build_request, new_id(prefix), ids, media, params, req.stream)
 
 
 async def respond(
@@ -609,23 +595,16 @@ async def native_request(tm: TokenizerManager, req: GenerateRequest) -> Any:
     if (req.text is None) == (req.input_ids is None):
         raise APIError("give exactly one of text and input_ids", param="text")
     images = [req.image_data] if isinstance(req.image_data, str) else list(req.image_data or [])
-    refs = [MediaRef(Modality.IMAGE, url) for url in images]
-    if req.input_ids is not None:
-        if refs:
-            raise APIError(
-                "image_data needs text (with or without placeholders)", param="image_data"
-            )
-        check_token_ids(tm, req.input_ids)
-        ids, media = list(req.input_ids), []
-    else:
-        text = req.text
-        if refs and "<|image_pad|>" not in text:
-            text = "<|vision_start|><|image_pad|><|vision_end|>" * len(refs) + text
-        media = await tm.prepare_media(refs, text, req.sampling_params.get("max_new_tokens"))
-        ids = await tm.in_thread(tm.tokenize, text, media)
-    params = native_params(req.sampling_params, tm.room(len(ids)))
-    rid = req.rid or new_id("gen")
-    return await tm.in_thread(tm.build_request, rid, ids, media, params, req.stream)
+    inp = GenerateInput(
+        req.rid or new_id("gen"),
+        req.stream,
+        lambda room: native_params(req.sampling_params, room),
+        req.sampling_params.get("max_new_tokens"),
+        text=req.text,
+        input_ids=req.input_ids,
+        media=[MediaRef(Modality.IMAGE, url) for url in images],
+    )
+    return await tm.tokenize_request(inp)
 
 
 def native_body(rid: str, outputs: list[StrOutput]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ Three pools keep the asyncio loop free:
 - a small pool of CPU worker processes (cpu_pool.WorkerPool, started with `spawn`) decodes and
   preprocesses: images go through the checkpoint's HF image processor (built once per worker),
   videos are identified from their bytes, probed, then opened with decord inside the worker and
-  only numpy arrays come back (invariant 8).
+  only numpy arrays come back (invariant 8, docs/architecture.md).
 
 Every item is fetched and header-checked before any is decoded: the images' tokens (the
 checkpoint's resize rule over the header size) must fit what the context leaves, and the decoded
@@ -47,7 +47,7 @@ import torch
 
 from runtime.allocator import keep_freed_memory
 from runtime.logging_utils import get_logger
-from runtime.multimodal import Modality
+from runtime.multimodal import Modality, item_tokens
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
 from tokenizer_manager.media import (
     MediaError,
@@ -73,9 +73,7 @@ from tokenizer_manager.video_processor import (
     checkpoint_video_config,
     clip_frames,
     frame_timestamps,
-    normalize_frames,
-    pad_temporal,
-    patchify,
+    frames_to_patches,
     resize_frame,
     sample_frame_indices,
     second_per_grid_t,
@@ -130,7 +128,8 @@ class ProcessorSpec:
             h, w = smart_resize(height, width, self.factor, image.min_pixels, image.max_pixels)
         except ValueError as exc:
             raise MediaError(str(exc), param="image_url", code="invalid_media_size") from exc
-        return h * w // self.factor**2, height * width * 4 + h * w * 3 * 2 * 4
+        grid = (1, h // image.patch_size, w // image.patch_size)
+        return item_tokens(grid, image.merge_size), height * width * 4 + h * w * 3 * 2 * 4
 
     def video_bytes_bound(self) -> int:
         """Decoded bytes a video may take at most: its sampled frames as float32, twice."""
@@ -242,16 +241,11 @@ def _check_aspect_ratio(height: int, width: int, param: str) -> None:
 
 
 def process_video_bytes(data: bytes, spec: ProcessorSpec, limits: MediaLimits) -> ProcessedMedia:
-    """Open a video with decord (here, inside the worker), sample, resize and patchify frames.
-
-    The result equals `preprocess_video(read_video_frames(data, ...))` with the same settings,
-    but frames are resized chunk by chunk, so full-size frames never pile up in memory.
-    """
+    """The one video path: open the video with decord (here, inside the worker), sample frames,
+    resize them chunk by chunk (full-size frames never pile up in memory) and patchify."""
     cfg = spec.video
     frames, sampled_fps, times = read_resized_frames(data, cfg, limits)
-    pixels = normalize_frames(frames, cfg.rescale_factor, cfg.image_mean, cfg.image_std)
-    pixels = pad_temporal(pixels, cfg.temporal_patch_size)
-    patches, grid = patchify(pixels, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
+    patches, grid = frames_to_patches(frames, cfg)
     seconds = second_per_grid_t(sampled_fps, cfg.temporal_patch_size)
     digest = media_digest(Modality.VIDEO, data, spec)
     return ProcessedMedia(Modality.VIDEO, patches, grid, seconds, digest, times)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from runtime.model_config import ModelConfig
-from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
+from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs, item_tokens
 from vision.mrope import MRopeItem, compute_mrope_positions_from_items, find_mrope_items
 
 PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
@@ -42,10 +42,6 @@ class PreparedMedia:
     digest: int | None = None  # from the encoded bytes (mm_processor.media_digest), when known
     frame_times: tuple[float, ...] | None = None  # video: seconds of each temporal patch
 
-    def num_tokens(self, merge_size: int) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w // merge_size**2
-
 
 def placeholder_text(media: PreparedMedia, config: ModelConfig) -> str:
     """The prompt text that stands for one item (its placeholder token repeated per token;
@@ -53,12 +49,12 @@ def placeholder_text(media: PreparedMedia, config: ModelConfig) -> str:
     merge = config.vision.spatial_merge_size
     pad = PLACEHOLDERS[media.modality]
     if media.modality != Modality.VIDEO or not config.timestamped_video:
-        return pad * media.num_tokens(merge)
+        return pad * item_tokens(media.grid_thw, merge)
     t, h, w = media.grid_thw
     times = media.frame_times or tuple(float(i) for i in range(t))
     if len(times) != t:
         raise ValueError(f"video has {t} temporal patches and {len(times)} timestamps")
-    frame = VISION_START + pad * (h * w // merge**2) + VISION_END
+    frame = VISION_START + pad * item_tokens((1, h, w), merge) + VISION_END
     return "".join(f"<{time:.1f} seconds>" + frame for time in times)
 
 

@@ -34,15 +34,19 @@ from runtime.io_struct import (
 )
 from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
-from runtime.multimodal import Modality
+from runtime.multimodal import Modality, item_tokens
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.token_budget import TokenBudget
 from runtime.transport import to_frames
 from tokenizer_manager.media import MediaError
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor, MediaRef
 from tokenizer_manager.multimodal_inputs import (
     PLACEHOLDER_RE,
+    PLACEHOLDERS,
+    VISION_END,
+    VISION_START,
     PreparedMedia,
     build_multimodal_inputs,
     expand_placeholders,
@@ -67,12 +71,36 @@ def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
     raise ValueError(f"no chat template in {model_path}")
 
 
+def with_placeholders(text: str, media: list[MediaRef]) -> str:
+    """A text prompt with media but no placeholders gets one per item in front of it."""
+    if not media or PLACEHOLDER_RE.search(text):
+        return text
+    runs = (f"{VISION_START}{PLACEHOLDERS[ref.modality]}{VISION_END}" for ref in media)
+    return "".join(runs) + text
+
+
 @dataclass
 class ReqState:
     timeline: RequestTimeline
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     started: bool = False  # an output arrived: no longer queued
+
+
+@dataclass
+class GenerateInput:
+    """A parsed request as the HTTP routes hand it over: one prompt form (chat messages, text
+    or token ids), its media in prompt order, and how to make its sampling parameters once the
+    prompt's length (and so the room left for output) is known."""
+
+    rid: str
+    stream: bool
+    sampling: Callable[[int], SamplingParams]  # room left for output -> the request's params
+    max_tokens: int | None = None  # the client's output cap, when it gave one
+    messages: list[dict[str, Any]] | None = None
+    text: str | None = None
+    input_ids: list[int] | None = None
+    media: list[MediaRef] = field(default_factory=list)
 
 
 class TokenizerManager:
@@ -91,7 +119,7 @@ class TokenizerManager:
         self.mm = mm
         self.context_length = args.context_length or self.config.text.max_position_embeddings
         # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
-        self.token_limit = min(self.context_length, kv_total or self.context_length)
+        self.budget = TokenBudget(self.context_length, kv_total or self.context_length)
         self.states: dict[str, ReqState] = {}
         self.metrics = ServingMetrics()
         self.fatal: str | None = None  # set when the server is going down: new requests get 503
@@ -169,6 +197,29 @@ class TokenizerManager:
         self._to_scheduler.send_multipart(to_frames(msg), copy=False)
 
     # ------------------------------------------------------------------ prompts
+    async def tokenize_request(self, inp: GenerateInput) -> TokenizedGenerateReq:
+        """The one path from a parsed request to what the scheduler receives: the prompt, the
+        media count and budgets, media preparation, placeholder expansion, the context check."""
+        prompt, refs = await self.prompt_of(inp)
+        self.check_media_count(refs)
+        if prompt is None:
+            ids, media = self.checked_ids(inp.input_ids or []), []
+        else:
+            media = await self.prepare_media(refs, prompt, inp.max_tokens)
+            ids = await self.in_thread(self.tokenize, prompt, media)
+        params = inp.sampling(max(1, self.budget.room(len(ids))))
+        return await self.in_thread(self.build_request, inp.rid, ids, media, params, inp.stream)
+
+    async def prompt_of(self, inp: GenerateInput) -> tuple[str | None, list[MediaRef]]:
+        """The prompt text (None for token ids) and its media, placeholders in place."""
+        if inp.messages is not None:
+            return await self.in_thread(self.render_chat, inp.messages)
+        if inp.text is not None:
+            return with_placeholders(inp.text, inp.media), inp.media
+        if inp.media:
+            raise APIError("media need a text prompt, not token ids", param="image_data")
+        return None, []
+
     def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[MediaRef]]:
         """Apply the chat template; media parts become placeholders, returned in order."""
         hf_messages, refs = [], []
@@ -206,18 +257,21 @@ class TokenizerManager:
         if refs and self.mm is None:
             raise APIError("this server has no media processor", status=500)
 
+    def checked_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.config.text.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise APIError(f"token ids must be in [0, {vocab})", param="prompt")
+        return list(ids)
+
     async def prepare_media(
-        self, refs: list[MediaRef], prompt: str | None = None, max_tokens: int | None = None
+        self, refs: list[MediaRef], prompt: str, max_tokens: int | None
     ) -> list[PreparedMedia]:
-        """Fetch and preprocess `refs`; with the prompt, the images' tokens are checked against
-        what the context leaves (from their headers, before any is decoded)."""
-        self.check_media_count(refs)
+        """Fetch and preprocess `refs`; the images' tokens are checked against what the context
+        leaves the prompt (from their headers, before any is decoded)."""
         if not refs:
             return []
         start = time.perf_counter()
-        budget = None
-        if prompt is not None:
-            budget = await self.in_thread(self.image_token_budget, prompt, max_tokens)
+        budget = await self.in_thread(self.media_token_budget, prompt, max_tokens)
         try:
             media = await self.mm.process(refs, budget)
         except MediaError as e:
@@ -225,11 +279,11 @@ class TokenizerManager:
         self.metrics.stage.labels("media").observe(time.perf_counter() - start)
         return media
 
-    def image_token_budget(self, prompt: str, max_tokens: int | None) -> int:
-        """Tokens left for the media: the context less the text and the tokens to generate."""
+    def media_token_budget(self, prompt: str, max_tokens: int | None) -> int:
+        """Tokens left for the media: the budget less the text and the tokens to generate."""
         text = len(self.tokenizer(prompt)["input_ids"]) - len(PLACEHOLDER_RE.findall(prompt))
         reserve = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 1
-        return self.context_length - text - reserve
+        return self.budget.room(text + reserve)
 
     def tokenize(self, prompt: str, media: list[PreparedMedia]) -> list[int]:
         """Expand each placeholder to its item's prompt text, then tokenize."""
@@ -249,21 +303,11 @@ class TokenizerManager:
     ) -> TokenizedGenerateReq:
         if not input_ids:
             raise APIError("the prompt is empty", param="messages")
-        if len(input_ids) + params.max_new_tokens > self.token_limit:
-            raise APIError(
-                f"one request may hold {self.token_limit} tokens (context length "
-                f"{self.context_length}, KV pool included); the prompt has {len(input_ids)} "
-                f"and max_tokens asks for {params.max_new_tokens}",
-                param="messages",
-                code="context_length_exceeded",
-            )
+        problem = self.budget.problem(len(input_ids), params.max_new_tokens)
+        if problem:
+            raise APIError(problem, param="messages", code="context_length_exceeded")
         ids, mm = build_multimodal_inputs(input_ids, media, self.config)
         return TokenizedGenerateReq(rid, ids, params, mm, stream)
-
-    def room(self, prompt_len: int) -> int:
-        """Default max_tokens: the most that fits the context and the KV pool (at least 1, so
-        an over-long prompt is refused by `build_request` as too long)."""
-        return max(1, self.token_limit - prompt_len)
 
     # ------------------------------------------------------------------ requests
     async def generate(

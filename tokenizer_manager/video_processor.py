@@ -1,22 +1,22 @@
-"""Video preprocessing for Qwen2-VL / Qwen2.5-VL / Qwen3-VL: frame sampling, decoding, resizing
-and patchify.
+"""Video preprocessing for Qwen2-VL / Qwen2.5-VL / Qwen3-VL: frame sampling, resizing and
+patchify.
 
-Qwen3-VL's video processor differs in two rules (`clip_budget`): the pixel bounds hold for the
-whole clip (temporal patches x height x width), and the sampled frame count is not rounded to
-whole temporal patches (the last frame repeats to fill the final one).
-
-Everything here is pure: functions take bytes, paths or frames and return numpy arrays or tensors.
-A video file is opened only inside the calling process and only frames leave it, never a reader
-object (readers cannot be pickled and may crash the process that holds them).
+Everything here is pure: functions take frames and settings and return numpy arrays. Decoding
+lives in the media worker (`mm_processor.process_video_bytes`, the one video path): a video is
+opened only inside that process and only frames leave it, never a reader object.
 
 The patch layout matches the image path, so the vision tower treats a video as a stack of
 temporal patch pairs: row order (grid_t, h / merge, w / merge, merge, merge), and each row holds
 (channel, temporal_patch_size, patch_size, patch_size) values.
+
+Qwen3-VL's video processor differs in two rules (`clip_budget`): the pixel bounds hold for the
+whole clip (temporal patches x height x width), and the sampled frame count is not rounded to
+whole temporal patches (the last frame repeats to fill the final one). Its prompt stamps every
+temporal patch with the time of its frames (`frame_timestamps`).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
@@ -33,8 +32,6 @@ CLIP_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
 VIDEO_MIN_PIXELS = 128 * 28 * 28
 VIDEO_MAX_PIXELS = 768 * 28 * 28
 MAX_ASPECT_RATIO = 200
-
-Frames = np.ndarray | Sequence[Image.Image] | Sequence[np.ndarray]
 
 
 def smart_resize(
@@ -128,30 +125,6 @@ def _clip_count(total: int, video_fps: float, fps: float, min_frames: int, max_f
     return min(max(wanted, min_frames), max_frames, total)
 
 
-def read_video_frames(
-    data: bytes | str,
-    *,
-    fps: float = 2.0,
-    min_frames: int = 4,
-    max_frames: int = 768,
-    temporal_patch_size: int = 2,
-    clip_budget: bool = False,
-) -> tuple[np.ndarray, float]:
-    """Decode the sampled frames of a video given as bytes or a file path.
-
-    Returns (frames uint8 [T, H, W, 3], sampled_fps), where sampled_fps is the frame rate of the
-    kept frames. Raises ValueError when the data cannot be opened as a video.
-    """
-    reader = _open_video(data)
-    total, video_fps = len(reader), float(reader.get_avg_fps())
-    indices = sample_frame_indices(
-        total, video_fps, fps, min_frames, max_frames, temporal_patch_size, clip_budget
-    )
-    frames = _decode_frames(reader, indices)
-    del reader
-    return frames, len(indices) / total * video_fps
-
-
 def frame_timestamps(
     indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2
 ) -> tuple[float, ...]:
@@ -171,65 +144,9 @@ def second_per_grid_t(sampled_fps: float, temporal_patch_size: int = 2) -> float
     return temporal_patch_size / sampled_fps
 
 
-def _open_video(data: bytes | str) -> Any:
-    import decord  # imported here: only processes that decode videos need it
-
-    if isinstance(data, bytes | bytearray) and len(data) == 0:
-        raise ValueError("video data is empty")
-    source = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
-    try:
-        return decord.VideoReader(source, ctx=decord.cpu(0), num_threads=1)
-    except (decord.DECORDError, RuntimeError, OSError) as exc:
-        raise ValueError(f"cannot open video: {_describe(data)}") from exc
-
-
-def _decode_frames(reader: Any, indices: list[int]) -> np.ndarray:
-    import decord
-
-    try:
-        frames = reader.get_batch(indices).asnumpy()
-    except (decord.DECORDError, RuntimeError, OSError) as exc:
-        raise ValueError("cannot decode video frames") from exc
-    return np.ascontiguousarray(frames, dtype=np.uint8)
-
-
-def _describe(data: bytes | str) -> str:
-    return f"{len(data)} bytes" if isinstance(data, bytes | bytearray) else repr(data)
-
-
 # ---------------------------------------------------------------------------------------------
 # Resize, normalize, patchify
 # ---------------------------------------------------------------------------------------------
-
-
-def preprocess_video(
-    frames: Frames,
-    *,
-    patch_size: int = 14,
-    temporal_patch_size: int = 2,
-    merge_size: int = 2,
-    min_pixels: int = VIDEO_MIN_PIXELS,
-    max_pixels: int = VIDEO_MAX_PIXELS,
-    image_mean: Sequence[float] = CLIP_MEAN,
-    image_std: Sequence[float] = CLIP_STD,
-    rescale_factor: float = 1 / 255,
-    clip_budget: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frames -> (pixel_values_videos [t*h*w, C*tps*ps*ps] float32, video_grid_thw [1, 3] long)."""
-    stack = frames_to_array(frames)
-    height, width = smart_resize(
-        stack.shape[1],
-        stack.shape[2],
-        patch_size * merge_size,
-        min_pixels,
-        max_pixels,
-        *clip_frames(len(stack), temporal_patch_size, clip_budget),
-    )
-    resized = np.stack([resize_frame(frame, height, width) for frame in stack])
-    pixels = normalize_frames(resized, rescale_factor, image_mean, image_std)
-    pixels = pad_temporal(pixels, temporal_patch_size)
-    patches, grid = patchify(pixels, patch_size, temporal_patch_size, merge_size)
-    return torch.from_numpy(patches), torch.tensor([grid], dtype=torch.long)
 
 
 def clip_frames(num_frames: int, temporal_patch_size: int, clip_budget: bool) -> tuple[int, int]:
@@ -237,24 +154,14 @@ def clip_frames(num_frames: int, temporal_patch_size: int, clip_budget: bool) ->
     return (num_frames, temporal_patch_size) if clip_budget else (1, 1)
 
 
-def frames_to_array(frames: Frames) -> np.ndarray:
-    """Frames as one uint8 array [T, H, W, 3]; PIL frames are converted to RGB."""
-    if isinstance(frames, np.ndarray):
-        stack = frames
-    else:
-        stack = np.stack([_frame_array(frame) for frame in frames]) if len(frames) else None
-    if stack is None or stack.ndim != 4 or stack.shape[0] == 0 or stack.shape[-1] != 3:
-        shape = None if stack is None else stack.shape
-        raise ValueError(f"expected frames of shape [T>0, H, W, 3], got {shape}")
-    if stack.dtype != np.uint8:
-        raise ValueError(f"expected uint8 frames, got {stack.dtype}")
-    return stack
-
-
-def _frame_array(frame: Image.Image | np.ndarray) -> np.ndarray:
-    if isinstance(frame, Image.Image):
-        return np.asarray(frame.convert("RGB"))
-    return np.asarray(frame)
+def frames_to_patches(
+    frames: np.ndarray, cfg: VideoProcessingConfig
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """uint8 frames [T, H, W, 3], already at their target size -> (patches, grid): normalize,
+    pad the frame count to whole temporal patches, patchify."""
+    pixels = normalize_frames(frames, cfg.rescale_factor, cfg.image_mean, cfg.image_std)
+    pixels = pad_temporal(pixels, cfg.temporal_patch_size)
+    return patchify(pixels, cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
 
 
 def resize_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -337,17 +244,6 @@ class VideoProcessingConfig:
     def sampling_kwargs(self) -> dict[str, Any]:
         keys = ("fps", "min_frames", "max_frames", "temporal_patch_size", "clip_budget")
         return {key: getattr(self, key) for key in keys}
-
-    def preprocess_kwargs(self) -> dict[str, Any]:
-        keys = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels")
-        keys += ("image_mean", "image_std", "rescale_factor", "clip_budget")
-        return {key: getattr(self, key) for key in keys}
-
-    def read(self, data: bytes | str) -> tuple[np.ndarray, float]:
-        return read_video_frames(data, **self.sampling_kwargs())
-
-    def preprocess(self, frames: Frames) -> tuple[torch.Tensor, torch.Tensor]:
-        return preprocess_video(frames, **self.preprocess_kwargs())
 
 
 CLIP_BUDGET_PROCESSORS = ("Qwen3VLVideoProcessor",)

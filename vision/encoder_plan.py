@@ -21,8 +21,10 @@ tower without a shard, so it issues no TP collective inside the tower.
 from __future__ import annotations
 
 import json
+import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -173,8 +175,10 @@ def tp_cost(works: Sequence[tuple[int, int]], shape: TowerShape, costs: EncoderC
 
 
 def plan_encoder(grids: Sequence[Sequence[int]], ranks: int, shape: TowerShape,
-                 costs: EncoderCosts) -> EncoderPlan:
-    """The cheapest split "k largest items TP, the rest DP" (ties: fewer TP items). Pure."""
+                 costs: EncoderCosts, scale: Scale | None = None) -> EncoderPlan:
+    """The cheapest split "k largest items TP, the rest DP" (ties: fewer TP items). Pure.
+    `scale` multiplies the modeled time of each kind of plan (see EncoderFeedback)."""
+    scale = scale or Scale()
     works = [item_work(g, shape) for g in grids]
     if ranks == 1 or not works:
         return EncoderPlan("dp", (), tuple(range(len(works))), dp_cost(works, 1, shape, costs))
@@ -183,11 +187,77 @@ def plan_encoder(grids: Sequence[Sequence[int]], ranks: int, shape: TowerShape,
     for k in range(len(order) + 1):
         est = tp_cost([works[i] for i in order[:k]], shape, costs)
         est += dp_cost([works[i] for i in sorted(order[k:])], ranks, shape, costs)
+        est *= scale.of(_kind(k, len(order)))
         if est < best:
             best_k, best = k, est
     tp_items, dp_items = tuple(sorted(order[:best_k])), tuple(sorted(order[best_k:]))
-    kind = "dp" if not tp_items else "tp" if not dp_items else "hybrid"
-    return EncoderPlan(kind, tp_items, dp_items, best)
+    return EncoderPlan(_kind(best_k, len(order)), tp_items, dp_items, best)
+
+
+def _kind(tp_count: int, total: int) -> str:
+    return "dp" if tp_count == 0 else "tp" if tp_count == total else "hybrid"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Factors on the modeled time of each kind of plan: measured over modeled, learned while
+    serving."""
+
+    dp: float = 1.0
+    tp: float = 1.0
+    hybrid: float = 1.0
+
+    def of(self, kind: str) -> float:
+        return getattr(self, kind)
+
+
+@dataclass
+class EncoderFeedback:
+    """Corrects the calibrated model with what the calls it planned really took.
+
+    Start-up probes are short and may meet a machine busier or quieter than in service (on a
+    small CPU host, TP's per-layer all-reduces cost far more under load than the probes show).
+    After each call, every rank feeds in the same measured time (the slowest rank's, agreed by
+    one small all-reduce), and the factor of that kind of plan moves part of the way towards
+    measured over modeled. Kinds learn apart: a hybrid that does well says little about a
+    call that is all TP. Every rank sees the same numbers in the same order, so every rank
+    keeps the same factors and plans alike."""
+
+    rate: float = 0.25  # how far one call moves its factor (log space); slow: timings are noisy
+    bounds: tuple[float, float] = (1 / 16, 16.0)
+    scale: Scale = field(default_factory=Scale)
+
+    def observe(self, plan: EncoderPlan, seconds: float) -> None:
+        if plan.est_s <= 0 or seconds <= 0:
+            return
+        low, high = self.bounds
+        moved = self.scale.of(plan.kind) * (seconds / plan.est_s) ** self.rate
+        self.scale = replace(self.scale, **{plan.kind: min(high, max(low, moved))})
+
+
+class AutoEncoder:
+    """The auto mode's loop for each encoder call: plan, run, time, learn. The model and the
+    benchmark both encode through it. Besides the plan's own collectives it adds one small
+    CPU all-reduce per call (the measured time every rank learns from)."""
+
+    def __init__(self, tower: nn.Module, tp: TPGroup, shape: TowerShape, costs: EncoderCosts):
+        self.tower, self.tp, self.shape, self.costs = tower, tp, shape, costs
+        self.feedback = EncoderFeedback()
+        self.plan_counts: Counter[str] = Counter()
+
+    def plan(self, grids: Sequence[Sequence[int]]) -> EncoderPlan:
+        return plan_encoder(grids, self.tp.size, self.shape, self.costs, self.feedback.scale)
+
+    def __call__(self, pixel_values: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
+        plan = self.plan(grids)
+        self.plan_counts[plan.kind] += 1
+        start = time.perf_counter()
+        out = run_planned_encoder(self.tower, pixel_values, grids, self.tp, plan)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        self.feedback.observe(plan, float(self.tp.all_reduce_cpu(elapsed, "max")))
+        return out
 
 
 def fixed_plan(kind: str, num_items: int) -> EncoderPlan:

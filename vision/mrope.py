@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.multimodal import Modality
+from runtime.multimodal import Modality, item_tokens
 
 GridLike = Sequence[Sequence[int]] | torch.Tensor
 
@@ -38,8 +38,7 @@ class MRopeItem:
     second_per_grid_t: float | None = None
 
     def num_tokens(self, spatial_merge_size: int) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w // spatial_merge_size**2
+        return item_tokens(self.grid_thw, spatial_merge_size)
 
 
 def compute_mrope_positions_from_items(
@@ -205,7 +204,7 @@ def _seconds_for(
 
 
 def _run_end(ids: Sequence[int], start: int, grid: tuple[int, int, int], merge: int) -> int:
-    end = start + grid[0] * grid[1] * grid[2] // merge**2
+    end = start + item_tokens(grid, merge)
     if end > len(ids) or any(ids[i] != ids[start] for i in range(start, end)):
         raise ValueError(f"placeholder run at {start} is shorter than grid {grid}")
     return end

@@ -11,7 +11,6 @@ the full weights, or a hybrid, as vision/encoder_plan.py plans it).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable
 
 import torch
@@ -30,10 +29,9 @@ from vision.dp_encoder import run_dp_sharded_mrope_vision_model
 from vision.encoder_calibration import calibrate_encoder_costs
 from vision.encoder_plan import (
     ENCODER_MODES,
+    AutoEncoder,
     EncoderCosts,
     TowerShape,
-    plan_encoder,
-    run_planned_encoder,
 )
 from vision.fusion import fuse_embeddings
 from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer
@@ -65,12 +63,16 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         vision_tp = tp if self.encoder_mode == "tp" else TPGroup()
         self.visual = VISION_TOWERS[config.arch](config.vision, vision_tp, ops)
         self.language_model = Qwen2ForCausalLM(config.text, tp, backend, ops)
-        self.encoder_costs: EncoderCosts | None = None  # auto mode: set by set_encoder_costs
-        self.plan_counts: Counter[str] = Counter()  # auto mode: encoder calls per plan kind
+        self.auto_encoder: AutoEncoder | None = None  # auto mode: set by set_encoder_costs
         # The scheduler may route encoding through its encoder cache (same signature).
         self.item_encoder: Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]] = (
             self.encode_items
         )
+
+    @property
+    def plan_counts(self) -> dict[str, int]:
+        """Auto mode: encoder calls per plan kind."""
+        return dict(self.auto_encoder.plan_counts) if self.auto_encoder else {}
 
     @property
     def dp_encoder(self) -> bool:
@@ -86,7 +88,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             raise RuntimeError("encoder costs apply only to the auto encoder mode")
         if costs is None:
             costs = calibrate_encoder_costs(self.visual, self.tp, self.tower_shape)
-        self.encoder_costs = costs
+        self.auto_encoder = AutoEncoder(self.visual, self.tp, self.tower_shape, costs)
 
     def encode_items(self, items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
         """Vision embeddings per item hash; every rank calls this with the same items."""
@@ -105,11 +107,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             return run_dp_sharded_mrope_vision_model(
                 self.visual, pixels, grids, self.tp, spatial_merge_size=merge
             )
-        if self.encoder_costs is None:
+        if self.auto_encoder is None:
             raise RuntimeError("auto encoder mode needs set_encoder_costs() before encoding")
-        plan = plan_encoder(grids, self.tp.size, self.tower_shape, self.encoder_costs)
-        self.plan_counts[plan.kind] += 1
-        return run_planned_encoder(self.visual, pixels, grids, self.tp, plan)
+        return self.auto_encoder(pixels, grids)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

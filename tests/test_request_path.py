@@ -1,0 +1,188 @@
+"""The one request path: every route hands a parsed request to `TokenizerManager.tokenize_request`,
+which counts and budgets the media, prepares them, expands placeholders and checks the context
+with the one rule (`TokenBudget`) that the scheduler also asks."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from make_tiny_checkpoint import make_checkpoint
+from PIL import Image
+
+from runtime.io_struct import StrOutput, TokenizedGenerateReq
+from runtime.multimodal import Modality, item_tokens
+from runtime.sampler import SamplingParams
+from runtime.server_args import ServerArgs
+from runtime.token_budget import TokenBudget
+from tokenizer_manager.http_server import create_app
+from tokenizer_manager.media import MediaLimits
+from tokenizer_manager.mm_processor import MediaRef, ProcessorSpec
+from tokenizer_manager.multimodal_inputs import PreparedMedia
+from tokenizer_manager.protocol import APIError
+from tokenizer_manager.tokenizer_manager import GenerateInput, TokenizerManager
+
+GRID = (1, 4, 6)  # 24 patches, 6 tokens with a 2x2 merge
+IMAGE_URL = "data:image/png;base64,AAAA"
+
+
+class RecordingMedia:
+    """Stands in for the media processor: records the budget each request gets."""
+
+    def __init__(self, patch_dim: int):
+        self.patch_dim = patch_dim
+        self.budgets: list[int | None] = []
+
+    async def process(self, refs: list[MediaRef], budget: int | None) -> list[PreparedMedia]:
+        self.budgets.append(budget)
+        pixels = torch.zeros(int(np.prod(GRID)), self.patch_dim)
+        return [
+            PreparedMedia(ref.modality, pixels, GRID, digest=7 + i) for i, ref in enumerate(refs)
+        ]
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("path") / "qwen2_vl")
+
+
+def manager(checkpoint: Path, kv_total: int | None = None) -> TokenizerManager:
+    tm = TokenizerManager(ServerArgs(model_path=str(checkpoint)), kv_total=kv_total)
+    tm.mm = RecordingMedia(tm.config.vision.patch_dim)
+    return tm
+
+
+def fixed(max_new_tokens: int | None) -> Any:
+    """A sampling callback that records the room it was given."""
+    seen: list[int] = []
+
+    def make(room: int) -> SamplingParams:
+        seen.append(room)
+        return SamplingParams(max_new_tokens=max_new_tokens or room)
+
+    make.seen = seen
+    return make
+
+
+def run(tm: TokenizerManager, inp: GenerateInput) -> TokenizedGenerateReq:
+    return asyncio.run(tm.tokenize_request(inp))
+
+
+def chat_input(max_tokens: int | None = 5) -> GenerateInput:
+    content = [
+        {"type": "image_url", "image_url": {"url": IMAGE_URL}},
+        {"type": "text", "text": "hi"},
+    ]
+    return GenerateInput(
+        "c", False, fixed(max_tokens), max_tokens, messages=[{"role": "user", "content": content}]
+    )
+
+
+def test_chat_and_text_prompts_expand_media_the_same_way(checkpoint: Path) -> None:
+    tm = manager(checkpoint)
+    chat = run(tm, chat_input())
+    text = run(
+        tm,
+        GenerateInput(
+            "t", False, fixed(5), 5, text="hi", media=[MediaRef(Modality.IMAGE, IMAGE_URL)]
+        ),
+    )
+    for req in (chat, text):
+        (item,) = req.mm_inputs.items
+        start, end = item.offsets[0]
+        assert end - start == item_tokens(GRID, tm.config.vision.spatial_merge_size) == 6
+        assert req.input_ids[start - 1] == tm.config.vision_start_token_id
+    assert text.input_ids[0] == tm.config.vision_start_token_id  # placeholders put in front
+
+
+def test_media_budget_is_what_the_context_and_kv_pool_leave(checkpoint: Path) -> None:
+    tm = manager(checkpoint, kv_total=200)
+    inp = chat_input(max_tokens=30)
+    req = run(tm, inp)
+    text_tokens = len(req.input_ids) - 6
+    assert tm.mm.budgets == [200 - text_tokens - 30]  # the KV pool, not only the context
+    assert inp.sampling.seen == [200 - len(req.input_ids)]
+
+
+def test_the_front_door_refuses_with_the_schedulers_rule(checkpoint: Path) -> None:
+    tm = manager(checkpoint, kv_total=64)
+    with pytest.raises(APIError) as info:
+        run(tm, GenerateInput("x", False, fixed(60), 60, input_ids=list(range(10))))
+    assert info.value.code == "context_length_exceeded"
+    assert str(info.value) == TokenBudget(tm.context_length, 64).problem(10, 60)
+
+
+@pytest.mark.parametrize(
+    "inp,param",
+    [
+        (GenerateInput("x", False, fixed(1), 1, input_ids=[1, 10**7]), "prompt"),
+        (
+            GenerateInput(
+                "x", False, fixed(1), 1, input_ids=[1], media=[MediaRef(Modality.IMAGE, IMAGE_URL)]
+            ),
+            "image_data",
+        ),
+    ],
+)
+def test_bad_token_prompts_are_client_errors(
+    checkpoint: Path, inp: GenerateInput, param: str
+) -> None:
+    with pytest.raises(APIError) as info:
+        run(manager(checkpoint), inp)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_every_route_goes_through_tokenize_request() -> None:
+    """The HTTP layer only parses and formats: a manager offering nothing but the one entry (and
+    the generator of outputs) serves chat, completions and /generate."""
+    seen: list[GenerateInput] = []
+
+    async def tokenize_request(inp: GenerateInput) -> TokenizedGenerateReq:
+        seen.append(inp)
+        return TokenizedGenerateReq(inp.rid, [1, 2], inp.sampling(100), None, inp.stream)
+
+    async def generate(req: TokenizedGenerateReq, arrival: float | None = None) -> Any:
+        yield StrOutput(req.rid, "ok", [3], 2, 1, 0, {"type": "stop"})
+
+    args = ServerArgs(model_path="/models/demo")
+    tm = SimpleNamespace(
+        args=args, context_length=128, stalled=lambda: False,
+        tokenize_request=tokenize_request, generate=generate,
+    )  # fmt: skip
+    http = TestClient(create_app(tm))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    assert (
+        http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+        == "ok"
+    )
+    assert (
+        http.post("/v1/completions", json={"prompt": [5, 6]}).json()["choices"][0]["text"] == "ok"
+    )
+    native = {"text": "hi", "image_data": IMAGE_URL, "sampling_params": {"max_new_tokens": 4}}
+    assert http.post("/generate", json=native).json()["text"] == "ok"
+    assert [bool(i.messages) for i in seen] == [True, False, False]
+    assert seen[1].input_ids == [5, 6] and seen[2].media[0].url == IMAGE_URL
+    assert [i.max_tokens for i in seen] == [3, None, 4]
+
+
+@pytest.mark.parametrize("size", [(56, 56), (300, 200), (1000, 37), (29, 2000)])
+def test_header_token_count_matches_the_image_processor(checkpoint: Path, size: tuple) -> None:
+    """The budget read from an image's header counts what the image will take once processed."""
+    from transformers import AutoImageProcessor
+
+    width, height = size
+    spec = ProcessorSpec.from_checkpoint(str(checkpoint), MediaLimits())
+    out = AutoImageProcessor.from_pretrained(checkpoint)(
+        images=[Image.new("RGB", size)], return_tensors="np"
+    )
+    grid = tuple(int(x) for x in out["image_grid_thw"][0])
+    assert spec.image_cost(height, width)[0] == item_tokens(grid, spec.image.merge_size)
