@@ -34,7 +34,7 @@ from runtime.io_struct import (
 )
 from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
-from runtime.multimodal import Modality, item_tokens
+from runtime.multimodal import Modality
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget
