@@ -457,11 +457,15 @@ def generation_config(preset: str, ids: dict[str, int]) -> dict[str, Any]:
 
 
 def hf_config(flat: dict[str, Any]) -> Any:
-    """transformers' config object for a flat config dict."""
+    """transformers' config object for a config.json dict (flat, or nested for Qwen3-VL)."""
     import transformers
 
-    names = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}
-    cls_name = names.get(flat["model_type"], "Qwen3VLConfig")
+    names = {
+        "qwen2_vl": "Qwen2VLConfig",
+        "qwen2_5_vl": "Qwen2_5_VLConfig",
+        "qwen3_vl": "Qwen3VLConfig",
+    }
+    cls_name = names[flat["model_type"]]
     return getattr(transformers, cls_name)(**flat)
 
 

@@ -119,8 +119,7 @@ def build_multimodal_inputs(
     if not media:
         return list(input_ids), None
     by_kind = {m: [x for x in media if x.modality == m] for m in Modality}
-    videos = by_kind[Modality.VIDEO]
-    per_video = [x.grid_thw[0] if config.timestamped_video else 1 for x in videos]
+    runs = _video_runs(by_kind[Modality.VIDEO], config)
     spans = find_mrope_items(
         input_ids,
         image_token_id=config.image_token_id,
@@ -128,10 +127,10 @@ def build_multimodal_inputs(
         vision_start_token_id=config.vision_start_token_id,
         spatial_merge_size=config.vision.spatial_merge_size,
         image_grid_thw=[x.grid_thw for x in by_kind[Modality.IMAGE]],
-        video_grid_thw=[g for x, n in zip(videos, per_video) for g in _run_grids(x.grid_thw, n)],
-        second_per_grid_ts=[x.second_per_grid_t or 1.0 for x, n in zip(videos, per_video)
-                            for _ in range(n)],
+        video_grid_thw=[grid for grid, _ in runs],
+        second_per_grid_ts=[seconds for _, seconds in runs],
     )
+    per_video = [_run_count(x, config) for x in by_kind[Modality.VIDEO]]
     items = [make_item(m, group) for m, group in _group_spans(spans, by_kind, per_video)]
     ids = list(input_ids)
     for item in items:
@@ -140,10 +139,21 @@ def build_multimodal_inputs(
     return ids, MultimodalInputs(items, *_positions(len(ids), spans, config))
 
 
-def _run_grids(grid: tuple[int, int, int], runs: int) -> list[tuple[int, int, int]]:
-    """The MRoPE grids of an item's placeholder runs: itself, or one frame per run."""
-    t, h, w = grid
-    return [grid] if runs == 1 else [(t // runs, h, w)] * runs
+def _run_count(video: PreparedMedia, config: ModelConfig) -> int:
+    """Placeholder runs of a video: one per temporal patch when timestamped, else one."""
+    return video.grid_thw[0] if config.timestamped_video else 1
+
+
+def _video_runs(
+    videos: list[PreparedMedia], config: ModelConfig
+) -> list[tuple[tuple[int, int, int], float]]:
+    """(MRoPE grid, seconds per temporal patch) of every video placeholder run, in order."""
+    out = []
+    for video in videos:
+        t, h, w = video.grid_thw
+        count = _run_count(video, config)
+        out += [((t // count, h, w), video.second_per_grid_t or 1.0)] * count
+    return out
 
 
 def _group_spans(
