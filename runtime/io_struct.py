@@ -2,10 +2,48 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import asdict, dataclass, field
 
 from runtime.multimodal import MultimodalInputs
 from runtime.sampler import SamplingParams
+
+
+class FinishKind(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How a request ended: made by the scheduler (or the detokenizer, for a stop string or its
+    own failure), read by the detokenizer, the TokenizerManager and the HTTP layer."""
+
+    kind: FinishKind
+    detail: str = ""  # stop: the stop token id; error: what went wrong
+    matched: str | None = None  # the stop string the detokenizer matched
+    status: int = 0  # error: the client's HTTP status (400 a refusal, 500 a fault, 503 shutdown)
+    code: str = ""  # error: the OpenAI error code
+
+    @classmethod
+    def error(cls, detail: str, status: int = 500, code: str = "internal_error") -> Finish:
+        return cls(FinishKind.ERROR, detail, status=status, code=code)
+
+    @property
+    def is_error(self) -> bool:
+        return self.kind == FinishKind.ERROR
+
+    @property
+    def completed(self) -> bool:
+        """The request ran to its natural end (a stop or its length)."""
+        return self.kind in (FinishKind.STOP, FinishKind.LENGTH)
+
+    def to_json(self) -> dict[str, object]:
+        """The finish as `/generate` reports it: {"type", ...} with the fields that are set."""
+        data = {k: v for k, v in asdict(self).items() if v not in ("", 0, None) and k != "kind"}
+        return {"type": self.kind.value, **data}
 
 
 @dataclass
@@ -75,7 +113,7 @@ class ReqOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    finish_reason: dict | None = None  # {"type": "stop"|"length"|"abort"|"error", "detail"}
+    finish_reason: Finish | None = None
 
 
 @dataclass
@@ -103,7 +141,7 @@ class StrOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    finish_reason: dict | None = None  # a matched stop string gives {"type": "stop", "matched"}
+    finish_reason: Finish | None = None
 
 
 @dataclass

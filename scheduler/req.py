@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
-from runtime.io_struct import TokenizedGenerateReq
+from runtime.io_struct import Finish, FinishKind, TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from scheduler.model_runner import Sequence
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
 
 
 @dataclass(eq=False)
@@ -29,7 +21,7 @@ class Req(Sequence):
     arrival: int = 0
     cached_tokens: int = 0
     last_node: object | None = None
-    finish: FinishReason | None = None
+    finish: FinishKind | None = None
     finish_detail: str = ""
     sent_len: int = 0  # output tokens already reported to the detokenizer
     retractions: int = 0
@@ -76,9 +68,19 @@ class Req(Sequence):
     def check_finish(self, token: int) -> None:
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            self.finish, self.finish_detail = FinishReason.STOP, str(token)
+            self.finish, self.finish_detail = FinishKind.STOP, str(token)
         elif len(self.output_ids) >= p.max_new_tokens:
-            self.finish = FinishReason.LENGTH
+            self.finish = FinishKind.LENGTH
 
-    def abort(self, reason: FinishReason = FinishReason.ABORT, detail: str = "") -> None:
+    def outcome(self) -> Finish:
+        """The finish as the other processes read it; an error says whether it was a refusal
+        (the client's to fix, 400) or a fault (500)."""
+        assert self.finish is not None
+        if self.finish != FinishKind.ERROR:
+            return Finish(self.finish, self.finish_detail)
+        if self.refused:
+            return Finish.error(self.finish_detail, 400, "request_refused")
+        return Finish.error(self.finish_detail)
+
+    def abort(self, reason: FinishKind = FinishKind.ABORT, detail: str = "") -> None:
         self.finish, self.finish_detail = reason, detail

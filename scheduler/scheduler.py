@@ -21,6 +21,7 @@ import torch
 from runtime.distributed import TPGroup
 from runtime.io_struct import (
     AbortReq,
+    FinishKind,
     FlushCacheOut,
     FlushCacheReq,
     GetServerInfoReq,
@@ -36,7 +37,7 @@ from scheduler.encoder_cache import EncoderCache
 from scheduler.faults import FaultInjector, check_inputs
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
-from scheduler.req import FinishReason, Req
+from scheduler.req import Req
 from scheduler.schedule_policy import PrefillAdder, decode_reserve
 
 logger = get_logger(__name__)
@@ -143,7 +144,7 @@ class Scheduler:
         problem = self.refusal(req)
         if problem:
             self.counters.refused += 1
-            req.abort(FinishReason.ERROR, problem)
+            req.abort(FinishKind.ERROR, problem)
             req.refused = True
             self.touch(req)
             return
@@ -378,7 +379,7 @@ class Scheduler:
 
     def fail(self, req: Req, detail: str) -> None:
         """End the request with an error; free its slot, pins and KV without caching its KV."""
-        req.abort(FinishReason.ERROR, detail)
+        req.abort(FinishKind.ERROR, detail)
         self.counters.failed += 1
         self.waiting = [r for r in self.waiting if r is not req]
         self.running = [r for r in self.running if r is not req]
@@ -400,7 +401,7 @@ class Scheduler:
         if self.chunked is req:
             self.chunked = None
         self.release_kv(req)
-        self.counters.finished += req.finish in (FinishReason.STOP, FinishReason.LENGTH)
+        self.counters.finished += req.finish in (FinishKind.STOP, FinishKind.LENGTH)
         self.touch(req)
 
     def release_kv(self, req: Req) -> None:
@@ -422,7 +423,7 @@ class Scheduler:
         for req in self._touched.values():
             new = req.output_ids[req.sent_len :]
             req.sent_len = len(req.output_ids)
-            finish = finish_info(req) if req.finished else None
+            finish = req.outcome() if req.finished else None
             outputs.append(
                 ReqOutput(
                     req.rid,
@@ -481,13 +482,3 @@ class Scheduler:
             counters=dict(vars(self.counters)),
             encoder_plans=dict(self.runner.model.plan_counts),
         )
-
-
-def finish_info(req: Req) -> dict:
-    """The finish as the client's side reads it; an error says whether it was a refusal (the
-    client's to fix, 400) or a fault (500)."""
-    info = {"type": req.finish.value, "detail": req.finish_detail}
-    if req.finish == FinishReason.ERROR:
-        info["status"] = 400 if req.refused else 500
-        info["code"] = "request_refused" if req.refused else "internal_error"
-    return info

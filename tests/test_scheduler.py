@@ -12,7 +12,13 @@ from make_tiny_checkpoint import make_checkpoint
 from scheduler_harness import SchedulerHarness
 from vlm_cases import Case, Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
 
-from runtime.io_struct import AbortReq, FlushCacheOut, FlushCacheReq, TokenizedGenerateReq
+from runtime.io_struct import (
+    AbortReq,
+    FinishKind,
+    FlushCacheOut,
+    FlushCacheReq,
+    TokenizedGenerateReq,
+)
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 
@@ -189,7 +195,7 @@ def test_abort_mid_decode_frees_everything(sequential: SchedulerHarness, world: 
             ),
             None,
         )
-    assert finish["type"] == "abort"
+    assert finish.kind == FinishKind.ABORT
     info = sequential.info()
     assert info.kv_free + info.kv_evictable == info.kv_total and info.kv_protected == 0
 

@@ -36,7 +36,6 @@ from tokenizer_manager.tokenizer_manager import GenerateInput, TokenizerManager
 
 logger = get_logger(__name__)
 
-FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
 JSON_IN_THREAD = 1 << 16  # bodies larger than this are parsed off the event loop
 
@@ -432,14 +431,14 @@ async def first_output(stream: AsyncIterator[StrOutput]) -> StrOutput:
 
 def finish_error(out: StrOutput) -> APIError | None:
     """The client's error for an error finish: 400 for a refusal, 5xx for a fault."""
-    reason = out.finish_reason or {}
-    if reason.get("type") != "error":
+    finish = out.finish_reason
+    if finish is None or not finish.is_error:
         return None
-    status = int(reason.get("status", 500))
+    status = finish.status or 500
     return APIError(
-        reason.get("detail") or "the request failed",
+        finish.detail or "the request failed",
         status=status,
-        code=reason.get("code") or ("request_refused" if status < 500 else "internal_error"),
+        code=finish.code or ("request_refused" if status < 500 else "internal_error"),
     )
 
 
@@ -500,7 +499,7 @@ async def sse(
 def finish_reason(out: StrOutput) -> str | None:
     if out.finish_reason is None:
         return None
-    return FINISH[out.finish_reason["type"]]  # errors never get here: see finish_error
+    return out.finish_reason.kind.value  # errors never get here: see finish_error
 
 
 class ChatFormatter:
@@ -617,7 +616,7 @@ def native_body(rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
             "prompt_tokens": last.prompt_tokens,
             "completion_tokens": last.completion_tokens,
             "cached_tokens": last.cached_tokens,
-            "finish_reason": last.finish_reason,
+            "finish_reason": last.finish_reason and last.finish_reason.to_json(),
         },
     }
 
