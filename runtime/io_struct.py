@@ -78,6 +78,50 @@ class GetServerInfoReq:
 
 
 @dataclass
+class SchedulerCounters:
+    """What the scheduler has done since start-up (on the entry rank)."""
+
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens_computed: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    refused: int = 0
+    failed: int = 0  # requests ended by a fault of their own
+    faults_injected: int = 0
+
+
+@dataclass
+class EncoderCacheCounters:
+    hits: int = 0  # items every rank had cached
+    misses: int = 0  # items encoded because at least one rank lacked them
+    peer_misses: int = 0  # of the misses: items this rank had but a peer lacked
+    items_encoded: int = 0
+    encode_calls: int = 0
+    evictions: int = 0
+    not_stored: int = 0  # encoded items that did not fit (too large, or pinned entries in the way)
+
+
+@dataclass
+class EncoderCacheStats(EncoderCacheCounters):
+    """The encoder cache's counters and sizes; `pins` must be 0 when the server is idle."""
+
+    capacity_bytes: int = 0
+    bytes: int = 0
+    entries: int = 0
+    pins: int = 0
+    pinned_bytes: int = 0
+
+
+@dataclass
+class RadixStats:
+    cached_tokens: int = 0
+
+
+@dataclass
 class ServerInfo:
     kv_total: int
     kv_free: int
@@ -86,10 +130,10 @@ class ServerInfo:
     running: int
     waiting: int
     req_slots_used: int = 0
-    radix: dict = field(default_factory=dict)
-    encoder_cache: dict = field(default_factory=dict)
-    counters: dict = field(default_factory=dict)
-    encoder_plans: dict = field(default_factory=dict)  # auto encoder mode: calls per plan kind
+    radix: RadixStats = field(default_factory=RadixStats)
+    encoder_cache: EncoderCacheStats = field(default_factory=EncoderCacheStats)
+    counters: SchedulerCounters = field(default_factory=SchedulerCounters)
+    encoder_plans: dict[str, int] = field(default_factory=dict)  # auto encoder mode: per kind
 
 
 @dataclass

@@ -24,25 +24,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Container
-from dataclasses import dataclass
 
 import torch
 
 from runtime.distributed import TPGroup
+from runtime.io_struct import EncoderCacheCounters, EncoderCacheStats
 from runtime.multimodal import MultimodalDataItem
 
 EncodeFn = Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]]
-
-
-@dataclass
-class EncoderCacheCounters:
-    hits: int = 0  # items every rank had cached
-    misses: int = 0  # items encoded because at least one rank lacked them
-    peer_misses: int = 0  # of the misses: items this rank had but a peer lacked
-    items_encoded: int = 0
-    encode_calls: int = 0
-    evictions: int = 0
-    not_stored: int = 0  # encoded items that did not fit (too large, or pinned entries in the way)
 
 
 class EncoderCache:
@@ -122,16 +111,16 @@ class EncoderCache:
     def pinned_bytes(self) -> int:
         return sum(_nbytes(self._entries[k]) for k in self._pins if k in self._entries)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EncoderCacheStats:
         """Counters and sizes for /server_info; `pins` must be 0 when the server is idle."""
-        sizes = {
-            "capacity_bytes": self.capacity_bytes,
-            "bytes": self.bytes,
-            "entries": len(self._entries),
-            "pins": sum(self._pins.values()),
-            "pinned_bytes": self.pinned_bytes,
-        }
-        return vars(self.counters) | sizes
+        return EncoderCacheStats(
+            **vars(self.counters),
+            capacity_bytes=self.capacity_bytes,
+            bytes=self.bytes,
+            entries=len(self._entries),
+            pins=sum(self._pins.values()),
+            pinned_bytes=self.pinned_bytes,
+        )
 
     # ------------------------------------------------------------------ encoding
     def encode_with_cache(

@@ -14,6 +14,7 @@ cannot be pinned on a request and ends the server (see scheduler/process.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -25,8 +26,10 @@ from runtime.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetServerInfoReq,
+    RadixStats,
     ReqOutput,
     ReqStart,
+    SchedulerCounters,
     ServerInfo,
     TokenizedGenerateReq,
 )
@@ -57,21 +60,6 @@ class SchedulerConfig:
 
 
 @dataclass
-class Counters:
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prompt_tokens_computed: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    retractions: int = 0
-    finished: int = 0
-    aborted: int = 0
-    refused: int = 0
-    failed: int = 0  # requests ended by a fault of their own
-    faults_injected: int = 0
-
-
-@dataclass
 class StepResult:
     outputs: list[ReqOutput] = field(default_factory=list)
     started: list[ReqStart] = field(default_factory=list)  # admitted this step
@@ -93,7 +81,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
-        self.counters = Counters()
+        self.counters = SchedulerCounters()
         self._arrivals = 0
         self._started: list[ReqStart] = []
         self._touched: dict[int, Req] = {}  # by id(req): a reused rid never hides another's output
@@ -456,7 +444,7 @@ class Scheduler:
                 f"{self.radix.evictable_size} != total {kv.size} "
                 f"(protected {self.radix.protected_size})"
             )
-        pins = self.encoder_cache.stats()["pins"]
+        pins = self.encoder_cache.stats().pins
         if pins:
             raise AssertionError(f"encoder-cache pin leak while idle: {pins} pins held")
 
@@ -477,8 +465,8 @@ class Scheduler:
             running=len(self.running) + (self.chunked is not None),
             waiting=len(self.waiting),
             req_slots_used=self.runner.req_pool.size - self.runner.req_pool.available_size,
-            radix={"cached_tokens": self.radix.total_cached_tokens()},
+            radix=RadixStats(self.radix.total_cached_tokens()),
             encoder_cache=self.encoder_cache.stats(),
-            counters=dict(vars(self.counters)),
+            counters=dataclasses.replace(self.counters),
             encoder_plans=dict(self.runner.model.plan_counts),
         )

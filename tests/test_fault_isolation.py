@@ -69,7 +69,7 @@ def test_injected_faults_fail_their_requests_only_at_tp2(prompts: tuple[str, lis
             if rid.rsplit("-", 1)[0] == case.name and rid not in failed
         ]
         assert all(t == done[0] and len(t) == NEW_TOKENS for t in done)
-    assert info.counters["failed"] == len(failed) == info.counters["faults_injected"]
+    assert info.counters.failed == len(failed) == info.counters.faults_injected
     assert info.running == info.waiting == 0
     assert info.kv_free + info.kv_evictable == info.kv_total and info.kv_protected == 0
-    assert info.encoder_cache["pins"] == 0
+    assert info.encoder_cache.pins == 0

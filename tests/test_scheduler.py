@@ -113,15 +113,15 @@ def test_server_info_counts_auto_encoder_plans(served: dict) -> None:
 
 def test_pool_was_small_enough_to_retract_and_chunks_cut_images(served: dict) -> None:
     counters = served["info"].counters
-    assert counters["retractions"] > 0
-    assert counters["prefill_steps"] > 1
+    assert counters.retractions > 0
+    assert counters.prefill_steps > 1
 
 
 def test_nothing_leaked_once_idle(served: dict) -> None:
     info = served["info"]
     assert info.kv_free + info.kv_evictable == info.kv_total
     assert info.kv_protected == 0 and info.running == 0 and info.waiting == 0
-    assert info.encoder_cache["pins"] == 0
+    assert info.encoder_cache.pins == 0
 
 
 def test_chunk_size_cuts_through_images(world: dict) -> None:
@@ -137,8 +137,8 @@ def test_chunk_size_cuts_through_images(world: dict) -> None:
 def test_repeated_image_is_encoded_once_per_residency(served: dict, world: dict) -> None:
     stats = served["info"].encoder_cache
     distinct = {item.hash for c in world["cases"] if c.mm for item in c.mm.items}
-    assert stats["hits"] > 0
-    assert stats["items_encoded"] == len(distinct)
+    assert stats.hits > 0
+    assert stats.items_encoded == len(distinct)
 
 
 def image_span(case: Case) -> tuple[int, int]:
@@ -211,7 +211,7 @@ def test_flush_cache_empties_the_tree(sequential: SchedulerHarness) -> None:
     reply = sequential.request(FlushCacheReq(), FlushCacheOut)
     assert reply.success
     info = sequential.info()
-    assert info.kv_free == info.kv_total and info.radix["cached_tokens"] == 0
+    assert info.kv_free == info.kv_total and info.radix.cached_tokens == 0
 
 
 @pytest.mark.parametrize(
@@ -229,6 +229,6 @@ def test_outputs_unchanged_without_caches(world: dict, extra: dict) -> None:
     assert all(results[c.name]["tokens"] == c.hf_tokens for c in cases)
     assert info.kv_free + info.kv_evictable == info.kv_total
     if extra.get("mm_cache_size_mb") == 0:
-        assert info.encoder_cache["hits"] == 0
+        assert info.encoder_cache.hits == 0
     else:
         assert all(results[c.name]["cached"] == 0 for c in cases)

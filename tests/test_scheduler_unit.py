@@ -99,7 +99,7 @@ def test_an_image_cut_by_chunks_stays_pinned_until_its_last_row(model, folder: P
     while scheduler.chunked is not None or scheduler.waiting:
         req = scheduler.chunked
         inside = req is not None and start < req.kv_len < end
-        assert (cache.stats()["pins"] == 1) == inside, (req and req.kv_len, start, end)
+        assert (cache.stats().pins == 1) == inside, (req and req.kv_len, start, end)
         if inside:
             pinned_steps += 1
             # a pinned entry survives a store that needs all of the capacity
@@ -110,7 +110,7 @@ def test_an_image_cut_by_chunks_stays_pinned_until_its_last_row(model, folder: P
     assert cache.counters.items_encoded == 1  # every chunk after the first read the cache
     while not scheduler.idle:
         scheduler.step([])
-    assert cache.stats()["pins"] == 0
+    assert cache.stats().pins == 0
 
 
 def test_requests_compare_by_identity_not_by_fields() -> None:

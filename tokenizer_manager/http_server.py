@@ -7,7 +7,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +218,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "tp_size": tm.args.tp_size,
             "mm_enable_dp_encoder": tm.args.mm_enable_dp_encoder,
             "mm_encoder_mode": tm.args.mm_encoder_mode,
-            **vars(info),
+            **asdict(info),
             "api": vars(app.state.counters) | {"in_flight": len(tm.states)},
         }
 

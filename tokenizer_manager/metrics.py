@@ -35,8 +35,9 @@ class SchedulerSnapshot:
         info = self.info
         if info is not None:
             yield from _gauges(info)
-            yield from _counters("tessera_scheduler", "scheduler counter", info.counters)
-            yield from _counters("tessera_encoder_cache", "encoder cache", info.encoder_cache)
+            yield from _counters("tessera_scheduler", "scheduler counter", vars(info.counters))
+            cache = vars(info.encoder_cache)
+            yield from _counters("tessera_encoder_cache", "encoder cache", cache)
         yield from _counters("tessera_api", "HTTP API counter", self.api)
 
 
@@ -53,8 +54,8 @@ def _gauges(info: Any) -> Iterator[Metric]:
         yield GaugeMetricFamily(f"tessera_{name}", name.replace("_", " "), value=value)
 
 
-def _counters(prefix: str, doc: str, table: Any) -> Iterator[Metric]:
-    for name, value in dict(table).items():
+def _counters(prefix: str, doc: str, table: dict[str, Any]) -> Iterator[Metric]:
+    for name, value in table.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             yield CounterMetricFamily(f"{prefix}_{name}", f"{doc}: {name}", value=value)
 
