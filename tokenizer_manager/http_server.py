@@ -7,7 +7,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +42,14 @@ JSON_IN_THREAD = 1 << 16  # bodies larger than this are parsed off the event loo
 
 @dataclass
 class ApiCounters:
+    """What the HTTP layer has seen since start-up (/server_info "api", /metrics tessera_api_*)."""
+
     requests: int = 0
     client_errors: int = 0
     server_errors: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    by_endpoint: dict[str, int] = field(default_factory=dict)
 
 
 def model_name(tm: TokenizerManager) -> str:
@@ -224,7 +225,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        api = {k: v for k, v in vars(app.state.counters).items() if isinstance(v, int)}
+        api = dict(vars(app.state.counters))
         text = tm.metrics.render(await tm.server_info(), api)
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
