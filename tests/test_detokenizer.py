@@ -214,7 +214,7 @@ def test_manager_ignores_a_request_after_its_stop_matched(tok: Tokenizer) -> Non
     assert (b.text, b.finish_reason) == ("the cat sat on", None)
     later = manager.handle(BatchTokenOut([req_out("a", tok.encode(" the"))]))
     assert later.outputs == []
-    abort = {"type": "abort", "detail": "aborted"}
+    abort = Finish(FinishKind.ABORT, "aborted")
     assert manager.handle(BatchTokenOut([req_out("a", [], abort)])).outputs == []
     assert set(manager.states) == {"b"} and manager.stopped == {}
 
