@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.memory_pool import KVPool, ReqToTokenPool
+from runtime.memory_pool import KVLayout, ReqToTokenPool
+from runtime.mrope import decode_positions
 from runtime.multimodal import MultimodalInputs
 
 
@@ -39,9 +40,16 @@ class Sequence:
         if start < prompt_len:
             parts.append(self.mm.mrope_positions[:, start : min(end, prompt_len)])
         if end > max(start, prompt_len):
-            tail = torch.arange(max(start, prompt_len), end, dtype=torch.long) + delta
-            parts.append(tail.expand(3, -1))
+            parts.append(decode_positions(torch.arange(max(start, prompt_len), end), delta))
         return torch.cat(parts, dim=1)
+
+
+def kv_layout(model: nn.Module) -> KVLayout:
+    """The KV slot layout of this rank's shard of the model's decoder."""
+    attn = model.language_model.model.layers[0].self_attn.layer
+    dtype = next(model.language_model.parameters()).dtype
+    text = model.config.text
+    return KVLayout(text.num_hidden_layers, attn.num_kv_heads, text.head_dim, dtype)
 
 
 class ModelRunner:
@@ -56,13 +64,8 @@ class ModelRunner:
     ):
         self.model = model
         self.device = device
-        text = model.config.text
-        local_kv_heads = model.language_model.model.layers[0].self_attn.layer.num_kv_heads
-        dtype = next(model.language_model.parameters()).dtype
         self.req_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
-        self.kv_pool = KVPool(
-            max_total_tokens, text.num_hidden_layers, local_kv_heads, text.head_dim, dtype, device
-        )
+        self.kv_pool = kv_layout(model).pool(max_total_tokens, device)
 
     def admit(self, seq: Sequence) -> None:
         index = self.req_pool.alloc()

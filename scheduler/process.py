@@ -13,11 +13,12 @@ from runtime.allocator import keep_freed_memory
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
 from runtime.io_struct import BatchTokenOut, ShutdownReq
 from runtime.logging_utils import configure_logging, get_logger
+from runtime.memory_pool import kv_pool_tokens
 from runtime.sampler import Sampler
 from runtime.server_args import ServerArgs
 from runtime.transport import Frame, broadcast_frames, from_frames
 from scheduler.encoder_cache import EncoderCache
-from scheduler.model_runner import ModelRunner
+from scheduler.model_runner import ModelRunner, kv_layout
 from scheduler.radix_cache import RadixCache
 from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
 from vision.encoder_plan import EncoderCosts
@@ -25,7 +26,6 @@ from vision.qwen2_vl import build_model
 
 logger = get_logger(__name__)
 
-CPU_DEFAULT_KV_TOKENS = 16384
 IDLE_POLL_MS = 20
 
 
@@ -61,26 +61,6 @@ class SchedulerChannel:
         self.ctx.destroy(linger=0)
 
 
-def kv_pool_tokens(args: ServerArgs, runner_probe: dict, tp: TPGroup) -> int:
-    """--max-total-tokens, or a CPU default, or the GPU memory left after weights (min over
-    ranks, so every rank schedules with the same pool)."""
-    if args.max_total_tokens:
-        return args.max_total_tokens
-    if not args.use_cuda:
-        return CPU_DEFAULT_KV_TOKENS
-    free, total = torch.cuda.mem_get_info()
-    budget = total * args.mem_fraction_static - (total - free)
-    tokens = torch.tensor([int(budget // runner_probe["bytes_per_token"])])
-    return int(tp.all_reduce_cpu(tokens, op="min").item())
-
-
-def kv_bytes_per_token(model: torch.nn.Module) -> int:
-    text = model.config.text
-    layer = model.language_model.model.layers[0].self_attn.layer
-    elem = next(model.language_model.parameters()).element_size()
-    return 2 * text.num_hidden_layers * layer.num_kv_heads * layer.head_dim * elem
-
-
 def encoder_costs_override(args: ServerArgs) -> EncoderCosts | None:
     """--mm-encoder-costs as a cost model; None means: calibrate at start-up."""
     return EncoderCosts.from_json(args.mm_encoder_costs) if args.mm_encoder_costs else None
@@ -100,7 +80,10 @@ def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
     )
     config = model.config
     context = args.context_length or config.text.max_position_embeddings
-    tokens = kv_pool_tokens(args, {"bytes_per_token": kv_bytes_per_token(model)}, tp)
+    layout = kv_layout(model)
+    tokens = kv_pool_tokens(
+        layout, tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static
+    )
     runner = ModelRunner(
         model,
         max_total_tokens=tokens,

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from runtime.model_config import ModelConfig
+from runtime.mrope import MRopeItem, compute_mrope_positions_from_items, find_mrope_items
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
-from vision.mrope import MRopeItem, compute_mrope_positions_from_items, find_mrope_items
 
 
 @dataclass
