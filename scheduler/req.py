@@ -4,16 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from runtime.io_struct import Finish, FinishKind, TokenizedGenerateReq
+from runtime.mrope import decode_positions
+from runtime.multimodal import MultimodalInputs
 from runtime.sampler import SamplingParams
-from scheduler.model_runner import Sequence
 
 
 @dataclass(eq=False)
-class Req(Sequence):
+class Req:
     """token_ids = prompt + outputs; kv_len tokens of it sit in the KV pool (the first
-    `cached_prefix_len` of those came from the radix cache when the request was first admitted)."""
+    `cached_tokens` of those came from the radix cache when the request was first admitted).
 
+    Identity semantics (eq=False): two requests are the same only if they are the same object, so
+    `in`, `remove` and `index` over lists of them never compare fields (tensors among them)."""
+
+    token_ids: list[int]
+    mm: MultimodalInputs | None = None
+    req_pool_index: int = -1  # its row in the request-to-token table, -1 when it has none
+    kv_len: int = 0
     rid: str = ""
     prompt_len: int = 0
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -39,6 +49,17 @@ class Req(Sequence):
             eos_token_ids=eos,
             arrival=arrival,
         )
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] MRoPE positions for sequence indices [start, end)."""
+        prompt_len = 0 if self.mm is None else self.mm.mrope_positions.shape[1]
+        delta = 0 if self.mm is None else self.mm.mrope_position_delta
+        parts = []
+        if start < prompt_len:
+            parts.append(self.mm.mrope_positions[:, start : min(end, prompt_len)])
+        if end > max(start, prompt_len):
+            parts.append(decode_positions(torch.arange(max(start, prompt_len), end), delta))
+        return torch.cat(parts, dim=1)
 
     @property
     def output_ids(self) -> list[int]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from runner_utils import greedy_generate, release
 
 from runtime.distributed import TPGroup
-from scheduler.model_runner import ModelRunner, Sequence, greedy_generate
+from scheduler.model_runner import ModelRunner
+from scheduler.req import Req
 from vision.encoder_plan import EncoderCosts
 from vision.qwen2_vl import build_model
 
@@ -18,7 +20,7 @@ AUTO_COSTS = EncoderCosts(0.0, 1e-6, 0.0, 0.0, 0.75e-6, 0.0, 1e-6, 0.0, 1e-6, 0.
 
 
 def all_logits(runner: ModelRunner, ids: list[int], mm: Any, chunk: int | None) -> torch.Tensor:
-    seq = Sequence(list(ids), mm)
+    seq = Req(list(ids), mm)
     runner.admit(seq)
     try:
         parts, step = [], chunk or len(ids)
@@ -26,7 +28,7 @@ def all_logits(runner: ModelRunner, ids: list[int], mm: Any, chunk: int | None) 
             parts.append(runner.extend([seq], [min(step, len(ids) - seq.kv_len)], True))
         return torch.cat(parts)
     finally:
-        runner.release(seq)
+        release(runner, seq)
 
 
 def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[int], Any]]) -> dict:
@@ -37,7 +39,7 @@ def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[i
     for name, ids, mm in cases:
         full = all_logits(runner, ids, mm, None)
         chunked = all_logits(runner, ids, mm, CHUNK)
-        tokens = greedy_generate(runner, Sequence(list(ids), mm), 16)
+        tokens = greedy_generate(runner, Req(list(ids), mm), 16)
         keep = tp.rank == 0
         out[name] = {"logits": full if keep else None, "chunked": chunked if keep else None,
                      "tokens": tokens}
