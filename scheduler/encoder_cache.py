@@ -23,15 +23,13 @@ on every rank, and when no rank misses, no rank calls the encoder.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Container
+from collections.abc import Collection, Container
 
 import torch
 
 from runtime.distributed import TPGroup
 from runtime.io_struct import EncoderCacheCounters, EncoderCacheStats
-from runtime.multimodal import MultimodalDataItem
-
-EncodeFn = Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]]
+from runtime.multimodal import ItemEncoder, MultimodalDataItem
 
 
 class EncoderCache:
@@ -124,7 +122,7 @@ class EncoderCache:
 
     # ------------------------------------------------------------------ encoding
     def encode_with_cache(
-        self, items: list[MultimodalDataItem], encode_fn: EncodeFn, tp: TPGroup
+        self, items: list[MultimodalDataItem], encode_fn: ItemEncoder, tp: TPGroup
     ) -> dict[int, torch.Tensor]:
         """Embeddings for every item, encoding only the misses all ranks agreed on.
 
@@ -140,7 +138,7 @@ class EncoderCache:
         fresh = self._encode([unique[h] for h in missing], encode_fn) if missing else {}
         return {h: fresh[h] if h in fresh else local[h] for h in unique}
 
-    def wrap(self, encode_fn: EncodeFn, tp: TPGroup) -> EncodeFn:
+    def wrap(self, encode_fn: ItemEncoder, tp: TPGroup) -> ItemEncoder:
         """`encode_fn` with this cache in front; same signature, so the model can swap it in."""
 
         def encode(items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
@@ -155,7 +153,7 @@ class EncoderCache:
         self.counters.hits += len(local) - peer
 
     def _encode(
-        self, items: list[MultimodalDataItem], encode_fn: EncodeFn
+        self, items: list[MultimodalDataItem], encode_fn: ItemEncoder
     ) -> dict[int, torch.Tensor]:
         out = encode_fn(items)
         self.counters.encode_calls += 1

@@ -10,6 +10,7 @@ from torch import nn
 
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.memory_pool import KVLayout, ReqToTokenPool
+from runtime.multimodal import ItemEncoder
 from scheduler.req import Req
 
 
@@ -34,9 +35,13 @@ class ModelRunner:
         max_running_requests: int,
         max_context_len: int,
         device: str = "cpu",
+        item_encoder: ItemEncoder | None = None,
     ):
+        """`item_encoder` encodes the media a prefill needs (default: the model's own
+        `encode_items`; the scheduler gives its encoder cache in front of it)."""
         self.model = model
         self.device = device
+        self.item_encoder = item_encoder or model.encode_items
         self.req_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
         self.kv_pool = kv_layout(model).pool(max_total_tokens, device)
 
@@ -86,7 +91,7 @@ class ModelRunner:
             mm_inputs=[s.mm for s in seqs],
             return_all_logits=all_logits,
         )
-        logits = self.model(batch)
+        logits = self.model(batch, self.item_encoder)
         for seq, n in zip(seqs, lens):
             seq.kv_len += n
         return logits

@@ -8,6 +8,7 @@ from multiprocessing.connection import Connection
 
 import torch
 import zmq
+from torch import nn
 
 from runtime.allocator import keep_freed_memory
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
@@ -66,9 +67,41 @@ def encoder_costs_override(args: ServerArgs) -> EncoderCosts | None:
     return EncoderCosts.from_json(args.mm_encoder_costs) if args.mm_encoder_costs else None
 
 
-def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
+def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = None) -> Scheduler:
+    """Everything one rank's scheduler owns, from the flags: the server, the tests and the
+    benchmarks all build schedulers here (`model`: an already loaded model, else loaded now)."""
+    model = model or load_model(args, tp)
+    device = str(next(model.parameters()).device)
+    context = args.context_length or model.config.text.max_position_embeddings
+    tokens = kv_pool_tokens(
+        kv_layout(model), tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static
+    )
+    encoder_cache = EncoderCache(args.mm_cache_size_mb * 2**20)
+    runner = ModelRunner(
+        model,
+        max_total_tokens=tokens,
+        max_running_requests=args.max_running_requests + 1,
+        max_context_len=context + 1,
+        device=device,
+        item_encoder=encoder_cache.wrap(model.encode_items, tp),
+    )
+    cfg = SchedulerConfig(
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        context_length=context,
+        schedule_policy=args.schedule_policy,
+        eos_token_ids=model.config.eos_token_ids,
+        fault_injection_rate=args.fault_injection_rate,
+        random_seed=args.random_seed,
+    )
+    radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
+    return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))
+
+
+def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:
     device = f"cuda:{torch.cuda.current_device()}" if args.use_cuda else "cpu"
-    model = build_model(
+    return build_model(
         args.model_path,
         tp,
         attention_backend=args.attention_backend,
@@ -78,33 +111,6 @@ def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
         device=device,
         show_progress=tp.is_first,
     )
-    config = model.config
-    context = args.context_length or config.text.max_position_embeddings
-    layout = kv_layout(model)
-    tokens = kv_pool_tokens(
-        layout, tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static
-    )
-    runner = ModelRunner(
-        model,
-        max_total_tokens=tokens,
-        max_running_requests=args.max_running_requests + 1,
-        max_context_len=context + 1,
-        device=device,
-    )
-    encoder_cache = EncoderCache(args.mm_cache_size_mb * 2**20)
-    model.item_encoder = encoder_cache.wrap(model.encode_items, tp)
-    cfg = SchedulerConfig(
-        max_running_requests=args.max_running_requests,
-        max_prefill_tokens=args.max_prefill_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        context_length=context,
-        schedule_policy=args.schedule_policy,
-        eos_token_ids=config.eos_token_ids,
-        fault_injection_rate=args.fault_injection_rate,
-        random_seed=args.random_seed,
-    )
-    radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
-    return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))
 
 
 def serve(scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None) -> None:

@@ -12,12 +12,11 @@ from vlm_cases import Checkpoint, gradient_image
 
 from runtime.distributed import TPGroup
 from runtime.io_struct import TokenizedGenerateReq
-from runtime.sampler import Sampler, SamplingParams
-from scheduler.encoder_cache import EncoderCache
-from scheduler.model_runner import ModelRunner
-from scheduler.radix_cache import RadixCache
+from runtime.sampler import SamplingParams
+from runtime.server_args import ServerArgs
+from scheduler.process import build_scheduler
 from scheduler.req import Req
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from vision.qwen2_vl import build_model
 
 
@@ -32,20 +31,18 @@ def model(folder: Path):
 
 
 def make_scheduler(
-    model, kv_tokens: int, chunk: int = 512, encoder_cache_bytes: int = 0
+    model, kv_tokens: int, chunk: int = 512, encoder_cache_mb: int = 0
 ) -> Scheduler:
-    runner = ModelRunner(
-        model, max_total_tokens=kv_tokens, max_running_requests=8, max_context_len=256
-    )
-    cfg = SchedulerConfig(
+    args = ServerArgs(
+        device="cpu",
+        max_total_tokens=kv_tokens,
         max_running_requests=8,
         max_prefill_tokens=512,
         chunked_prefill_size=chunk,
         context_length=200,
+        mm_cache_size_mb=encoder_cache_mb,
     )
-    cache = EncoderCache(encoder_cache_bytes)
-    model.item_encoder = cache.wrap(model.encode_items, TPGroup())
-    return Scheduler(cfg, TPGroup(), runner, RadixCache(runner.kv_pool), cache, Sampler())
+    return build_scheduler(args, TPGroup(), model)
 
 
 def prompts() -> list[TokenizedGenerateReq]:
@@ -91,7 +88,7 @@ def test_an_image_cut_by_chunks_stays_pinned_until_its_last_row(model, folder: P
     (item,) = case.mm.items
     start, end = item.offsets[0]
     assert end - start >= 16  # the image spans several 6-token chunks
-    scheduler = make_scheduler(model, 1000, chunk=6, encoder_cache_bytes=1 << 20)
+    scheduler = make_scheduler(model, 1000, chunk=6, encoder_cache_mb=1)
     cache = scheduler.encoder_cache
     params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     scheduler.step([TokenizedGenerateReq("img", case.input_ids, params, case.mm)])

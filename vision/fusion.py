@@ -7,12 +7,10 @@ image takes only the rows that fall inside the chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from runtime.forward_batch import ForwardBatch
-from runtime.multimodal import MultimodalDataItem
+from runtime.multimodal import ItemEncoder, MultimodalDataItem
 
 
 def overlaps(item: MultimodalDataItem, chunk_start: int, chunk_end: int) -> bool:
@@ -54,7 +52,7 @@ def scatter_item_rows(
 def fuse_embeddings(
     batch: ForwardBatch,
     text_embeds: torch.Tensor,
-    encode: Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]],
+    encode: ItemEncoder,
 ) -> torch.Tensor:
     """Return input embeddings with every overlapping item's rows in place."""
     items = items_in_batch(batch)
