@@ -14,14 +14,6 @@ from make_tiny_checkpoint import build_tokenizer, save_tokenizer
 from transformers import AutoTokenizer
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
-from runtime import detokenizer
-from runtime.detokenizer import (
-    MAX_HELD_TOKENS,
-    DetokenizerManager,
-    IncrementalDetokenizer,
-    StopMatcher,
-    run_detokenizer_process,
-)
 from runtime.io_struct import (
     BatchStrOut,
     BatchTokenOut,
@@ -34,6 +26,14 @@ from runtime.io_struct import (
     ShutdownReq,
 )
 from runtime.server_args import ServerArgs
+from tokenizer_manager import detokenizer
+from tokenizer_manager.detokenizer import (
+    MAX_HELD_TOKENS,
+    DetokenizerManager,
+    IncrementalDetokenizer,
+    StopMatcher,
+    run_detokenizer_process,
+)
 
 TEXT = "héllo wörld 你好 🙂 The robot counted: one, two, three."
 LENGTH = Finish(FinishKind.LENGTH, "max_new_tokens")
