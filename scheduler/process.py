@@ -119,6 +119,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
         eos_token_ids=config.eos_token_ids,
         fault_injection_rate=args.fault_injection_rate,
         random_seed=args.random_seed,
+        enable_mixed_chunk=args.enable_mixed_chunk,
     )
     radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
     return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))

@@ -52,12 +52,14 @@ class SchedulerConfig:
     check_integrity_when_idle: bool = True
     fault_injection_rate: float = 0.0  # testing only: see scheduler/faults.py
     random_seed: int = 0
+    enable_mixed_chunk: bool = False  # running decodes ride along each prefill step
 
 
 @dataclass
 class Counters:
     prefill_steps: int = 0
     decode_steps: int = 0
+    mixed_steps: int = 0  # prefill steps that also carried the running decodes
     prompt_tokens_computed: int = 0
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -107,7 +109,7 @@ class Scheduler:
             self.handle(msg, result)
         batch = self.schedule_prefill()
         if batch:
-            self.run_prefill(*batch)
+            self.run_prefill(*batch, self.riding_decodes(batch[1]))
         elif self.running:
             self.run_decode()
         result.outputs = self.collect_outputs()
@@ -248,30 +250,47 @@ class Scheduler:
         self.runner.req_pool.free(req.req_pool_index)
         req.req_pool_index, req.kv_len = -1, 0
 
-    def run_prefill(self, reqs: list[Req], lens: list[int]) -> None:
-        kept = {id(r) for r in self.isolate(reqs)}
+    def riding_decodes(self, prefill_lens: list[int]) -> list[Req]:
+        """Mixed steps: the running requests decode in the prefill's forward when their tokens
+        fit in KV next to the chunk (else they wait for the next step, as without mixing)."""
+        if not (self.cfg.enable_mixed_chunk and self.running):
+            return []
+        if self.free_or_evictable() < sum(prefill_lens) + len(self.running):
+            return []
+        return list(self.running)
+
+    def run_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req] = ()) -> None:
+        """Prefill a chunk of each request (and, in a mixed step, decode one token of each of
+        `decodes` in the same forward); sample the requests whose prompt is done."""
+        kept = {id(r) for r in self.isolate([*reqs, *decodes])}
         lens = [n for r, n in zip(reqs, lens) if id(r) in kept]
         reqs = [r for r in reqs if id(r) in kept]
+        decodes = [r for r in decodes if id(r) in kept]
         if not reqs:
             return
-        self.counters.prefill_steps += 1
-        self.counters.prompt_tokens_computed += sum(lens)
-        self.ensure_free(sum(lens))
+        self.count_prefill(lens, decodes)
+        self.ensure_free(sum(lens) + len(decodes))
         for req, n in zip(reqs, lens):
             self.pin_items_in_progress(req, req.kv_len + n)
-        logits = self.runner.extend(reqs, lens)
+        logits = self.runner.mixed(reqs, lens, decodes)
         done = [i for i, r in enumerate(reqs) if r.extend_len == 0]
         for i, req in enumerate(reqs):
             if i not in done:
                 self.cache_chunk(req)
-        if done:
-            self.sample_and_append([reqs[i] for i in done], logits[done])
+        rows = [*done, *range(len(reqs), len(reqs) + len(decodes))]
+        if rows:
+            self.sample_and_append([*(reqs[i] for i in done), *decodes], logits[rows])
         for i in done:
             req = reqs[i]
             if req.retractions == 0:
                 self.counters.cached_prompt_tokens += req.cached_tokens
             if not req.finished:
                 self.running.append(req)
+
+    def count_prefill(self, lens: list[int], decodes: list[Req]) -> None:
+        self.counters.prefill_steps += 1
+        self.counters.mixed_steps += bool(decodes)
+        self.counters.prompt_tokens_computed += sum(lens)
 
     def pin_items_in_progress(self, req: Req, chunk_end: int) -> None:
         """Before a chunk runs: pin the encoder-cache entries of items that this chunk enters
