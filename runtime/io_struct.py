@@ -67,6 +67,16 @@ class ReqStart:
 
 
 @dataclass
+class StageTimes:
+    """Where one request's time went inside the scheduler (entry rank's clock, seconds); sent
+    once, with the request's first token."""
+
+    queue: float  # taken in by the scheduler loop -> its first prefill step starts
+    encoder: float  # vision encoder time of the prefill steps whose chunk held its media
+    prefill: float  # its first prefill step starts -> its first token is sampled (encoder included)
+
+
+@dataclass
 class ReqOutput:
     """New tokens of one request since the previous message (only what changed)."""
 
@@ -76,6 +86,7 @@ class ReqOutput:
     completion_tokens: int
     cached_tokens: int
     finish_reason: dict | None = None  # {"type": "stop"|"length"|"abort"|"error", "detail"}
+    stages: StageTimes | None = None  # with the first token only
 
 
 @dataclass
@@ -104,6 +115,7 @@ class StrOutput:
     completion_tokens: int
     cached_tokens: int
     finish_reason: dict | None = None  # a matched stop string gives {"type": "stop", "matched"}
+    stages: StageTimes | None = None  # the scheduler's stage times, with the first token only
 
 
 @dataclass

@@ -22,6 +22,7 @@ on every rank, and when no rank misses, no rank calls the encoder.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class EncoderCacheCounters:
     encode_calls: int = 0
     evictions: int = 0
     not_stored: int = 0  # encoded items that did not fit (too large, or pinned entries in the way)
+    encode_seconds: float = 0.0  # host time in the encoder (on CUDA: until its kernels are queued)
 
 
 class EncoderCache:
@@ -168,7 +170,9 @@ class EncoderCache:
     def _encode(
         self, items: list[MultimodalDataItem], encode_fn: EncodeFn
     ) -> dict[int, torch.Tensor]:
+        start = time.perf_counter()
         out = encode_fn(items)
+        self.counters.encode_seconds += time.perf_counter() - start
         self.counters.encode_calls += 1
         self.counters.items_encoded += len(items)
         for item in items:

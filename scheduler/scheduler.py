@@ -14,6 +14,7 @@ cannot be pinned on a request and ends the server (see scheduler/process.py).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.req import FinishReason, Req
 from scheduler.schedule_policy import PrefillAdder, decode_reserve
+from vision.fusion import overlaps
 
 logger = get_logger(__name__)
 
@@ -272,7 +274,7 @@ class Scheduler:
         self.ensure_free(sum(lens) + len(decodes))
         for req, n in zip(reqs, lens):
             self.pin_items_in_progress(req, req.kv_len + n)
-        logits = self.runner.mixed(reqs, lens, decodes)
+        logits = self.forward_prefill(reqs, lens, decodes)
         done = [i for i, r in enumerate(reqs) if r.extend_len == 0]
         for i, req in enumerate(reqs):
             if i not in done:
@@ -280,12 +282,25 @@ class Scheduler:
         rows = [*done, *range(len(reqs), len(reqs) + len(decodes))]
         if rows:
             self.sample_and_append([*(reqs[i] for i in done), *decodes], logits[rows])
+        now = time.perf_counter()
         for i in done:
             req = reqs[i]
             if req.retractions == 0:
                 self.counters.cached_prompt_tokens += req.cached_tokens
+                req.clock.first_token(now)
             if not req.finished:
                 self.running.append(req)
+
+    def forward_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req]) -> torch.Tensor:
+        """The step's forward; each request's clock takes the step's start and, when its chunk
+        holds media, the encoder time of the step (timing only, never a decision)."""
+        start, encoded = time.perf_counter(), self.encoder_cache.counters.encode_seconds
+        media = [chunk_holds_media(r, r.kv_len, r.kv_len + n) for r, n in zip(reqs, lens)]
+        logits = self.runner.mixed(reqs, lens, decodes)
+        encoder = self.encoder_cache.counters.encode_seconds - encoded
+        for req, has_media in zip(reqs, media):
+            req.clock.prefill_step(start, encoder if has_media else 0.0)
+        return logits
 
     def count_prefill(self, lens: list[int], decodes: list[Req]) -> None:
         self.counters.prefill_steps += 1
@@ -460,6 +475,7 @@ class Scheduler:
                     len(req.output_ids),
                     req.cached_tokens,
                     finish,
+                    req.clock.take_report(),
                 )
             )
         self._touched = {}
@@ -510,6 +526,10 @@ class Scheduler:
             counters=dict(vars(self.counters)),
             encoder_plans=dict(self.runner.model.plan_counts),
         )
+
+
+def chunk_holds_media(req: Req, start: int, end: int) -> bool:
+    return req.mm is not None and any(overlaps(item, start, end) for item in req.mm.items)
 
 
 def finish_info(req: Req) -> dict:

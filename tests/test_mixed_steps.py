@@ -171,4 +171,3 @@ def drain_some(sched: Scheduler, result: StepResult, outputs: dict, steps: int) 
             outputs.setdefault(out.rid, []).extend(out.new_token_ids)
         result = sched.step([])
     return result
-

@@ -299,6 +299,7 @@ class TokenizerManager:
             while True:
                 out = await state.queue.get()
                 timeline.output(len(out.token_ids))
+                timeline.scheduler_stages(out.stages)
                 if out.finish_reason is not None:
                     if out.finish_reason.get("type") in ("stop", "length"):
                         timeline.finish(out.prompt_tokens)
