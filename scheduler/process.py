@@ -27,6 +27,7 @@ logger = get_logger(__name__)
 
 CPU_DEFAULT_KV_TOKENS = 16384
 IDLE_POLL_MS = 20
+SHM_DIR = "/dev/shm"
 
 
 class SchedulerChannel:
@@ -125,12 +126,20 @@ def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
     return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))
 
 
-def serve(scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None) -> None:
+def frames_shm_dir(args: ServerArgs) -> str | None:
+    """Where rank 0 puts the large frames (pixels) for the other ranks: shared memory when every
+    rank runs on this node, else None (the CPU group carries them)."""
+    return SHM_DIR if args.nnodes == 1 and os.path.isdir(SHM_DIR) else None
+
+
+def serve(
+    scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None, shm_dir: str | None
+) -> None:
     while True:
         frames = None
         if channel is not None:
             frames = channel.recv_all(IDLE_POLL_MS if scheduler.idle else 0)
-        frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size)
+        frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size, shm_dir)
         msgs = [from_frames(f) for f in frames]
         if any(isinstance(m, ShutdownReq) for m in msgs):
             return
@@ -182,7 +191,7 @@ def run_scheduler_process(
         raise
     try:
         with torch.inference_mode():
-            serve(scheduler, tp, channel)
+            serve(scheduler, tp, channel, frames_shm_dir(args))
     finally:
         if channel is not None:
             channel.close()
