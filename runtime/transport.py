@@ -127,9 +127,10 @@ def broadcast_frames(
 
     The layout goes first (one long tensor). With `shm_dir` (ranks on one node), every large
     frame (the pixels) is written once into a shared-memory file there, which the other ranks
-    map read-only; only the layout and the small frames (pickles) cross the group, in one byte
-    tensor that receivers slice without copying. Rank 0 unlinks the file once every rank has
-    mapped it (one tiny all-reduce), so it lives exactly as long as the tensors that view it."""
+    map (privately: their writes stay their own); only the layout and the small frames (the
+    pickles) cross the group, in one byte tensor that receivers slice without copying. Rank 0
+    unlinks the file once every rank has mapped it (one tiny all-reduce), so it lives exactly as
+    long as the tensors that view it."""
     if size == 1:
         return messages or []
     layout = _first_rank_layout(messages, shm_dir) if rank == 0 else None
@@ -196,9 +197,11 @@ def _write_segment(path: str, frames: list[Frame]) -> None:
 
 
 def _map_segment(path: str, nbytes: int) -> memoryview:
+    """A private (copy-on-write) mapping: a stray in-place write stays on this rank and never
+    faults, as with a received byte tensor."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return memoryview(mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ))
+        return memoryview(mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY))
     finally:
         os.close(fd)
 

@@ -2,8 +2,10 @@
 
 Each step: take the messages rank 0 received (broadcast to all ranks), admit what fits into a
 prefill batch (or else decode the running batch), run the model, and append one token per
-finished-prefill or decoding request. Rank 0 samples; the tokens are broadcast, so every rank
-keeps the same state and joins the same collectives.
+finished-prefill or decoding request. With mixed steps (`enable_mixed_chunk`) the running
+requests decode inside the prefill's forward, as one-token extends, whenever their KV fits.
+Rank 0 samples; the tokens are broadcast, so every rank keeps the same state and joins the same
+collectives.
 
 Fault isolation: a fault that belongs to one request (its inputs before a forward, its sampling)
 fails that request alone with an error finish; `isolate` makes every rank agree on which requests
@@ -261,7 +263,7 @@ class Scheduler:
             return []
         return list(self.running)
 
-    def run_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req] = ()) -> None:
+    def run_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req]) -> None:
         """Prefill a chunk of each request (and, in a mixed step, decode one token of each of
         `decodes` in the same forward); sample the requests whose prompt is done."""
         kept = {id(r) for r in self.isolate([*reqs, *decodes])}

@@ -84,6 +84,7 @@ def shm_worker(tp, shm_dir: str, listed: str) -> tuple:  # noqa: ANN001
     tp.all_reduce_cpu(torch.zeros(1))  # every rank has returned, so rank 0 has unlinked
     backing = [type(memoryview(f).obj).__name__ for f in (frames[0][1], frames[2][1])]
     features = [msgs[0].mm_inputs.items[0].feature, msgs[2].mm_inputs.items[0].feature]
+    features[0].add_(0)  # a mapped feature takes an in-place write without faulting
     return backing, [f.clone() for f in features], msgs[1], os.listdir(listed)
 
 
