@@ -83,6 +83,7 @@ class SchedulerCounters:
 
     prefill_steps: int = 0
     decode_steps: int = 0
+    mixed_steps: int = 0  # prefill steps that also carried the running decodes
     prompt_tokens_computed: int = 0
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -103,6 +104,7 @@ class EncoderCacheCounters:
     encode_calls: int = 0
     evictions: int = 0
     not_stored: int = 0  # encoded items that did not fit (too large, or pinned entries in the way)
+    encode_seconds: float = 0.0  # host time in the encoder (on CUDA: until its kernels are queued)
 
 
 @dataclass
@@ -149,6 +151,16 @@ class ReqStart:
 
 
 @dataclass
+class StageTimes:
+    """Where one request's time went inside the scheduler (entry rank's clock, seconds); sent
+    once, with the request's first token."""
+
+    queue: float  # taken in by the scheduler loop -> its first prefill step starts
+    encoder: float  # vision encoder time of the prefill steps whose chunk held its media
+    prefill: float  # its first prefill step starts -> its first token is sampled (encoder included)
+
+
+@dataclass
 class ReqOutput:
     """New tokens of one request since the previous message (only what changed)."""
 
@@ -158,6 +170,7 @@ class ReqOutput:
     completion_tokens: int
     cached_tokens: int
     finish_reason: Finish | None = None
+    stages: StageTimes | None = None  # with the first token only
 
 
 @dataclass
@@ -186,6 +199,7 @@ class StrOutput:
     completion_tokens: int
     cached_tokens: int
     finish_reason: Finish | None = None
+    stages: StageTimes | None = None  # the scheduler's stage times, with the first token only
 
 
 @dataclass

@@ -22,6 +22,7 @@ on every rank, and when no rank misses, no rank calls the encoder.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Container
 
@@ -155,7 +156,9 @@ class EncoderCache:
     def _encode(
         self, items: list[MultimodalDataItem], encode_fn: ItemEncoder
     ) -> dict[int, torch.Tensor]:
+        start = time.perf_counter()
         out = encode_fn(items)
+        self.counters.encode_seconds += time.perf_counter() - start
         self.counters.encode_calls += 1
         self.counters.items_encoded += len(items)
         for item in items:

@@ -67,8 +67,21 @@ class ModelRunner:
         """One step: each sequence's last token (not yet in KV) goes through the model."""
         return self._run(ForwardMode.DECODE, seqs, [1] * len(seqs), False)
 
+    def mixed(
+        self, seqs: list[Req], extend_lens: list[int], decodes: list[Req]
+    ) -> torch.Tensor:
+        """One forward for an extend of `seqs` plus one decode token of each of `decodes`;
+        returns the last-token logits of seqs, then of decodes."""
+        lens = [*extend_lens, *[1] * len(decodes)]
+        return self._run(ForwardMode.EXTEND, [*seqs, *decodes], lens, False, len(decodes))
+
     def _run(
-        self, mode: ForwardMode, seqs: list[Req], lens: list[int], all_logits: bool
+        self,
+        mode: ForwardMode,
+        seqs: list[Req],
+        lens: list[int],
+        all_logits: bool,
+        decode_tail: int = 0,
     ) -> torch.Tensor:
         slots = self._alloc(sum(lens))
         ids, positions, offset = [], [], 0
@@ -90,6 +103,7 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             mm_inputs=[s.mm for s in seqs],
             return_all_logits=all_logits,
+            decode_tail=decode_tail,
         )
         logits = self.model(batch, self.item_encoder)
         for seq, n in zip(seqs, lens):

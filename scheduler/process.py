@@ -28,6 +28,7 @@ from vision.qwen2_vl import build_model
 logger = get_logger(__name__)
 
 IDLE_POLL_MS = 20
+SHM_DIR = "/dev/shm"
 
 
 class SchedulerChannel:
@@ -94,6 +95,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         eos_token_ids=model.config.eos_token_ids,
         fault_injection_rate=args.fault_injection_rate,
         random_seed=args.random_seed,
+        enable_mixed_chunk=args.enable_mixed_chunk,
     )
     radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
     return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))
@@ -113,12 +115,20 @@ def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:
     )
 
 
-def serve(scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None) -> None:
+def frames_shm_dir(args: ServerArgs) -> str | None:
+    """Where rank 0 puts the large frames (pixels) for the other ranks: shared memory when every
+    rank runs on this node, else None (the CPU group carries them)."""
+    return SHM_DIR if args.nnodes == 1 and os.path.isdir(SHM_DIR) else None
+
+
+def serve(
+    scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None, shm_dir: str | None
+) -> None:
     while True:
         frames = None
         if channel is not None:
             frames = channel.recv_all(IDLE_POLL_MS if scheduler.idle else 0)
-        frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size)
+        frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size, shm_dir)
         msgs = [from_frames(f) for f in frames]
         if any(isinstance(m, ShutdownReq) for m in msgs):
             return
@@ -170,7 +180,7 @@ def run_scheduler_process(
         raise
     try:
         with torch.inference_mode():
-            serve(scheduler, tp, channel)
+            serve(scheduler, tp, channel, frames_shm_dir(args))
     finally:
         if channel is not None:
             channel.close()

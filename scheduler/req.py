@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from runtime.io_struct import Finish, FinishKind, TokenizedGenerateReq
+from runtime.io_struct import Finish, FinishKind, StageTimes, TokenizedGenerateReq
 from runtime.mrope import decode_positions
 from runtime.multimodal import MultimodalInputs
 from runtime.sampler import SamplingParams
+
+
+@dataclass
+class StageClock:
+    """A request's scheduler-side timestamps (perf_counter, this rank's clock): they never take
+    part in a decision, so ranks may disagree on them."""
+
+    arrived: float
+    scheduled: float | None = None  # its first prefill step started
+    encoder: float = 0.0
+    report: StageTimes | None = None  # set when its first token is sampled, sent once
+
+    def prefill_step(self, start: float, encoder: float) -> None:
+        if self.scheduled is None:
+            self.scheduled = start
+        self.encoder += encoder
+
+    def first_token(self, now: float) -> None:
+        queue = self.scheduled - self.arrived
+        self.report = StageTimes(queue, self.encoder, now - self.scheduled)
+
+    def take_report(self) -> StageTimes | None:
+        report, self.report = self.report, None
+        return report
 
 
 @dataclass(eq=False)
@@ -37,6 +62,7 @@ class Req:
     retractions: int = 0
     encoder_pins: frozenset[int] = frozenset()  # items pinned in the encoder cache mid-prefill
     refused: bool = False  # its error finish is a refusal (the client's to fix), not a fault
+    clock: StageClock = field(default_factory=lambda: StageClock(time.perf_counter()))
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq, eos: tuple[int, ...], arrival: int) -> Req:

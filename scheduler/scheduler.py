@@ -2,8 +2,10 @@
 
 Each step: take the messages rank 0 received (broadcast to all ranks), admit what fits into a
 prefill batch (or else decode the running batch), run the model, and append one token per
-finished-prefill or decoding request. Rank 0 samples; the tokens are broadcast, so every rank
-keeps the same state and joins the same collectives.
+finished-prefill or decoding request. With mixed steps (`enable_mixed_chunk`) the running
+requests decode inside the prefill's forward, as one-token extends, whenever their KV fits.
+Rank 0 samples; the tokens are broadcast, so every rank keeps the same state and joins the same
+collectives.
 
 Fault isolation: a fault that belongs to one request (its inputs before a forward, its sampling)
 fails that request alone with an error finish; `isolate` makes every rank agree on which requests
@@ -15,6 +17,7 @@ cannot be pinned on a request and ends the server (see scheduler/process.py).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +45,7 @@ from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req
 from scheduler.schedule_policy import PrefillAdder, decode_reserve
+from vision.fusion import overlaps
 
 logger = get_logger(__name__)
 
@@ -57,6 +61,7 @@ class SchedulerConfig:
     check_integrity_when_idle: bool = True
     fault_injection_rate: float = 0.0  # testing only: see scheduler/faults.py
     random_seed: int = 0
+    enable_mixed_chunk: bool = False  # running decodes ride along each prefill step
 
 
 @dataclass
@@ -97,7 +102,7 @@ class Scheduler:
             self.handle(msg, result)
         batch = self.schedule_prefill()
         if batch:
-            self.run_prefill(*batch)
+            self.run_prefill(*batch, self.riding_decodes(batch[1]))
         elif self.running:
             self.run_decode()
         result.outputs = self.collect_outputs()
@@ -227,30 +232,60 @@ class Scheduler:
         self.runner.req_pool.free(req.req_pool_index)
         req.req_pool_index, req.kv_len = -1, 0
 
-    def run_prefill(self, reqs: list[Req], lens: list[int]) -> None:
-        kept = {id(r) for r in self.isolate(reqs)}
+    def riding_decodes(self, prefill_lens: list[int]) -> list[Req]:
+        """Mixed steps: the running requests decode in the prefill's forward when their tokens
+        fit in KV next to the chunk (else they wait for the next step, as without mixing)."""
+        if not (self.cfg.enable_mixed_chunk and self.running):
+            return []
+        if self.free_or_evictable() < sum(prefill_lens) + len(self.running):
+            return []
+        return list(self.running)
+
+    def run_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req]) -> None:
+        """Prefill a chunk of each request (and, in a mixed step, decode one token of each of
+        `decodes` in the same forward); sample the requests whose prompt is done."""
+        kept = {id(r) for r in self.isolate([*reqs, *decodes])}
         lens = [n for r, n in zip(reqs, lens) if id(r) in kept]
         reqs = [r for r in reqs if id(r) in kept]
+        decodes = [r for r in decodes if id(r) in kept]
         if not reqs:
             return
-        self.counters.prefill_steps += 1
-        self.counters.prompt_tokens_computed += sum(lens)
-        self.ensure_free(sum(lens))
+        self.count_prefill(lens, decodes)
+        self.ensure_free(sum(lens) + len(decodes))
         for req, n in zip(reqs, lens):
             self.pin_items_in_progress(req, req.kv_len + n)
-        logits = self.runner.extend(reqs, lens)
+        logits = self.forward_prefill(reqs, lens, decodes)
         done = [i for i, r in enumerate(reqs) if r.extend_len == 0]
         for i, req in enumerate(reqs):
             if i not in done:
                 self.cache_chunk(req)
-        if done:
-            self.sample_and_append([reqs[i] for i in done], logits[done])
+        rows = [*done, *range(len(reqs), len(reqs) + len(decodes))]
+        if rows:
+            self.sample_and_append([*(reqs[i] for i in done), *decodes], logits[rows])
+        now = time.perf_counter()
         for i in done:
             req = reqs[i]
             if req.retractions == 0:
                 self.counters.cached_prompt_tokens += req.cached_tokens
+                req.clock.first_token(now)
             if not req.finished:
                 self.running.append(req)
+
+    def forward_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req]) -> torch.Tensor:
+        """The step's forward; each request's clock takes the step's start and, when its chunk
+        holds media, the encoder time of the step (timing only, never a decision)."""
+        start, encoded = time.perf_counter(), self.encoder_cache.counters.encode_seconds
+        media = [chunk_holds_media(r, r.kv_len, r.kv_len + n) for r, n in zip(reqs, lens)]
+        logits = self.runner.mixed(reqs, lens, decodes)
+        encoder = self.encoder_cache.counters.encode_seconds - encoded
+        for req, has_media in zip(reqs, media):
+            req.clock.prefill_step(start, encoder if has_media else 0.0)
+        return logits
+
+    def count_prefill(self, lens: list[int], decodes: list[Req]) -> None:
+        self.counters.prefill_steps += 1
+        self.counters.mixed_steps += bool(decodes)
+        self.counters.prompt_tokens_computed += sum(lens)
 
     def pin_items_in_progress(self, req: Req, chunk_end: int) -> None:
         """Before a chunk runs: pin the encoder-cache entries of items that this chunk enters
@@ -420,6 +455,7 @@ class Scheduler:
                     len(req.output_ids),
                     req.cached_tokens,
                     finish,
+                    req.clock.take_report(),
                 )
             )
         self._touched = {}
@@ -470,3 +506,7 @@ class Scheduler:
             counters=dataclasses.replace(self.counters),
             encoder_plans=dict(self.runner.model.plan_counts),
         )
+
+
+def chunk_holds_media(req: Req, start: int, end: int) -> bool:
+    return req.mm is not None and any(overlaps(item, start, end) for item in req.mm.items)

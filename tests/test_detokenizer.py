@@ -24,6 +24,7 @@ from runtime.io_struct import (
     ReqStart,
     ServerInfo,
     ShutdownReq,
+    StageTimes,
 )
 from runtime.server_args import ServerArgs
 from tokenizer_manager import detokenizer
@@ -196,6 +197,14 @@ def test_manager_streams_and_drops_state_at_finish(tok: Tokenizer) -> None:
     assert "".join(texts) == TEXT
     assert batch.outputs[0].finish_reason == LENGTH and batch.outputs[0].prompt_tokens == 7
     assert manager.states == {} and manager.stopped == {}
+
+
+def test_manager_passes_the_scheduler_stage_times_on(tok: Tokenizer) -> None:
+    manager = DetokenizerManager(tok)
+    stages = StageTimes(queue=0.5, encoder=0.25, prefill=0.75)
+    first = manager.handle(BatchTokenOut([req_out("s", tok.encode("a"), stages=stages)]))
+    later = manager.handle(BatchTokenOut([req_out("s", tok.encode("b"), LENGTH)]))
+    assert first.outputs[0].stages == stages and later.outputs[0].stages is None
 
 
 def test_manager_ignores_a_request_after_its_stop_matched(tok: Tokenizer) -> None:

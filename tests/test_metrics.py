@@ -6,7 +6,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.io_struct import EncoderCacheStats, SchedulerCounters, ServerInfo
+from runtime.io_struct import EncoderCacheStats, SchedulerCounters, ServerInfo, StageTimes
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 
 
@@ -51,6 +51,17 @@ def test_one_request_timeline_and_scrape() -> None:
     assert got["tessera_encoder_cache_hits_total"] == 5
     assert got["tessera_encoder_cache_misses_total"] == 2
     assert got["tessera_api_requests_total"] == 4
+
+
+def test_scheduler_stage_times_are_observed_once() -> None:
+    metrics = ServingMetrics()
+    timeline = RequestTimeline(metrics)
+    timeline.scheduler_stages(StageTimes(queue=0.003, encoder=0.02, prefill=0.05))
+    timeline.scheduler_stages(None)  # later outputs carry none
+    got = samples(metrics.render(None, {}))
+    for stage, seconds in (("queue", 0.003), ("encoder", 0.02), ("prefill", 0.05)):
+        assert got[f"tessera_request_stage_seconds_count[{stage}]"] == 1
+        assert abs(got[f"tessera_request_stage_seconds_sum[{stage}]"] - seconds) < 1e-9
 
 
 def test_registries_are_per_server() -> None:

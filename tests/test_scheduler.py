@@ -80,6 +80,11 @@ TP_SETTINGS = [
     # auto: the tower's cost model is calibrated when the scheduler ranks start
     pytest.param({"tp_size": 2, "mm_encoder_mode": "auto"}, id="tp2-vit_auto"),
     pytest.param({"tp_size": 4}, id="tp4-vit_tp"),
+    # mixed steps: the running decodes ride along every prefill chunk
+    pytest.param({"tp_size": 1, "enable_mixed_chunk": True}, id="tp1-mixed"),
+    pytest.param(
+        {"tp_size": 2, "mm_encoder_mode": "dp", "enable_mixed_chunk": True}, id="tp2-vit_dp-mixed"
+    ),
 ]
 
 
@@ -88,7 +93,8 @@ def served(request: pytest.FixtureRequest, world: dict) -> dict:
     with SchedulerHarness(base_args(world["folder"], **request.param)) as h:
         results = h.generate([request_for(c) for c in world["cases"]])
         info = h.info()
-    return {"results": results, "info": info, "mode": request.param.get("mm_encoder_mode")}
+    mode = request.param.get("mm_encoder_mode")
+    return {"results": results, "info": info, "mode": mode, "args": request.param}
 
 
 def request_for(case: Case) -> TokenizedGenerateReq:
@@ -115,6 +121,7 @@ def test_pool_was_small_enough_to_retract_and_chunks_cut_images(served: dict) ->
     counters = served["info"].counters
     assert counters.retractions > 0
     assert counters.prefill_steps > 1
+    assert (counters.mixed_steps > 0) == served["args"].get("enable_mixed_chunk", False)
 
 
 def test_nothing_leaked_once_idle(served: dict) -> None:

@@ -110,6 +110,25 @@ def test_an_image_cut_by_chunks_stays_pinned_until_its_last_row(model, folder: P
     assert cache.stats().pins == 0
 
 
+def test_first_output_carries_the_scheduler_stage_times(model, folder: Path) -> None:
+    """Queue wait, encoder and prefill seconds leave the scheduler once, with the first token;
+    a request that waits behind a chunked prefill shows its wait, a text one no encoder time."""
+    case = Checkpoint(folder).case("image", [gradient_image((112, 112)), "What is it?"])
+    sched = make_scheduler(model, 1000, chunk=16, encoder_cache_mb=1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    image = TokenizedGenerateReq("img", case.input_ids, params, case.mm)
+    outputs = sched.step([image, TokenizedGenerateReq("txt", [5, 6, 7, 8], params)]).outputs
+    while not sched.idle:
+        outputs += sched.step([]).outputs
+    timed = [o for o in outputs if o.stages is not None]
+    assert sorted(o.rid for o in timed) == ["img", "txt"]
+    assert all(o.new_token_ids and o.completion_tokens == 1 for o in timed)
+    stages = {o.rid: o.stages for o in timed}
+    assert 0 <= stages["img"].queue < stages["txt"].queue  # txt waited for img's chunks
+    assert 0 < stages["img"].encoder <= stages["img"].prefill
+    assert stages["txt"].encoder == 0 < stages["txt"].prefill
+
+
 def test_requests_compare_by_identity_not_by_fields() -> None:
     """Two requests with equal fields (tensors included) are still two requests: membership,
     removal and equality never touch the fields (which would raise on the tensors)."""

@@ -268,6 +268,7 @@ class DetokenizerManager:
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
             finish_reason=finish,
+            stages=out.stages,
         )
 
 

@@ -341,6 +341,7 @@ class TokenizerManager:
             while True:
                 out = await state.queue.get()
                 timeline.output(len(out.token_ids))
+                timeline.scheduler_stages(out.stages)
                 if out.finish_reason is not None:
                     if out.finish_reason.completed:
                         timeline.finish(out.prompt_tokens)
