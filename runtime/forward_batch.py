@@ -23,6 +23,9 @@ class ForwardBatch:
     positions: [3, tokens] MRoPE positions. out_cache_loc: the KV slot of every new token.
     prefix_lens / extend_lens / seq_lens are per request; seq_len = prefix_len + extend_len.
     mm_inputs[i] is request i's multimodal inputs (None for text-only requests).
+    A mixed step is an EXTEND whose last `decode_tail` requests are decodes riding along: one
+    new token each over their cached tokens (an extend of length 1 with a prefix), which a
+    backend may batch as it batches a decode.
     """
 
     mode: ForwardMode
@@ -36,6 +39,12 @@ class ForwardBatch:
     kv_pool: KVPool
     mm_inputs: list[MultimodalInputs | None] = field(default_factory=list)
     return_all_logits: bool = False
+    decode_tail: int = 0
+
+    @property
+    def extend_count(self) -> int:
+        """Requests before the decode tail (all of them outside a mixed step)."""
+        return self.batch_size - self.decode_tail
 
     @property
     def is_decode(self) -> bool:

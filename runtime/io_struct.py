@@ -2,10 +2,48 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import asdict, dataclass, field
 
 from runtime.multimodal import MultimodalInputs
 from runtime.sampler import SamplingParams
+
+
+class FinishKind(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How a request ended: made by the scheduler (or the detokenizer, for a stop string or its
+    own failure), read by the detokenizer, the TokenizerManager and the HTTP layer."""
+
+    kind: FinishKind
+    detail: str = ""  # stop: the stop token id; error: what went wrong
+    matched: str | None = None  # the stop string the detokenizer matched
+    status: int = 0  # error: the client's HTTP status (400 a refusal, 500 a fault, 503 shutdown)
+    code: str = ""  # error: the OpenAI error code
+
+    @classmethod
+    def error(cls, detail: str, status: int = 500, code: str = "internal_error") -> Finish:
+        return cls(FinishKind.ERROR, detail, status=status, code=code)
+
+    @property
+    def is_error(self) -> bool:
+        return self.kind == FinishKind.ERROR
+
+    @property
+    def completed(self) -> bool:
+        """The request ran to its natural end (a stop or its length)."""
+        return self.kind in (FinishKind.STOP, FinishKind.LENGTH)
+
+    def to_json(self) -> dict[str, object]:
+        """The finish as `/generate` reports it: {"type", ...} with the fields that are set."""
+        data = {k: v for k, v in asdict(self).items() if v not in ("", 0, None) and k != "kind"}
+        return {"type": self.kind.value, **data}
 
 
 @dataclass
@@ -40,6 +78,52 @@ class GetServerInfoReq:
 
 
 @dataclass
+class SchedulerCounters:
+    """What the scheduler has done since start-up (on the entry rank)."""
+
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    mixed_steps: int = 0  # prefill steps that also carried the running decodes
+    prompt_tokens_computed: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    refused: int = 0
+    failed: int = 0  # requests ended by a fault of their own
+    faults_injected: int = 0
+
+
+@dataclass
+class EncoderCacheCounters:
+    hits: int = 0  # items every rank had cached
+    misses: int = 0  # items encoded because at least one rank lacked them
+    peer_misses: int = 0  # of the misses: items this rank had but a peer lacked
+    items_encoded: int = 0
+    encode_calls: int = 0
+    evictions: int = 0
+    not_stored: int = 0  # encoded items that did not fit (too large, or pinned entries in the way)
+    encode_seconds: float = 0.0  # host time in the encoder (on CUDA: until its kernels are queued)
+
+
+@dataclass
+class EncoderCacheStats(EncoderCacheCounters):
+    """The encoder cache's counters and sizes; `pins` must be 0 when the server is idle."""
+
+    capacity_bytes: int = 0
+    bytes: int = 0
+    entries: int = 0
+    pins: int = 0
+    pinned_bytes: int = 0
+
+
+@dataclass
+class RadixStats:
+    cached_tokens: int = 0
+
+
+@dataclass
 class ServerInfo:
     kv_total: int
     kv_free: int
@@ -48,10 +132,10 @@ class ServerInfo:
     running: int
     waiting: int
     req_slots_used: int = 0
-    radix: dict = field(default_factory=dict)
-    encoder_cache: dict = field(default_factory=dict)
-    counters: dict = field(default_factory=dict)
-    encoder_plans: dict = field(default_factory=dict)  # auto encoder mode: calls per plan kind
+    radix: RadixStats = field(default_factory=RadixStats)
+    encoder_cache: EncoderCacheStats = field(default_factory=EncoderCacheStats)
+    counters: SchedulerCounters = field(default_factory=SchedulerCounters)
+    encoder_plans: dict[str, int] = field(default_factory=dict)  # auto encoder mode: per kind
 
 
 @dataclass
@@ -67,6 +151,16 @@ class ReqStart:
 
 
 @dataclass
+class StageTimes:
+    """Where one request's time went inside the scheduler (entry rank's clock, seconds); sent
+    once, with the request's first token."""
+
+    queue: float  # taken in by the scheduler loop -> its first prefill step starts
+    encoder: float  # vision encoder time of the prefill steps whose chunk held its media
+    prefill: float  # its first prefill step starts -> its first token is sampled (encoder included)
+
+
+@dataclass
 class ReqOutput:
     """New tokens of one request since the previous message (only what changed)."""
 
@@ -75,7 +169,8 @@ class ReqOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    finish_reason: dict | None = None  # {"type": "stop"|"length"|"abort"|"error", "detail"}
+    finish_reason: Finish | None = None
+    stages: StageTimes | None = None  # with the first token only
 
 
 @dataclass
@@ -103,7 +198,8 @@ class StrOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    finish_reason: dict | None = None  # a matched stop string gives {"type": "stop", "matched"}
+    finish_reason: Finish | None = None
+    stages: StageTimes | None = None  # the scheduler's stage times, with the first token only
 
 
 @dataclass

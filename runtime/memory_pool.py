@@ -6,7 +6,13 @@ writes have a harmless target.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from runtime.distributed import TPGroup
+
+CPU_DEFAULT_KV_TOKENS = 16384  # KV slots on CPU when --max-total-tokens is not given
 
 
 class ReqToTokenPool:
@@ -32,6 +38,38 @@ class ReqToTokenPool:
 
     def write(self, index: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[index, start : start + slots.numel()] = slots
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one KV slot holds on this rank: K and V of every layer for its local KV heads."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def pool(self, size: int, device: str | torch.device = "cpu") -> KVPool:
+        return KVPool(size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, device)
+
+
+def kv_pool_tokens(
+    layout: KVLayout, tp: TPGroup, fixed: int | None, use_cuda: bool, mem_fraction: float
+) -> int:
+    """`fixed` tokens if given, else a CPU default, else what GPU memory holds after the weights
+    at `mem_fraction` of the device (the minimum over ranks, so every rank has the same pool)."""
+    if fixed:
+        return fixed
+    if not use_cuda:
+        return CPU_DEFAULT_KV_TOKENS
+    free, total = torch.cuda.mem_get_info()
+    budget = total * mem_fraction - (total - free)
+    tokens = torch.tensor([int(budget // layout.bytes_per_token)])
+    return int(tp.all_reduce_cpu(tokens, op="min").item())
 
 
 class KVPool:
@@ -73,7 +111,3 @@ class KVPool:
 
     def get_kv(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id][slots], self.v_buffers[layer_id][slots]
-
-    def bytes_per_token(self) -> int:
-        k = self.k_buffers[0]
-        return 2 * len(self.k_buffers) * k.shape[1] * k.shape[2] * k.element_size()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,11 @@ class MultimodalDataItem:
     @property
     def num_tokens(self) -> int:
         return sum(end - start for start, end in self.offsets)
+
+
+# Encodes a batch's media items: embedding rows per item hash (the model's `encode_items`, or
+# the scheduler's encoder cache in front of it).
+ItemEncoder = Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]]
 
 
 @dataclass

@@ -57,6 +57,11 @@ class ServerArgs:
     max_total_tokens: int | None = _opt("KV pool size in tokens (default: from memory)", type=int)
     mem_fraction_static: float = _opt("GPU memory share for weights + KV", default=0.85)
     context_length: int | None = _opt("max prompt + output tokens per request", type=int)
+    enable_mixed_chunk: bool = _opt(
+        "mixed steps: the running decodes join each prefill step's forward as one-token "
+        "extends, so they keep flowing while images are encoded and prefilled",
+        default=False,
+    )
     schedule_policy: str = _opt("waiting-queue order", default="fcfs", choices=["fcfs", "lpm"])
     disable_radix_cache: bool = _opt("turn off prefix caching", default=False)
     mm_cache_size_mb: int = _opt("encoder output cache size (0 disables)", default=256)

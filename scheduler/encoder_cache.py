@@ -22,27 +22,15 @@ on every rank, and when no rank misses, no rank calls the encoder.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Container
-from dataclasses import dataclass
+from collections.abc import Collection, Container
 
 import torch
 
 from runtime.distributed import TPGroup
-from runtime.multimodal import MultimodalDataItem
-
-EncodeFn = Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]]
-
-
-@dataclass
-class EncoderCacheCounters:
-    hits: int = 0  # items every rank had cached
-    misses: int = 0  # items encoded because at least one rank lacked them
-    peer_misses: int = 0  # of the misses: items this rank had but a peer lacked
-    items_encoded: int = 0
-    encode_calls: int = 0
-    evictions: int = 0
-    not_stored: int = 0  # encoded items that did not fit (too large, or pinned entries in the way)
+from runtime.io_struct import EncoderCacheCounters, EncoderCacheStats
+from runtime.multimodal import ItemEncoder, MultimodalDataItem
 
 
 class EncoderCache:
@@ -122,20 +110,20 @@ class EncoderCache:
     def pinned_bytes(self) -> int:
         return sum(_nbytes(self._entries[k]) for k in self._pins if k in self._entries)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EncoderCacheStats:
         """Counters and sizes for /server_info; `pins` must be 0 when the server is idle."""
-        sizes = {
-            "capacity_bytes": self.capacity_bytes,
-            "bytes": self.bytes,
-            "entries": len(self._entries),
-            "pins": sum(self._pins.values()),
-            "pinned_bytes": self.pinned_bytes,
-        }
-        return vars(self.counters) | sizes
+        return EncoderCacheStats(
+            **vars(self.counters),
+            capacity_bytes=self.capacity_bytes,
+            bytes=self.bytes,
+            entries=len(self._entries),
+            pins=sum(self._pins.values()),
+            pinned_bytes=self.pinned_bytes,
+        )
 
     # ------------------------------------------------------------------ encoding
     def encode_with_cache(
-        self, items: list[MultimodalDataItem], encode_fn: EncodeFn, tp: TPGroup
+        self, items: list[MultimodalDataItem], encode_fn: ItemEncoder, tp: TPGroup
     ) -> dict[int, torch.Tensor]:
         """Embeddings for every item, encoding only the misses all ranks agreed on.
 
@@ -151,7 +139,7 @@ class EncoderCache:
         fresh = self._encode([unique[h] for h in missing], encode_fn) if missing else {}
         return {h: fresh[h] if h in fresh else local[h] for h in unique}
 
-    def wrap(self, encode_fn: EncodeFn, tp: TPGroup) -> EncodeFn:
+    def wrap(self, encode_fn: ItemEncoder, tp: TPGroup) -> ItemEncoder:
         """`encode_fn` with this cache in front; same signature, so the model can swap it in."""
 
         def encode(items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
@@ -166,9 +154,11 @@ class EncoderCache:
         self.counters.hits += len(local) - peer
 
     def _encode(
-        self, items: list[MultimodalDataItem], encode_fn: EncodeFn
+        self, items: list[MultimodalDataItem], encode_fn: ItemEncoder
     ) -> dict[int, torch.Tensor]:
+        start = time.perf_counter()
         out = encode_fn(items)
+        self.counters.encode_seconds += time.perf_counter() - start
         self.counters.encode_calls += 1
         self.counters.items_encoded += len(items)
         for item in items:

@@ -5,43 +5,25 @@ Every rank builds the same batches from the same decisions, so each rank's colle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.memory_pool import KVPool, ReqToTokenPool
-from runtime.multimodal import MultimodalInputs
+from runtime.memory_pool import KVLayout, ReqToTokenPool
+from runtime.multimodal import ItemEncoder
+from scheduler.req import Req
 
 
 class OutOfKVError(RuntimeError):
     """Not enough free KV slots for the requested forward."""
 
 
-@dataclass(eq=False)
-class Sequence:
-    """What the runner needs of one request: its tokens so far and how many sit in the KV pool.
-
-    Identity semantics (eq=False): two requests are the same only if they are the same object, so
-    `in`, `remove` and `index` over lists of them never compare fields (tensors among them)."""
-
-    token_ids: list[int]
-    mm: MultimodalInputs | None = None
-    req_pool_index: int = -1
-    kv_len: int = 0
-
-    def positions(self, start: int, end: int) -> torch.Tensor:
-        """[3, end - start] MRoPE positions for sequence indices [start, end)."""
-        prompt_len = 0 if self.mm is None else self.mm.mrope_positions.shape[1]
-        delta = 0 if self.mm is None else self.mm.mrope_position_delta
-        parts = []
-        if start < prompt_len:
-            parts.append(self.mm.mrope_positions[:, start : min(end, prompt_len)])
-        if end > max(start, prompt_len):
-            tail = torch.arange(max(start, prompt_len), end, dtype=torch.long) + delta
-            parts.append(tail.expand(3, -1))
-        return torch.cat(parts, dim=1)
+def kv_layout(model: nn.Module) -> KVLayout:
+    """The KV slot layout of this rank's shard of the model's decoder."""
+    attn = model.language_model.model.layers[0].self_attn.layer
+    dtype = next(model.language_model.parameters()).dtype
+    text = model.config.text
+    return KVLayout(text.num_hidden_layers, attn.num_kv_heads, text.head_dim, dtype)
 
 
 class ModelRunner:
@@ -53,30 +35,21 @@ class ModelRunner:
         max_running_requests: int,
         max_context_len: int,
         device: str = "cpu",
+        item_encoder: ItemEncoder | None = None,
     ):
+        """`item_encoder` encodes the media a prefill needs (default: the model's own
+        `encode_items`; the scheduler gives its encoder cache in front of it)."""
         self.model = model
         self.device = device
-        text = model.config.text
-        local_kv_heads = model.language_model.model.layers[0].self_attn.layer.num_kv_heads
-        dtype = next(model.language_model.parameters()).dtype
+        self.item_encoder = item_encoder or model.encode_items
         self.req_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
-        self.kv_pool = KVPool(
-            max_total_tokens, text.num_hidden_layers, local_kv_heads, text.head_dim, dtype, device
-        )
+        self.kv_pool = kv_layout(model).pool(max_total_tokens, device)
 
-    def admit(self, seq: Sequence) -> None:
+    def admit(self, seq: Req) -> None:
         index = self.req_pool.alloc()
         if index is None:
             raise OutOfKVError("no free request slot")
         seq.req_pool_index = index
-
-    def release(self, seq: Sequence) -> None:
-        """Free every KV slot and the request slot the sequence holds."""
-        if seq.req_pool_index < 0:
-            return
-        self.kv_pool.free(self.req_pool.req_to_token[seq.req_pool_index, : seq.kv_len].cpu())
-        self.req_pool.free(seq.req_pool_index)
-        seq.req_pool_index, seq.kv_len = -1, 0
 
     def _alloc(self, n: int) -> torch.Tensor:
         slots = self.kv_pool.alloc(n)
@@ -85,17 +58,30 @@ class ModelRunner:
         return slots
 
     def extend(
-        self, seqs: list[Sequence], extend_lens: list[int], return_all_logits: bool = False
+        self, seqs: list[Req], extend_lens: list[int], return_all_logits: bool = False
     ) -> torch.Tensor:
         """Prefill the next extend_lens[i] tokens of each sequence over what its KV holds."""
         return self._run(ForwardMode.EXTEND, seqs, extend_lens, return_all_logits)
 
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def decode(self, seqs: list[Req]) -> torch.Tensor:
         """One step: each sequence's last token (not yet in KV) goes through the model."""
         return self._run(ForwardMode.DECODE, seqs, [1] * len(seqs), False)
 
+    def mixed(
+        self, seqs: list[Req], extend_lens: list[int], decodes: list[Req]
+    ) -> torch.Tensor:
+        """One forward for an extend of `seqs` plus one decode token of each of `decodes`;
+        returns the last-token logits of seqs, then of decodes."""
+        lens = [*extend_lens, *[1] * len(decodes)]
+        return self._run(ForwardMode.EXTEND, [*seqs, *decodes], lens, False, len(decodes))
+
     def _run(
-        self, mode: ForwardMode, seqs: list[Sequence], lens: list[int], all_logits: bool
+        self,
+        mode: ForwardMode,
+        seqs: list[Req],
+        lens: list[int],
+        all_logits: bool,
+        decode_tail: int = 0,
     ) -> torch.Tensor:
         slots = self._alloc(sum(lens))
         ids, positions, offset = [], [], 0
@@ -117,30 +103,9 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             mm_inputs=[s.mm for s in seqs],
             return_all_logits=all_logits,
+            decode_tail=decode_tail,
         )
-        logits = self.model(batch)
+        logits = self.model(batch, self.item_encoder)
         for seq, n in zip(seqs, lens):
             seq.kv_len += n
         return logits
-
-
-def greedy_generate(
-    runner: ModelRunner, seq: Sequence, max_new_tokens: int, chunk_size: int | None = None
-) -> list[int]:
-    """Prefill (optionally in chunks), then decode greedily; frees the sequence at the end."""
-    runner.admit(seq)
-    try:
-        prompt_len = len(seq.token_ids)
-        step = chunk_size or prompt_len
-        while seq.kv_len < prompt_len:
-            logits = runner.extend([seq], [min(step, prompt_len - seq.kv_len)])
-        out: list[int] = []
-        for _ in range(max_new_tokens):
-            token = int(logits[-1].argmax())
-            out.append(token)
-            seq.token_ids.append(token)
-            if len(out) < max_new_tokens:
-                logits = runner.decode([seq])
-        return out
-    finally:
-        runner.release(seq)

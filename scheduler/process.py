@@ -8,16 +8,18 @@ from multiprocessing.connection import Connection
 
 import torch
 import zmq
+from torch import nn
 
 from runtime.allocator import keep_freed_memory
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
 from runtime.io_struct import BatchTokenOut, ShutdownReq
 from runtime.logging_utils import configure_logging, get_logger
+from runtime.memory_pool import kv_pool_tokens
 from runtime.sampler import Sampler
 from runtime.server_args import ServerArgs
 from runtime.transport import Frame, broadcast_frames, from_frames
 from scheduler.encoder_cache import EncoderCache
-from scheduler.model_runner import ModelRunner
+from scheduler.model_runner import ModelRunner, kv_layout
 from scheduler.radix_cache import RadixCache
 from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
 from vision.encoder_plan import EncoderCosts
@@ -25,8 +27,8 @@ from vision.qwen2_vl import build_model
 
 logger = get_logger(__name__)
 
-CPU_DEFAULT_KV_TOKENS = 16384
 IDLE_POLL_MS = 20
+SHM_DIR = "/dev/shm"
 
 
 class SchedulerChannel:
@@ -61,34 +63,47 @@ class SchedulerChannel:
         self.ctx.destroy(linger=0)
 
 
-def kv_pool_tokens(args: ServerArgs, runner_probe: dict, tp: TPGroup) -> int:
-    """--max-total-tokens, or a CPU default, or the GPU memory left after weights (min over
-    ranks, so every rank schedules with the same pool)."""
-    if args.max_total_tokens:
-        return args.max_total_tokens
-    if not args.use_cuda:
-        return CPU_DEFAULT_KV_TOKENS
-    free, total = torch.cuda.mem_get_info()
-    budget = total * args.mem_fraction_static - (total - free)
-    tokens = torch.tensor([int(budget // runner_probe["bytes_per_token"])])
-    return int(tp.all_reduce_cpu(tokens, op="min").item())
-
-
-def kv_bytes_per_token(model: torch.nn.Module) -> int:
-    text = model.config.text
-    layer = model.language_model.model.layers[0].self_attn.layer
-    elem = next(model.language_model.parameters()).element_size()
-    return 2 * text.num_hidden_layers * layer.num_kv_heads * layer.head_dim * elem
-
-
 def encoder_costs_override(args: ServerArgs) -> EncoderCosts | None:
     """--mm-encoder-costs as a cost model; None means: calibrate at start-up."""
     return EncoderCosts.from_json(args.mm_encoder_costs) if args.mm_encoder_costs else None
 
 
-def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
+def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = None) -> Scheduler:
+    """Everything one rank's scheduler owns, from the flags: the server, the tests and the
+    benchmarks all build schedulers here (`model`: an already loaded model, else loaded now)."""
+    model = model or load_model(args, tp)
+    device = str(next(model.parameters()).device)
+    context = args.context_length or model.config.text.max_position_embeddings
+    tokens = kv_pool_tokens(
+        kv_layout(model), tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static
+    )
+    encoder_cache = EncoderCache(args.mm_cache_size_mb * 2**20)
+    runner = ModelRunner(
+        model,
+        max_total_tokens=tokens,
+        max_running_requests=args.max_running_requests + 1,
+        max_context_len=context + 1,
+        device=device,
+        item_encoder=encoder_cache.wrap(model.encode_items, tp),
+    )
+    cfg = SchedulerConfig(
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        context_length=context,
+        schedule_policy=args.schedule_policy,
+        eos_token_ids=model.config.eos_token_ids,
+        fault_injection_rate=args.fault_injection_rate,
+        random_seed=args.random_seed,
+        enable_mixed_chunk=args.enable_mixed_chunk,
+    )
+    radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
+    return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))
+
+
+def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:
     device = f"cuda:{torch.cuda.current_device()}" if args.use_cuda else "cpu"
-    model = build_model(
+    return build_model(
         args.model_path,
         tp,
         attention_backend=args.attention_backend,
@@ -98,38 +113,22 @@ def build_scheduler(args: ServerArgs, tp: TPGroup) -> Scheduler:
         device=device,
         show_progress=tp.is_first,
     )
-    config = model.config
-    context = args.context_length or config.text.max_position_embeddings
-    tokens = kv_pool_tokens(args, {"bytes_per_token": kv_bytes_per_token(model)}, tp)
-    runner = ModelRunner(
-        model,
-        max_total_tokens=tokens,
-        max_running_requests=args.max_running_requests + 1,
-        max_context_len=context + 1,
-        device=device,
-    )
-    encoder_cache = EncoderCache(args.mm_cache_size_mb * 2**20)
-    model.item_encoder = encoder_cache.wrap(model.encode_items, tp)
-    cfg = SchedulerConfig(
-        max_running_requests=args.max_running_requests,
-        max_prefill_tokens=args.max_prefill_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        context_length=context,
-        schedule_policy=args.schedule_policy,
-        eos_token_ids=config.eos_token_ids,
-        fault_injection_rate=args.fault_injection_rate,
-        random_seed=args.random_seed,
-    )
-    radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
-    return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))
 
 
-def serve(scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None) -> None:
+def frames_shm_dir(args: ServerArgs) -> str | None:
+    """Where rank 0 puts the large frames (pixels) for the other ranks: shared memory when every
+    rank runs on this node, else None (the CPU group carries them)."""
+    return SHM_DIR if args.nnodes == 1 and os.path.isdir(SHM_DIR) else None
+
+
+def serve(
+    scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None, shm_dir: str | None
+) -> None:
     while True:
         frames = None
         if channel is not None:
             frames = channel.recv_all(IDLE_POLL_MS if scheduler.idle else 0)
-        frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size)
+        frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size, shm_dir)
         msgs = [from_frames(f) for f in frames]
         if any(isinstance(m, ShutdownReq) for m in msgs):
             return
@@ -181,7 +180,7 @@ def run_scheduler_process(
         raise
     try:
         with torch.inference_mode():
-            serve(scheduler, tp, channel)
+            serve(scheduler, tp, channel, frames_shm_dir(args))
     finally:
         if channel is not None:
             channel.close()

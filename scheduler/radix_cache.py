@@ -398,16 +398,3 @@ class RadixCache:
             return
         slots = torch.cat([n.value for n in nodes])
         assert slots.unique().numel() == slots.numel(), "a KV slot appears twice in the tree"
-
-    def pretty(self) -> str:
-        """The tree as indented lines: tokens, slots, lock count and last access."""
-        lines = [f"root (evictable={self._evictable}, protected={self._protected})"]
-        stack = [(child, 1) for child in self.root.children.values()]
-        while stack:
-            node, depth = stack.pop()
-            lines.append(
-                f"{'  ' * depth}{node.key} -> {node.value.tolist()} "
-                f"lock={node.lock_ref} t={node.last_access}"
-            )
-            stack.extend((child, depth + 1) for child in node.children.values())
-        return "\n".join(lines)

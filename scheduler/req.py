@@ -2,26 +2,53 @@
 
 from __future__ import annotations
 
-import enum
+import time
 from dataclasses import dataclass, field
 
-from runtime.io_struct import TokenizedGenerateReq
+import torch
+
+from runtime.io_struct import Finish, FinishKind, StageTimes, TokenizedGenerateReq
+from runtime.mrope import decode_positions
+from runtime.multimodal import MultimodalInputs
 from runtime.sampler import SamplingParams
-from scheduler.model_runner import Sequence
 
 
-class FinishReason(str, enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
+@dataclass
+class StageClock:
+    """A request's scheduler-side timestamps (perf_counter, this rank's clock): they never take
+    part in a decision, so ranks may disagree on them."""
+
+    arrived: float
+    scheduled: float | None = None  # its first prefill step started
+    encoder: float = 0.0
+    report: StageTimes | None = None  # set when its first token is sampled, sent once
+
+    def prefill_step(self, start: float, encoder: float) -> None:
+        if self.scheduled is None:
+            self.scheduled = start
+        self.encoder += encoder
+
+    def first_token(self, now: float) -> None:
+        queue = self.scheduled - self.arrived
+        self.report = StageTimes(queue, self.encoder, now - self.scheduled)
+
+    def take_report(self) -> StageTimes | None:
+        report, self.report = self.report, None
+        return report
 
 
 @dataclass(eq=False)
-class Req(Sequence):
+class Req:
     """token_ids = prompt + outputs; kv_len tokens of it sit in the KV pool (the first
-    `cached_prefix_len` of those came from the radix cache when the request was first admitted)."""
+    `cached_tokens` of those came from the radix cache when the request was first admitted).
 
+    Identity semantics (eq=False): two requests are the same only if they are the same object, so
+    `in`, `remove` and `index` over lists of them never compare fields (tensors among them)."""
+
+    token_ids: list[int]
+    mm: MultimodalInputs | None = None
+    req_pool_index: int = -1  # its row in the request-to-token table, -1 when it has none
+    kv_len: int = 0
     rid: str = ""
     prompt_len: int = 0
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -29,12 +56,13 @@ class Req(Sequence):
     arrival: int = 0
     cached_tokens: int = 0
     last_node: object | None = None
-    finish: FinishReason | None = None
+    finish: FinishKind | None = None
     finish_detail: str = ""
     sent_len: int = 0  # output tokens already reported to the detokenizer
     retractions: int = 0
     encoder_pins: frozenset[int] = frozenset()  # items pinned in the encoder cache mid-prefill
     refused: bool = False  # its error finish is a refusal (the client's to fix), not a fault
+    clock: StageClock = field(default_factory=lambda: StageClock(time.perf_counter()))
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq, eos: tuple[int, ...], arrival: int) -> Req:
@@ -47,6 +75,17 @@ class Req(Sequence):
             eos_token_ids=eos,
             arrival=arrival,
         )
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] MRoPE positions for sequence indices [start, end)."""
+        prompt_len = 0 if self.mm is None else self.mm.mrope_positions.shape[1]
+        delta = 0 if self.mm is None else self.mm.mrope_position_delta
+        parts = []
+        if start < prompt_len:
+            parts.append(self.mm.mrope_positions[:, start : min(end, prompt_len)])
+        if end > max(start, prompt_len):
+            parts.append(decode_positions(torch.arange(max(start, prompt_len), end), delta))
+        return torch.cat(parts, dim=1)
 
     @property
     def output_ids(self) -> list[int]:
@@ -76,9 +115,19 @@ class Req(Sequence):
     def check_finish(self, token: int) -> None:
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            self.finish, self.finish_detail = FinishReason.STOP, str(token)
+            self.finish, self.finish_detail = FinishKind.STOP, str(token)
         elif len(self.output_ids) >= p.max_new_tokens:
-            self.finish = FinishReason.LENGTH
+            self.finish = FinishKind.LENGTH
 
-    def abort(self, reason: FinishReason = FinishReason.ABORT, detail: str = "") -> None:
+    def outcome(self) -> Finish:
+        """The finish as the other processes read it; an error says whether it was a refusal
+        (the client's to fix, 400) or a fault (500)."""
+        assert self.finish is not None
+        if self.finish != FinishKind.ERROR:
+            return Finish(self.finish, self.finish_detail)
+        if self.refused:
+            return Finish.error(self.finish_detail, 400, "request_refused")
+        return Finish.error(self.finish_detail)
+
+    def abort(self, reason: FinishKind = FinishKind.ABORT, detail: str = "") -> None:
         self.finish, self.finish_detail = reason, detail

@@ -2,8 +2,10 @@
 
 Each step: take the messages rank 0 received (broadcast to all ranks), admit what fits into a
 prefill batch (or else decode the running batch), run the model, and append one token per
-finished-prefill or decoding request. Rank 0 samples; the tokens are broadcast, so every rank
-keeps the same state and joins the same collectives.
+finished-prefill or decoding request. With mixed steps (`enable_mixed_chunk`) the running
+requests decode inside the prefill's forward, as one-token extends, whenever their KV fits.
+Rank 0 samples; the tokens are broadcast, so every rank keeps the same state and joins the same
+collectives.
 
 Fault isolation: a fault that belongs to one request (its inputs before a forward, its sampling)
 fails that request alone with an error finish; `isolate` makes every rank agree on which requests
@@ -14,6 +16,8 @@ cannot be pinned on a request and ends the server (see scheduler/process.py).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -21,11 +25,14 @@ import torch
 from runtime.distributed import TPGroup
 from runtime.io_struct import (
     AbortReq,
+    FinishKind,
     FlushCacheOut,
     FlushCacheReq,
     GetServerInfoReq,
+    RadixStats,
     ReqOutput,
     ReqStart,
+    SchedulerCounters,
     ServerInfo,
     TokenizedGenerateReq,
 )
@@ -36,8 +43,9 @@ from scheduler.encoder_cache import EncoderCache
 from scheduler.faults import FaultInjector, check_inputs
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
-from scheduler.req import FinishReason, Req
+from scheduler.req import Req
 from scheduler.schedule_policy import PrefillAdder, decode_reserve
+from vision.fusion import overlaps
 
 logger = get_logger(__name__)
 
@@ -53,21 +61,7 @@ class SchedulerConfig:
     check_integrity_when_idle: bool = True
     fault_injection_rate: float = 0.0  # testing only: see scheduler/faults.py
     random_seed: int = 0
-
-
-@dataclass
-class Counters:
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prompt_tokens_computed: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    retractions: int = 0
-    finished: int = 0
-    aborted: int = 0
-    refused: int = 0
-    failed: int = 0  # requests ended by a fault of their own
-    faults_injected: int = 0
+    enable_mixed_chunk: bool = False  # running decodes ride along each prefill step
 
 
 @dataclass
@@ -92,7 +86,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
-        self.counters = Counters()
+        self.counters = SchedulerCounters()
         self._arrivals = 0
         self._started: list[ReqStart] = []
         self._touched: dict[int, Req] = {}  # by id(req): a reused rid never hides another's output
@@ -108,7 +102,7 @@ class Scheduler:
             self.handle(msg, result)
         batch = self.schedule_prefill()
         if batch:
-            self.run_prefill(*batch)
+            self.run_prefill(*batch, self.riding_decodes(batch[1]))
         elif self.running:
             self.run_decode()
         result.outputs = self.collect_outputs()
@@ -143,7 +137,7 @@ class Scheduler:
         problem = self.refusal(req)
         if problem:
             self.counters.refused += 1
-            req.abort(FinishReason.ERROR, problem)
+            req.abort(FinishKind.ERROR, problem)
             req.refused = True
             self.touch(req)
             return
@@ -238,30 +232,60 @@ class Scheduler:
         self.runner.req_pool.free(req.req_pool_index)
         req.req_pool_index, req.kv_len = -1, 0
 
-    def run_prefill(self, reqs: list[Req], lens: list[int]) -> None:
-        kept = {id(r) for r in self.isolate(reqs)}
+    def riding_decodes(self, prefill_lens: list[int]) -> list[Req]:
+        """Mixed steps: the running requests decode in the prefill's forward when their tokens
+        fit in KV next to the chunk (else they wait for the next step, as without mixing)."""
+        if not (self.cfg.enable_mixed_chunk and self.running):
+            return []
+        if self.free_or_evictable() < sum(prefill_lens) + len(self.running):
+            return []
+        return list(self.running)
+
+    def run_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req]) -> None:
+        """Prefill a chunk of each request (and, in a mixed step, decode one token of each of
+        `decodes` in the same forward); sample the requests whose prompt is done."""
+        kept = {id(r) for r in self.isolate([*reqs, *decodes])}
         lens = [n for r, n in zip(reqs, lens) if id(r) in kept]
         reqs = [r for r in reqs if id(r) in kept]
+        decodes = [r for r in decodes if id(r) in kept]
         if not reqs:
             return
-        self.counters.prefill_steps += 1
-        self.counters.prompt_tokens_computed += sum(lens)
-        self.ensure_free(sum(lens))
+        self.count_prefill(lens, decodes)
+        self.ensure_free(sum(lens) + len(decodes))
         for req, n in zip(reqs, lens):
             self.pin_items_in_progress(req, req.kv_len + n)
-        logits = self.runner.extend(reqs, lens)
+        logits = self.forward_prefill(reqs, lens, decodes)
         done = [i for i, r in enumerate(reqs) if r.extend_len == 0]
         for i, req in enumerate(reqs):
             if i not in done:
                 self.cache_chunk(req)
-        if done:
-            self.sample_and_append([reqs[i] for i in done], logits[done])
+        rows = [*done, *range(len(reqs), len(reqs) + len(decodes))]
+        if rows:
+            self.sample_and_append([*(reqs[i] for i in done), *decodes], logits[rows])
+        now = time.perf_counter()
         for i in done:
             req = reqs[i]
             if req.retractions == 0:
                 self.counters.cached_prompt_tokens += req.cached_tokens
+                req.clock.first_token(now)
             if not req.finished:
                 self.running.append(req)
+
+    def forward_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req]) -> torch.Tensor:
+        """The step's forward; each request's clock takes the step's start and, when its chunk
+        holds media, the encoder time of the step (timing only, never a decision)."""
+        start, encoded = time.perf_counter(), self.encoder_cache.counters.encode_seconds
+        media = [chunk_holds_media(r, r.kv_len, r.kv_len + n) for r, n in zip(reqs, lens)]
+        logits = self.runner.mixed(reqs, lens, decodes)
+        encoder = self.encoder_cache.counters.encode_seconds - encoded
+        for req, has_media in zip(reqs, media):
+            req.clock.prefill_step(start, encoder if has_media else 0.0)
+        return logits
+
+    def count_prefill(self, lens: list[int], decodes: list[Req]) -> None:
+        self.counters.prefill_steps += 1
+        self.counters.mixed_steps += bool(decodes)
+        self.counters.prompt_tokens_computed += sum(lens)
 
     def pin_items_in_progress(self, req: Req, chunk_end: int) -> None:
         """Before a chunk runs: pin the encoder-cache entries of items that this chunk enters
@@ -378,7 +402,7 @@ class Scheduler:
 
     def fail(self, req: Req, detail: str) -> None:
         """End the request with an error; free its slot, pins and KV without caching its KV."""
-        req.abort(FinishReason.ERROR, detail)
+        req.abort(FinishKind.ERROR, detail)
         self.counters.failed += 1
         self.waiting = [r for r in self.waiting if r is not req]
         self.running = [r for r in self.running if r is not req]
@@ -400,7 +424,7 @@ class Scheduler:
         if self.chunked is req:
             self.chunked = None
         self.release_kv(req)
-        self.counters.finished += req.finish in (FinishReason.STOP, FinishReason.LENGTH)
+        self.counters.finished += req.finish in (FinishKind.STOP, FinishKind.LENGTH)
         self.touch(req)
 
     def release_kv(self, req: Req) -> None:
@@ -422,7 +446,7 @@ class Scheduler:
         for req in self._touched.values():
             new = req.output_ids[req.sent_len :]
             req.sent_len = len(req.output_ids)
-            finish = finish_info(req) if req.finished else None
+            finish = req.outcome() if req.finished else None
             outputs.append(
                 ReqOutput(
                     req.rid,
@@ -431,6 +455,7 @@ class Scheduler:
                     len(req.output_ids),
                     req.cached_tokens,
                     finish,
+                    req.clock.take_report(),
                 )
             )
         self._touched = {}
@@ -455,7 +480,7 @@ class Scheduler:
                 f"{self.radix.evictable_size} != total {kv.size} "
                 f"(protected {self.radix.protected_size})"
             )
-        pins = self.encoder_cache.stats()["pins"]
+        pins = self.encoder_cache.stats().pins
         if pins:
             raise AssertionError(f"encoder-cache pin leak while idle: {pins} pins held")
 
@@ -476,18 +501,12 @@ class Scheduler:
             running=len(self.running) + (self.chunked is not None),
             waiting=len(self.waiting),
             req_slots_used=self.runner.req_pool.size - self.runner.req_pool.available_size,
-            radix={"cached_tokens": self.radix.total_cached_tokens()},
+            radix=RadixStats(self.radix.total_cached_tokens()),
             encoder_cache=self.encoder_cache.stats(),
-            counters=dict(vars(self.counters)),
+            counters=dataclasses.replace(self.counters),
             encoder_plans=dict(self.runner.model.plan_counts),
         )
 
 
-def finish_info(req: Req) -> dict:
-    """The finish as the client's side reads it; an error says whether it was a refusal (the
-    client's to fix, 400) or a fault (500)."""
-    info = {"type": req.finish.value, "detail": req.finish_detail}
-    if req.finish == FinishReason.ERROR:
-        info["status"] = 400 if req.refused else 500
-        info["code"] = "request_refused" if req.refused else "internal_error"
-    return info
+def chunk_holds_media(req: Req, start: int, end: int) -> bool:
+    return req.mm is not None and any(overlaps(item, start, end) for item in req.mm.items)

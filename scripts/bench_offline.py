@@ -146,7 +146,7 @@ def run_tessera(scheduler: Scheduler, prompts: list[Prompt], device: str) -> dic
                 first[out.rid] = now - start
             tokens[out.rid].extend(out.new_token_ids)
             if out.finish_reason is not None:
-                if out.finish_reason["type"] not in ("length", "stop"):
+                if not out.finish_reason.completed:
                     raise RuntimeError(f"request {out.rid} ended with {out.finish_reason}")
                 done += 1
     total = time.perf_counter() - start

@@ -22,51 +22,43 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from runtime.distributed import TPGroup  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
-from runtime.sampler import Sampler, SamplingParams  # noqa: E402
-from scheduler.encoder_cache import EncoderCache  # noqa: E402
-from scheduler.model_runner import ModelRunner  # noqa: E402
-from scheduler.radix_cache import RadixCache  # noqa: E402
-from scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from runtime.sampler import SamplingParams  # noqa: E402
+from runtime.server_args import ServerArgs  # noqa: E402
+from scheduler.process import build_scheduler  # noqa: E402
+from scheduler.scheduler import Scheduler  # noqa: E402
 from vision.qwen2_vl import build_model  # noqa: E402
 
 
-class TimedRunner:
-    """Forwards to the real runner and adds up the time spent in the model."""
+class TimedModel:
+    """Forwards to the real model and adds up the time spent in its forward calls."""
 
-    def __init__(self, runner: ModelRunner):
-        self.runner, self.model_s = runner, 0.0
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.model_s = model, 0.0
 
     def __getattr__(self, name: str):
-        return getattr(self.runner, name)
+        return getattr(self.model, name)
 
-    def _timed(self, fn, *args):
+    def __call__(self, *args):
         start = time.perf_counter()
-        out = fn(*args)
+        out = self.model(*args)
         self.model_s += time.perf_counter() - start
         return out
 
-    def extend(self, *args):
-        return self._timed(self.runner.extend, *args)
 
-    def decode(self, *args):
-        return self._timed(self.runner.decode, *args)
-
-
-def build(model_path: str, n: int) -> tuple[Scheduler, TimedRunner]:
-    model = build_model(model_path, TPGroup(), dtype="float32")
-    runner = TimedRunner(
-        ModelRunner(
-            model, max_total_tokens=64 * 1024, max_running_requests=n + 1, max_context_len=4096
-        )
-    )
-    cfg = SchedulerConfig(
+def build(model_path: str, n: int) -> tuple[Scheduler, TimedModel]:
+    """The server's own factory, with a timed model."""
+    args = ServerArgs(
+        model_path=model_path,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=64 * 1024,
         max_running_requests=n,
         max_prefill_tokens=16384,
         chunked_prefill_size=4096,
         context_length=4096,
     )
-    radix = RadixCache(runner.kv_pool)
-    return Scheduler(cfg, TPGroup(), runner, radix, EncoderCache(0), Sampler()), runner
+    model = TimedModel(build_model(model_path, TPGroup(), dtype="float32"))
+    return build_scheduler(args, TPGroup(), model), model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             from make_tiny_checkpoint import make_checkpoint
 
             args.model_path = str(make_checkpoint("qwen2_vl", Path(tmp) / "tiny"))
-        scheduler, runner = build(args.model_path, args.requests)
+        scheduler, model = build(args.model_path, args.requests)
         params = SamplingParams(temperature=0.0, max_new_tokens=args.steps + 5, ignore_eos=True)
         msgs = [
             TokenizedGenerateReq(f"r{i}", [1 + (i * 7 + j) % 300 for j in range(32)], params)
@@ -92,11 +84,11 @@ def main(argv: list[str] | None = None) -> None:
             scheduler.step([])
         totals, models = [], []
         for _ in range(args.steps):
-            runner.model_s = 0.0
+            model.model_s = 0.0
             start = time.perf_counter()
             scheduler.step([])
             totals.append(time.perf_counter() - start)
-            models.append(runner.model_s)
+            models.append(model.model_s)
     overhead = [t - m for t, m in zip(totals, models)]
     print(f"{len(scheduler.running)} running requests, {args.steps} decode steps (CPU, 1 thread)")
     for name, values in (("step total", totals), ("model", models), ("scheduler", overhead)):

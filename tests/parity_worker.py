@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from runner_utils import greedy_generate, release
 
 from runtime.distributed import TPGroup
 from scheduler.encoder_cache import EncoderCache
-from scheduler.model_runner import ModelRunner, Sequence, greedy_generate
+from scheduler.model_runner import ModelRunner
+from scheduler.req import Req
 from vision.encoder_plan import EncoderCosts
 from vision.qwen2_vl import build_model
 
@@ -19,7 +21,7 @@ AUTO_COSTS = EncoderCosts(0.0, 1e-6, 0.0, 0.0, 0.75e-6, 0.0, 1e-6, 0.0, 1e-6, 0.
 
 
 def all_logits(runner: ModelRunner, ids: list[int], mm: Any, chunk: int | None) -> torch.Tensor:
-    seq = Sequence(list(ids), mm)
+    seq = Req(list(ids), mm)
     runner.admit(seq)
     try:
         parts, step = [], chunk or len(ids)
@@ -27,7 +29,7 @@ def all_logits(runner: ModelRunner, ids: list[int], mm: Any, chunk: int | None) 
             parts.append(runner.extend([seq], [min(step, len(ids) - seq.kv_len)], True))
         return torch.cat(parts)
     finally:
-        runner.release(seq)
+        release(runner, seq)
 
 
 def cut_points(mm: Any) -> list[int]:
@@ -40,25 +42,30 @@ def cut_points(mm: Any) -> list[int]:
 
 def cut_logits(runner: ModelRunner, ids: list[int], mm: Any) -> torch.Tensor:
     """Prefill in chunks that end inside every image and every video frame run."""
-    seq = Sequence(list(ids), mm)
+    seq = Req(list(ids), mm)
     runner.admit(seq)
     try:
         ends = [*cut_points(mm), len(ids)]
         return torch.cat([runner.extend([seq], [end - seq.kv_len], True) for end in ends])
     finally:
-        runner.release(seq)
+        release(runner, seq)
 
 
-def run_cut_cases(
-    tp: TPGroup, model: Any, runner: ModelRunner, cases: list[tuple[str, list[int], Any]]
-) -> dict:
+def run_cut_cases(tp: TPGroup, model: Any, cases: list[tuple[str, list[int], Any]]) -> dict:
     """Cut prefills with the encoder cache in front of the encoder, as the scheduler has it:
     later chunks of an item read its cached rows (every DeepStack level with them)."""
     cache = EncoderCache(64 * 2**20)
-    model.item_encoder = cache.wrap(model.encode_items, tp)
+    runner = ModelRunner(
+        model,
+        max_total_tokens=1024,
+        max_running_requests=1,
+        max_context_len=256,
+        item_encoder=cache.wrap(model.encode_items, tp),
+    )
     out = {name: cut_logits(runner, ids, mm) for name, ids, mm in cases}
     out["_cache"] = dict(vars(cache.counters))
-    return out if tp.rank == 0 else {"_cache": out["_cache"]}
+    out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size
+    return out if tp.rank == 0 else {"_cache": out["_cache"], "_kv_free": out["_kv_free"]}
 
 
 def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[int], Any]]) -> dict:
@@ -69,13 +76,13 @@ def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[i
     for name, ids, mm in cases:
         full = all_logits(runner, ids, mm, None)
         chunked = all_logits(runner, ids, mm, CHUNK)
-        tokens = greedy_generate(runner, Sequence(list(ids), mm), 16)
+        tokens = greedy_generate(runner, Req(list(ids), mm), 16)
         keep = tp.rank == 0
         out[name] = {"logits": full if keep else None, "chunked": chunked if keep else None,
                      "tokens": tokens}
-    out["_plans"] = dict(model.plan_counts)
-    out["_cut"] = run_cut_cases(tp, model, runner, cases)
     out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size
+    out["_plans"] = dict(model.plan_counts)
+    out["_cut"] = run_cut_cases(tp, model, cases)
     return out
 
 

@@ -86,7 +86,7 @@ class SchedulerHarness:
                 entry = results[out.rid]
                 entry["tokens"].extend(out.new_token_ids)
                 entry["cached"] = out.cached_tokens
-                entry["finish"] = out.finish_reason
+                entry["finish"] = out.finish_reason and out.finish_reason.to_json()
         return results
 
     def request(self, msg: object, kind: type, timeout: float = 60.0) -> Any:

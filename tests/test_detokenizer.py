@@ -14,27 +14,30 @@ from make_tiny_checkpoint import build_tokenizer, save_tokenizer
 from transformers import AutoTokenizer
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
-from runtime import detokenizer
-from runtime.detokenizer import (
+from runtime.io_struct import (
+    BatchStrOut,
+    BatchTokenOut,
+    Finish,
+    FinishKind,
+    FlushCacheOut,
+    ReqOutput,
+    ReqStart,
+    ServerInfo,
+    ShutdownReq,
+    StageTimes,
+)
+from runtime.server_args import ServerArgs
+from tokenizer_manager import detokenizer
+from tokenizer_manager.detokenizer import (
     MAX_HELD_TOKENS,
     DetokenizerManager,
     IncrementalDetokenizer,
     StopMatcher,
     run_detokenizer_process,
 )
-from runtime.io_struct import (
-    BatchStrOut,
-    BatchTokenOut,
-    FlushCacheOut,
-    ReqOutput,
-    ReqStart,
-    ServerInfo,
-    ShutdownReq,
-)
-from runtime.server_args import ServerArgs
 
 TEXT = "héllo wörld 你好 🙂 The robot counted: one, two, three."
-LENGTH = {"type": "length", "detail": "max_new_tokens"}
+LENGTH = Finish(FinishKind.LENGTH, "max_new_tokens")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def feed(
     return out + [detok.step(steps[-1], final=final)]
 
 
-def req_out(rid: str, ids: list[int], finish: dict | None = None, **kw: object) -> ReqOutput:
+def req_out(rid: str, ids: list[int], finish: Finish | None = None, **kw: object) -> ReqOutput:
     return ReqOutput(rid, ids, 7, len(ids), 0, finish_reason=finish, **kw)
 
 
@@ -196,6 +199,14 @@ def test_manager_streams_and_drops_state_at_finish(tok: Tokenizer) -> None:
     assert manager.states == {} and manager.stopped == {}
 
 
+def test_manager_passes_the_scheduler_stage_times_on(tok: Tokenizer) -> None:
+    manager = DetokenizerManager(tok)
+    stages = StageTimes(queue=0.5, encoder=0.25, prefill=0.75)
+    first = manager.handle(BatchTokenOut([req_out("s", tok.encode("a"), stages=stages)]))
+    later = manager.handle(BatchTokenOut([req_out("s", tok.encode("b"), LENGTH)]))
+    assert first.outputs[0].stages == stages and later.outputs[0].stages is None
+
+
 def test_manager_ignores_a_request_after_its_stop_matched(tok: Tokenizer) -> None:
     manager = DetokenizerManager(tok)
     first = manager.handle(
@@ -208,11 +219,11 @@ def test_manager_ignores_a_request_after_its_stop_matched(tok: Tokenizer) -> Non
         )
     )
     a, b = first.outputs
-    assert (a.text, a.finish_reason) == ("the cat ", {"type": "stop", "matched": "sat"})
+    assert (a.text, a.finish_reason) == ("the cat ", Finish(FinishKind.STOP, matched="sat"))
     assert (b.text, b.finish_reason) == ("the cat sat on", None)
     later = manager.handle(BatchTokenOut([req_out("a", tok.encode(" the"))]))
     assert later.outputs == []
-    abort = {"type": "abort", "detail": "aborted"}
+    abort = Finish(FinishKind.ABORT, "aborted")
     assert manager.handle(BatchTokenOut([req_out("a", [], abort)])).outputs == []
     assert set(manager.states) == {"b"} and manager.stopped == {}
 
@@ -222,7 +233,7 @@ def test_manager_stop_and_scheduler_finish_in_one_message(tok: Tokenizer) -> Non
     batch = BatchTokenOut([req_out("a", tok.encode("x. y"), LENGTH)], [ReqStart("a", (".",))])
     out = manager.handle(batch)
     assert out.outputs[0].text == "x"
-    assert out.outputs[0].finish_reason == {"type": "stop", "matched": "."}
+    assert out.outputs[0].finish_reason == Finish(FinishKind.STOP, matched=".")
     assert manager.states == {} and manager.stopped == {}
 
 
@@ -234,7 +245,7 @@ class BrokenTokenizer:
 def test_manager_turns_a_failure_into_an_error_finish() -> None:
     manager = DetokenizerManager(BrokenTokenizer())
     out = manager.handle(BatchTokenOut([req_out("bad", [1, 2])])).outputs[0]
-    assert out.finish_reason["type"] == "error" and "cannot decode" in out.finish_reason["detail"]
+    assert out.finish_reason.is_error and "cannot decode" in out.finish_reason.detail
     assert manager.states == {}
     assert manager.handle(BatchTokenOut([req_out("bad", [3])])).outputs == []
 

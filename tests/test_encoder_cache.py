@@ -66,7 +66,7 @@ def test_lru_evicts_least_recently_used_within_byte_limit() -> None:
     cache.put(4, embedding(4))
     assert [h for h in (1, 2, 3, 4) if h in cache] == [1, 3, 4]
     assert cache.bytes == 3 * ENTRY_BYTES <= cache.capacity_bytes
-    assert cache.stats()["evictions"] == 1 and cache.stats()["entries"] == 3
+    assert cache.stats().evictions == 1 and cache.stats().entries == 3
 
 
 def test_byte_limit_with_unequal_sizes() -> None:
@@ -79,7 +79,7 @@ def test_byte_limit_with_unequal_sizes() -> None:
 def test_oversized_entry_is_not_stored() -> None:
     cache = filled(2, [1])
     assert not cache.put(7, torch.zeros(3 * ROWS, DIM))
-    assert 7 not in cache and 1 in cache and cache.stats()["not_stored"] == 1
+    assert 7 not in cache and 1 in cache and cache.stats().not_stored == 1
 
 
 def test_view_of_a_batch_output_is_stored_compactly() -> None:
@@ -97,7 +97,7 @@ def test_pinned_entry_survives_eviction() -> None:
     assert 1 in cache and 2 not in cache and 3 in cache
     cache.release(1)
     cache.put(4, embedding(4))
-    assert 1 not in cache and cache.stats()["pins"] == 0
+    assert 1 not in cache and cache.stats().pins == 0
 
 
 def test_pins_that_fill_the_cache_refuse_new_entries_without_evicting() -> None:
@@ -105,7 +105,7 @@ def test_pins_that_fill_the_cache_refuse_new_entries_without_evicting() -> None:
     cache.acquire(1)
     cache.acquire(2)
     assert not cache.put(3, embedding(3))
-    assert 1 in cache and 2 in cache and cache.stats()["evictions"] == 0
+    assert 1 in cache and 2 in cache and cache.stats().evictions == 0
 
 
 def test_pin_taken_before_the_entry_exists_and_nested_pins() -> None:
@@ -144,7 +144,7 @@ def test_second_call_hits_and_outputs_match() -> None:
     for h in (1, 2):
         assert torch.equal(first[h], embedding(h)) and torch.equal(second[h], embedding(h))
     stats = cache.stats()
-    assert (stats["hits"], stats["misses"], stats["items_encoded"]) == (2, 2, 2)
+    assert (stats.hits, stats.misses, stats.items_encoded) == (2, 2, 2)
 
 
 def test_only_misses_are_encoded() -> None:
@@ -167,7 +167,7 @@ def test_capacity_zero_always_encodes_with_the_same_outputs() -> None:
         b = plain.encode_with_cache([item(1), item(2)], enc_plain, TPGroup())
         assert all(torch.equal(a[h], b[h]) for h in (1, 2))
     assert len(enc_cached.calls) == 1 and len(enc_plain.calls) == 3
-    assert len(plain) == 0 and plain.bytes == 0 and plain.stats()["hits"] == 0
+    assert len(plain) == 0 and plain.bytes == 0 and plain.stats().hits == 0
 
 
 def test_no_items_means_no_encode_and_no_collective() -> None:
@@ -198,7 +198,7 @@ def test_local_hit_with_peer_miss_is_encoded_here_too() -> None:
     assert group.reductions == [[0, 0]]  # both local hits
     assert enc.calls == [[2]] and torch.equal(out[2], embedding(2))
     stats = cache.stats()
-    assert (stats["hits"], stats["misses"], stats["peer_misses"]) == (1, 1, 1)
+    assert (stats.hits, stats.misses, stats.peer_misses) == (1, 1, 1)
 
 
 def test_all_ranks_hit_means_no_encode() -> None:
@@ -254,5 +254,5 @@ def test_two_gloo_ranks_agree_when_only_one_has_the_item() -> None:
     for rank, res in enumerate(results):
         assert res["calls"] == [[11]], f"rank {rank}"
         assert res["out"] == expected and res["again"] == expected
-        assert res["stats"]["misses"] == 1 and res["stats"]["hits"] == 1
-    assert results[0]["stats"]["peer_misses"] == 1 and results[1]["stats"]["peer_misses"] == 0
+        assert res["stats"].misses == 1 and res["stats"].hits == 1
+    assert results[0]["stats"].peer_misses == 1 and results[1]["stats"].peer_misses == 0

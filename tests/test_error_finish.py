@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime.io_struct import StrOutput
+from runtime.io_struct import Finish, StrOutput
 from tokenizer_manager.http_server import (
     ApiCounters,
     ChatFormatter,
@@ -22,10 +22,10 @@ from tokenizer_manager.http_server import (
 )
 from tokenizer_manager.protocol import APIError
 
-FAULT = {"type": "error", "detail": "request fault on TP rank 1", "status": 500, "code": "x"}
+FAULT = Finish.error("request fault on TP rank 1", 500, "x")
 
 
-def out(text: str, finish: dict | None = None) -> StrOutput:
+def out(text: str, finish: Finish | None = None) -> StrOutput:
     return StrOutput("r1", text, [1], 3, 1, 0, finish)
 
 
@@ -45,7 +45,7 @@ def test_stream_gets_an_error_event_before_done() -> None:
     events = asyncio.run(drain(body))
     assert events[-1] == "data: [DONE]\n\n"
     error = json.loads(events[-2].removeprefix("data: "))
-    assert error["error"]["message"] == FAULT["detail"] and error["error"]["code"] == "x"
+    assert error["error"]["message"] == FAULT.detail and error["error"]["code"] == "x"
     assert not any('"finish_reason": "stop"' in e for e in events)
     assert not any('"usage"' in e for e in events)
 

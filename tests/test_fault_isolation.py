@@ -40,7 +40,10 @@ def request(case: object, rid: str) -> TokenizedGenerateReq:
     return TokenizedGenerateReq(rid, list(case.input_ids), params, case.mm)
 
 
-def test_injected_faults_fail_their_requests_only_at_tp2(prompts: tuple[str, list]) -> None:
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
+def test_injected_faults_fail_their_requests_only_at_tp2(
+    prompts: tuple[str, list], mixed: bool
+) -> None:
     folder, cases = prompts
     args = ServerArgs(
         model_path=folder,
@@ -50,6 +53,7 @@ def test_injected_faults_fail_their_requests_only_at_tp2(prompts: tuple[str, lis
         max_total_tokens=600,
         fault_injection_rate=0.03,
         random_seed=1,
+        enable_mixed_chunk=mixed,
     )
     reqs = [request(c, f"{c.name}-{k}") for k in range(6) for c in cases]
     with SchedulerHarness(args) as h:
@@ -69,7 +73,8 @@ def test_injected_faults_fail_their_requests_only_at_tp2(prompts: tuple[str, lis
             if rid.rsplit("-", 1)[0] == case.name and rid not in failed
         ]
         assert all(t == done[0] and len(t) == NEW_TOKENS for t in done)
-    assert info.counters["failed"] == len(failed) == info.counters["faults_injected"]
+    assert info.counters.failed == len(failed) == info.counters.faults_injected
     assert info.running == info.waiting == 0
     assert info.kv_free + info.kv_evictable == info.kv_total and info.kv_protected == 0
-    assert info.encoder_cache["pins"] == 0
+    assert info.encoder_cache.pins == 0
+    assert (info.counters.mixed_steps > 0) == mixed

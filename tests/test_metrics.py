@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.io_struct import EncoderCacheStats, SchedulerCounters, ServerInfo, StageTimes
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 
 
-def info() -> SimpleNamespace:
-    counters = {"prefill_steps": 3, "decode_steps": 9}
-    return SimpleNamespace(
+def info() -> ServerInfo:
+    return ServerInfo(
         kv_total=100, kv_free=60, kv_evictable=40, kv_protected=0, running=1, waiting=2,
-        counters=counters, encoder_cache={"hits": 5, "misses": 2, "name": "lru"},
+        counters=SchedulerCounters(prefill_steps=3, decode_steps=9),
+        encoder_cache=EncoderCacheStats(hits=5, misses=2),
     )  # fmt: skip
 
 
@@ -49,8 +49,19 @@ def test_one_request_timeline_and_scrape() -> None:
     assert got["tessera_kv_free_tokens"] == 60 and got["tessera_waiting_requests"] == 2
     assert got["tessera_scheduler_decode_steps_total"] == 9
     assert got["tessera_encoder_cache_hits_total"] == 5
-    assert "tessera_encoder_cache_name_total" not in got
+    assert got["tessera_encoder_cache_misses_total"] == 2
     assert got["tessera_api_requests_total"] == 4
+
+
+def test_scheduler_stage_times_are_observed_once() -> None:
+    metrics = ServingMetrics()
+    timeline = RequestTimeline(metrics)
+    timeline.scheduler_stages(StageTimes(queue=0.003, encoder=0.02, prefill=0.05))
+    timeline.scheduler_stages(None)  # later outputs carry none
+    got = samples(metrics.render(None, {}))
+    for stage, seconds in (("queue", 0.003), ("encoder", 0.02), ("prefill", 0.05)):
+        assert got[f"tessera_request_stage_seconds_count[{stage}]"] == 1
+        assert abs(got[f"tessera_request_stage_seconds_sum[{stage}]"] - seconds) < 1e-9
 
 
 def test_registries_are_per_server() -> None:

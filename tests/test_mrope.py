@@ -16,17 +16,42 @@ from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
-from runtime.multimodal import Modality
-from vision.mrope import (
+from runtime.mrope import (
     MRopeItem,
-    compute_mrope_positions,
     compute_mrope_positions_from_items,
     decode_positions,
+    find_mrope_items,
 )
+from runtime.multimodal import Modality
 
 IMAGE, VIDEO, START, END = 500, 501, 502, 503
 MERGE, TOKENS_PER_SECOND = 2, 2
 IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START)
+
+
+def compute_mrope_positions(
+    ids: list[int],
+    *,
+    spatial_merge_size: int,
+    image_grid_thw: list | None = None,
+    video_grid_thw: list | None = None,
+    second_per_grid_ts: list[float] | None = None,
+    tokens_per_second: float | None = None,
+    **token_ids: int,
+) -> tuple[torch.Tensor, int]:
+    """Positions of a prompt that still holds placeholder ids: the items found as the front end
+    finds them (`find_mrope_items`), then the span-based rule."""
+    items = find_mrope_items(
+        ids,
+        spatial_merge_size=spatial_merge_size,
+        image_grid_thw=[tuple(g) for g in image_grid_thw or []],
+        video_grid_thw=[tuple(g) for g in video_grid_thw or []],
+        second_per_grid_ts=second_per_grid_ts,
+        **token_ids,
+    )
+    return compute_mrope_positions_from_items(
+        len(ids), items, spatial_merge_size=spatial_merge_size, tokens_per_second=tokens_per_second
+    )
 TEXT = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -98,7 +123,7 @@ def reference(
 def ours(segments: list[Segment], **extra: object) -> tuple[torch.Tensor, int]:
     ids, _ = build_prompt(segments)
     return compute_mrope_positions(
-        torch.tensor(ids),
+        ids,
         spatial_merge_size=MERGE,
         image_grid_thw=grids(segments, "image"),
         video_grid_thw=grids(segments, "video"),
@@ -240,22 +265,6 @@ def test_decode_positions_continue_after_prompt(qwen2_vl: Qwen2VLModel) -> None:
     assert first[0, 0].item() == length + hf_delta  # the reference's decode rule
 
 
-def test_grid_tensors_and_second_tensors_are_accepted() -> None:
-    segments: list[Segment] = [2, ("image", (1, 4, 4)), ("video", (2, 8, 8)), 1]
-    ids, _ = build_prompt(segments)
-    expected = ours(segments, second_per_grid_ts=[0.5], tokens_per_second=2)
-    got = compute_mrope_positions(
-        ids,
-        spatial_merge_size=MERGE,
-        image_grid_thw=torch.tensor([[1, 4, 4]]),
-        video_grid_thw=torch.tensor([[2, 8, 8]]),
-        second_per_grid_ts=torch.tensor([0.5]),
-        tokens_per_second=2,
-        **IDS,
-    )
-    assert torch.equal(got[0], expected[0]) and got[1] == expected[1]
-
-
 def test_mismatched_grids_raise() -> None:
     ids, _ = build_prompt([2, ("image", (1, 4, 4)), 2])
     with pytest.raises(ValueError, match="grids given"):
@@ -266,8 +275,6 @@ def test_mismatched_grids_raise() -> None:
         compute_mrope_positions(ids, spatial_merge_size=2, **IDS)
     with pytest.raises(ValueError, match="shorter than grid"):
         compute_mrope_positions(ids, spatial_merge_size=2, image_grid_thw=[(1, 4, 8)], **IDS)
-    with pytest.raises(ValueError, match="one sequence"):
-        compute_mrope_positions([ids], spatial_merge_size=2, image_grid_thw=[(1, 4, 4)], **IDS)
 
 
 def test_bad_items_raise() -> None:

@@ -18,13 +18,15 @@ from typing import Any
 import make_tiny_checkpoint as mtc
 import pytest
 import torch
+from runner_utils import greedy_generate
 from vlm_cases import Checkpoint, noise_image, video_frames
 
 from kernels.rotary import mrope_cos_sin
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
-from scheduler.model_runner import ModelRunner, Sequence, greedy_generate
+from scheduler.model_runner import ModelRunner
+from scheduler.req import Req
 from tokenizer_manager.multimodal_inputs import expand_placeholders
 from tokenizer_manager.video_processor import (
     checkpoint_video_config,
@@ -129,7 +131,7 @@ def test_flat_config_folder_serves_the_same_tokens(folder: Path, flat_folder: Pa
         runner = ModelRunner(
             model, max_total_tokens=256, max_running_requests=1, max_context_len=128
         )
-        outputs.append(greedy_generate(runner, Sequence(list(case.input_ids), case.mm), 8))
+        outputs.append(greedy_generate(runner, Req(list(case.input_ids), case.mm), 8))
     assert outputs[0] == outputs[1] and len(outputs[0]) == 8
 
 

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from make_tiny_checkpoint import make_checkpoint
 from PIL import Image
 
-from runtime.io_struct import StrOutput, TokenizedGenerateReq
+from runtime.io_struct import Finish, FinishKind, StrOutput, TokenizedGenerateReq
 from runtime.multimodal import Modality, item_tokens
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
@@ -151,7 +151,7 @@ def test_every_route_goes_through_tokenize_request() -> None:
         return TokenizedGenerateReq(inp.rid, [1, 2], inp.sampling(100), None, inp.stream)
 
     async def generate(req: TokenizedGenerateReq, arrival: float | None = None) -> Any:
-        yield StrOutput(req.rid, "ok", [3], 2, 1, 0, {"type": "stop"})
+        yield StrOutput(req.rid, "ok", [3], 2, 1, 0, Finish(FinishKind.STOP))
 
     args = ServerArgs(model_path="/models/demo")
     tm = SimpleNamespace(

@@ -12,7 +12,13 @@ from make_tiny_checkpoint import make_checkpoint
 from scheduler_harness import SchedulerHarness
 from vlm_cases import Case, Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
 
-from runtime.io_struct import AbortReq, FlushCacheOut, FlushCacheReq, TokenizedGenerateReq
+from runtime.io_struct import (
+    AbortReq,
+    FinishKind,
+    FlushCacheOut,
+    FlushCacheReq,
+    TokenizedGenerateReq,
+)
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 
@@ -74,6 +80,11 @@ TP_SETTINGS = [
     # auto: the tower's cost model is calibrated when the scheduler ranks start
     pytest.param({"tp_size": 2, "mm_encoder_mode": "auto"}, id="tp2-vit_auto"),
     pytest.param({"tp_size": 4}, id="tp4-vit_tp"),
+    # mixed steps: the running decodes ride along every prefill chunk
+    pytest.param({"tp_size": 1, "enable_mixed_chunk": True}, id="tp1-mixed"),
+    pytest.param(
+        {"tp_size": 2, "mm_encoder_mode": "dp", "enable_mixed_chunk": True}, id="tp2-vit_dp-mixed"
+    ),
 ]
 
 
@@ -82,7 +93,8 @@ def served(request: pytest.FixtureRequest, world: dict) -> dict:
     with SchedulerHarness(base_args(world["folder"], **request.param)) as h:
         results = h.generate([request_for(c) for c in world["cases"]])
         info = h.info()
-    return {"results": results, "info": info, "mode": request.param.get("mm_encoder_mode")}
+    mode = request.param.get("mm_encoder_mode")
+    return {"results": results, "info": info, "mode": mode, "args": request.param}
 
 
 def request_for(case: Case) -> TokenizedGenerateReq:
@@ -107,15 +119,16 @@ def test_server_info_counts_auto_encoder_plans(served: dict) -> None:
 
 def test_pool_was_small_enough_to_retract_and_chunks_cut_images(served: dict) -> None:
     counters = served["info"].counters
-    assert counters["retractions"] > 0
-    assert counters["prefill_steps"] > 1
+    assert counters.retractions > 0
+    assert counters.prefill_steps > 1
+    assert (counters.mixed_steps > 0) == served["args"].get("enable_mixed_chunk", False)
 
 
 def test_nothing_leaked_once_idle(served: dict) -> None:
     info = served["info"]
     assert info.kv_free + info.kv_evictable == info.kv_total
     assert info.kv_protected == 0 and info.running == 0 and info.waiting == 0
-    assert info.encoder_cache["pins"] == 0
+    assert info.encoder_cache.pins == 0
 
 
 def test_chunk_size_cuts_through_images(world: dict) -> None:
@@ -131,8 +144,8 @@ def test_chunk_size_cuts_through_images(world: dict) -> None:
 def test_repeated_image_is_encoded_once_per_residency(served: dict, world: dict) -> None:
     stats = served["info"].encoder_cache
     distinct = {item.hash for c in world["cases"] if c.mm for item in c.mm.items}
-    assert stats["hits"] > 0
-    assert stats["items_encoded"] == len(distinct)
+    assert stats.hits > 0
+    assert stats.items_encoded == len(distinct)
 
 
 def image_span(case: Case) -> tuple[int, int]:
@@ -189,7 +202,7 @@ def test_abort_mid_decode_frees_everything(sequential: SchedulerHarness, world: 
             ),
             None,
         )
-    assert finish["type"] == "abort"
+    assert finish.kind == FinishKind.ABORT
     info = sequential.info()
     assert info.kv_free + info.kv_evictable == info.kv_total and info.kv_protected == 0
 
@@ -205,7 +218,7 @@ def test_flush_cache_empties_the_tree(sequential: SchedulerHarness) -> None:
     reply = sequential.request(FlushCacheReq(), FlushCacheOut)
     assert reply.success
     info = sequential.info()
-    assert info.kv_free == info.kv_total and info.radix["cached_tokens"] == 0
+    assert info.kv_free == info.kv_total and info.radix.cached_tokens == 0
 
 
 @pytest.mark.parametrize(
@@ -223,6 +236,6 @@ def test_outputs_unchanged_without_caches(world: dict, extra: dict) -> None:
     assert all(results[c.name]["tokens"] == c.hf_tokens for c in cases)
     assert info.kv_free + info.kv_evictable == info.kv_total
     if extra.get("mm_cache_size_mb") == 0:
-        assert info.encoder_cache["hits"] == 0
+        assert info.encoder_cache.hits == 0
     else:
         assert all(results[c.name]["cached"] == 0 for c in cases)

@@ -12,12 +12,11 @@ from vlm_cases import Checkpoint, gradient_image
 
 from runtime.distributed import TPGroup
 from runtime.io_struct import TokenizedGenerateReq
-from runtime.sampler import Sampler, SamplingParams
-from scheduler.encoder_cache import EncoderCache
-from scheduler.model_runner import ModelRunner
-from scheduler.radix_cache import RadixCache
+from runtime.sampler import SamplingParams
+from runtime.server_args import ServerArgs
+from scheduler.process import build_scheduler
 from scheduler.req import Req
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from vision.qwen2_vl import build_model
 
 
@@ -32,20 +31,18 @@ def model(folder: Path):
 
 
 def make_scheduler(
-    model, kv_tokens: int, chunk: int = 512, encoder_cache_bytes: int = 0
+    model, kv_tokens: int, chunk: int = 512, encoder_cache_mb: int = 0
 ) -> Scheduler:
-    runner = ModelRunner(
-        model, max_total_tokens=kv_tokens, max_running_requests=8, max_context_len=256
-    )
-    cfg = SchedulerConfig(
+    args = ServerArgs(
+        device="cpu",
+        max_total_tokens=kv_tokens,
         max_running_requests=8,
         max_prefill_tokens=512,
         chunked_prefill_size=chunk,
         context_length=200,
+        mm_cache_size_mb=encoder_cache_mb,
     )
-    cache = EncoderCache(encoder_cache_bytes)
-    model.item_encoder = cache.wrap(model.encode_items, TPGroup())
-    return Scheduler(cfg, TPGroup(), runner, RadixCache(runner.kv_pool), cache, Sampler())
+    return build_scheduler(args, TPGroup(), model)
 
 
 def prompts() -> list[TokenizedGenerateReq]:
@@ -91,7 +88,7 @@ def test_an_image_cut_by_chunks_stays_pinned_until_its_last_row(model, folder: P
     (item,) = case.mm.items
     start, end = item.offsets[0]
     assert end - start >= 16  # the image spans several 6-token chunks
-    scheduler = make_scheduler(model, 1000, chunk=6, encoder_cache_bytes=1 << 20)
+    scheduler = make_scheduler(model, 1000, chunk=6, encoder_cache_mb=1)
     cache = scheduler.encoder_cache
     params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     scheduler.step([TokenizedGenerateReq("img", case.input_ids, params, case.mm)])
@@ -99,7 +96,7 @@ def test_an_image_cut_by_chunks_stays_pinned_until_its_last_row(model, folder: P
     while scheduler.chunked is not None or scheduler.waiting:
         req = scheduler.chunked
         inside = req is not None and start < req.kv_len < end
-        assert (cache.stats()["pins"] == 1) == inside, (req and req.kv_len, start, end)
+        assert (cache.stats().pins == 1) == inside, (req and req.kv_len, start, end)
         if inside:
             pinned_steps += 1
             # a pinned entry survives a store that needs all of the capacity
@@ -110,7 +107,26 @@ def test_an_image_cut_by_chunks_stays_pinned_until_its_last_row(model, folder: P
     assert cache.counters.items_encoded == 1  # every chunk after the first read the cache
     while not scheduler.idle:
         scheduler.step([])
-    assert cache.stats()["pins"] == 0
+    assert cache.stats().pins == 0
+
+
+def test_first_output_carries_the_scheduler_stage_times(model, folder: Path) -> None:
+    """Queue wait, encoder and prefill seconds leave the scheduler once, with the first token;
+    a request that waits behind a chunked prefill shows its wait, a text one no encoder time."""
+    case = Checkpoint(folder).case("image", [gradient_image((112, 112)), "What is it?"])
+    sched = make_scheduler(model, 1000, chunk=16, encoder_cache_mb=1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    image = TokenizedGenerateReq("img", case.input_ids, params, case.mm)
+    outputs = sched.step([image, TokenizedGenerateReq("txt", [5, 6, 7, 8], params)]).outputs
+    while not sched.idle:
+        outputs += sched.step([]).outputs
+    timed = [o for o in outputs if o.stages is not None]
+    assert sorted(o.rid for o in timed) == ["img", "txt"]
+    assert all(o.new_token_ids and o.completion_tokens == 1 for o in timed)
+    stages = {o.rid: o.stages for o in timed}
+    assert 0 <= stages["img"].queue < stages["txt"].queue  # txt waited for img's chunks
+    assert 0 < stages["img"].encoder <= stages["img"].prefill
+    assert stages["txt"].encoder == 0 < stages["txt"].prefill
 
 
 def test_requests_compare_by_identity_not_by_fields() -> None:

@@ -218,6 +218,9 @@ def test_models_metrics_and_idle_server_info(server: Server) -> None:
         "tessera_e2e_request_latency_seconds_count",
         "tessera_request_stage_seconds_count[media]",
         "tessera_request_stage_seconds_count[decode]",
+        "tessera_request_stage_seconds_count[queue]",
+        "tessera_request_stage_seconds_count[encoder]",
+        "tessera_request_stage_seconds_count[prefill]",
     ):
         assert after[name] == before.get(name, 0) + 1, name
     assert after["tessera_inter_token_latency_seconds_count"] >= before.get(

@@ -3,6 +3,8 @@ entry rank's frames reach every rank unchanged."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from dist_utils import run_on_ranks
@@ -67,3 +69,40 @@ def test_broadcast_frames_reaches_every_rank(world_size: int) -> None:
         (rid0, pixels0), abort, (rid2, pixels2) = first
         assert (rid0, rid2, abort) == ("r0", "r2", AbortReq("r1"))
         assert torch.equal(pixels0, torch.full((5, 3), 2.0)) and pixels2.shape == (0, 3)
+
+
+def shm_worker(tp, shm_dir: str, listed: str) -> tuple:  # noqa: ANN001
+    """One broadcast whose large pixels go through a shared-memory file in shm_dir; returns what
+    backs the received frames, the features, the abort and what is left in `listed`."""
+    sent = None
+    if tp.rank == 0:
+        big = torch.arange(40_000, dtype=torch.float32).view(400, 100)  # 160 kB: shared
+        sent = [to_frames(request("big", big)), to_frames(AbortReq("x"))]
+        sent.append(to_frames(request("small", torch.ones(2, 3))))  # 24 bytes: inline
+    frames = broadcast_frames(sent, tp.rank, tp.cpu_group, tp.size, shm_dir)
+    msgs = [from_frames(f) for f in frames]
+    tp.all_reduce_cpu(torch.zeros(1))  # every rank has returned, so rank 0 has unlinked
+    backing = [type(memoryview(f).obj).__name__ for f in (frames[0][1], frames[2][1])]
+    features = [msgs[0].mm_inputs.items[0].feature, msgs[2].mm_inputs.items[0].feature]
+    features[0].add_(0)  # a mapped feature takes an in-place write without faulting
+    return backing, [f.clone() for f in features], msgs[1], os.listdir(listed)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_large_frames_cross_ranks_through_shared_memory(world_size: int, tmp_path) -> None:  # noqa: ANN001
+    results = run_on_ranks(shm_worker, world_size, str(tmp_path), str(tmp_path), timeout=120)
+    for rank, (backing, (big, small), abort, left) in enumerate(results):
+        assert torch.equal(big, torch.arange(40_000.0).view(400, 100))
+        assert torch.equal(small, torch.ones(2, 3)) and abort == AbortReq("x")
+        assert left == []  # unlinked once every rank had mapped it; the mapping still reads
+        if rank:
+            assert backing == ["mmap", "ndarray"]  # the big pixels mapped, the small ones sent
+
+
+def test_shared_memory_that_cannot_be_written_falls_back_to_the_group(tmp_path) -> None:  # noqa: ANN001
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    results = run_on_ranks(shm_worker, 2, str(not_a_folder), str(tmp_path), timeout=120)
+    backing, (big, _), _, left = results[1]
+    assert backing == ["ndarray", "ndarray"] and left == ["file"]
+    assert torch.equal(big, torch.arange(40_000.0).view(400, 100))

@@ -182,6 +182,24 @@ def test_torch_decode_is_batched_extend(heads: int, kv_heads: int) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_torch_mixed_decode_tail_equals_extend() -> None:
+    """A mixed step's decode tail (one-token extends over a cached prefix, batched as a decode)
+    gives what the per-request extend path gives on the same tokens."""
+    case = make_case([0, 5, 8, 36, 19], [7, 3, 1, 1, 1], seed=5)
+    mixed = dataclasses.replace(case.batch, decode_tail=3)
+    plain = dataclasses.replace(case.batch, kv_pool=_copy_pool(case.batch.kv_pool))
+    expected = TorchAttentionBackend().forward(case.q, case.k, case.v, case.layer, plain)
+    actual = TorchAttentionBackend().forward(case.q, case.k, case.v, case.layer, mixed)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_backend(tk: types.SimpleNamespace) -> None:
+    """The Triton extend kernel runs a mixed step's decode tail as one-token extends."""
+    case = make_case([0, 5, 8, 36], [7, 3, 1, 1], seed=6)
+    case = dataclasses.replace(case, batch=dataclasses.replace(case.batch, decode_tail=2))
+    check_backend(case, tk.attention.TritonAttentionBackend(block_m=16, block_n=16), torch.float32)
+
+
 def test_metadata_built_once_per_forward(tk: types.SimpleNamespace) -> None:
     case = make_case([2, 4], [1, 1], mode=ForwardMode.DECODE)
     backend = tk.attention.TritonAttentionBackend(block_n=16)

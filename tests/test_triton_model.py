@@ -15,10 +15,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from make_tiny_checkpoint import make_checkpoint  # noqa: E402
+from runner_utils import greedy_generate, release  # noqa: E402
 from vlm_cases import Checkpoint, noise_image  # noqa: E402
 
 from runtime.distributed import TPGroup  # noqa: E402
-from scheduler.model_runner import ModelRunner, Sequence, greedy_generate  # noqa: E402
+from scheduler.model_runner import ModelRunner  # noqa: E402
+from scheduler.req import Req  # noqa: E402
 from vision.qwen2_vl import build_model  # noqa: E402
 
 
@@ -28,12 +30,12 @@ def run(folder: str, backend: str, ids: list[int], mm) -> tuple[torch.Tensor, li
     assert model.visual.blocks[0].attn.ops.name == backend
     assert model.language_model.model.norm.ops.name == backend
     runner = ModelRunner(model, max_total_tokens=512, max_running_requests=2, max_context_len=256)
-    seq = Sequence(list(ids), mm)
+    seq = Req(list(ids), mm)
     runner.admit(seq)
     logits = torch.cat([runner.extend([seq], [20], True), runner.extend([seq], [len(ids) - 20],
                                                                          True)])
-    runner.release(seq)
-    return logits, greedy_generate(runner, Sequence(list(ids), mm), 6)
+    release(runner, seq)
+    return logits, greedy_generate(runner, Req(list(ids), mm), 6)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])

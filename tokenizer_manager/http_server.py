@@ -7,7 +7,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +36,20 @@ from tokenizer_manager.tokenizer_manager import GenerateInput, TokenizerManager
 
 logger = get_logger(__name__)
 
-FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
 JSON_IN_THREAD = 1 << 16  # bodies larger than this are parsed off the event loop
 
 
 @dataclass
 class ApiCounters:
+    """What the HTTP layer has seen since start-up (/server_info "api", /metrics tessera_api_*)."""
+
     requests: int = 0
     client_errors: int = 0
     server_errors: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    by_endpoint: dict[str, int] = field(default_factory=dict)
 
 
 def model_name(tm: TokenizerManager) -> str:
@@ -219,13 +219,13 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "tp_size": tm.args.tp_size,
             "mm_enable_dp_encoder": tm.args.mm_enable_dp_encoder,
             "mm_encoder_mode": tm.args.mm_encoder_mode,
-            **vars(info),
+            **asdict(info),
             "api": vars(app.state.counters) | {"in_flight": len(tm.states)},
         }
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        api = {k: v for k, v in vars(app.state.counters).items() if isinstance(v, int)}
+        api = dict(vars(app.state.counters))
         text = tm.metrics.render(await tm.server_info(), api)
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
@@ -432,14 +432,14 @@ async def first_output(stream: AsyncIterator[StrOutput]) -> StrOutput:
 
 def finish_error(out: StrOutput) -> APIError | None:
     """The client's error for an error finish: 400 for a refusal, 5xx for a fault."""
-    reason = out.finish_reason or {}
-    if reason.get("type") != "error":
+    finish = out.finish_reason
+    if finish is None or not finish.is_error:
         return None
-    status = int(reason.get("status", 500))
+    status = finish.status or 500
     return APIError(
-        reason.get("detail") or "the request failed",
+        finish.detail or "the request failed",
         status=status,
-        code=reason.get("code") or ("request_refused" if status < 500 else "internal_error"),
+        code=finish.code or ("request_refused" if status < 500 else "internal_error"),
     )
 
 
@@ -500,7 +500,7 @@ async def sse(
 def finish_reason(out: StrOutput) -> str | None:
     if out.finish_reason is None:
         return None
-    return FINISH[out.finish_reason["type"]]  # errors never get here: see finish_error
+    return out.finish_reason.kind.value  # errors never get here: see finish_error
 
 
 class ChatFormatter:
@@ -617,7 +617,7 @@ def native_body(rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
             "prompt_tokens": last.prompt_tokens,
             "completion_tokens": last.completion_tokens,
             "cached_tokens": last.cached_tokens,
-            "finish_reason": last.finish_reason,
+            "finish_reason": last.finish_reason and last.finish_reason.to_json(),
         },
     }
 

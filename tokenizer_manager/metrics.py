@@ -1,13 +1,16 @@
 """Prometheus metrics of the serving path, through prometheus_client.
 
 Latency histograms (time to first token, inter-token latency, end to end, and each stage of a
-request) are observed in the main process as outputs arrive; the scheduler's gauges and counters
+request: media, queue, encoder, prefill, first_token, decode; the scheduler measures queue,
+encoder and prefill and sends them with the first token) are observed in the main process as
+outputs arrive; the scheduler's gauges and counters
 (KV pool, queue, caches) are read from the entry rank's `ServerInfo` when `/metrics` is scraped.
 Each server owns one registry, so tests can run several servers in one process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +18,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from runtime.io_struct import StageTimes
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -35,8 +40,9 @@ class SchedulerSnapshot:
         info = self.info
         if info is not None:
             yield from _gauges(info)
-            yield from _counters("tessera_scheduler", "scheduler counter", info.counters)
-            yield from _counters("tessera_encoder_cache", "encoder cache", info.encoder_cache)
+            yield from _counters("tessera_scheduler", "scheduler counter", vars(info.counters))
+            cache = vars(info.encoder_cache)
+            yield from _counters("tessera_encoder_cache", "encoder cache", cache)
         yield from _counters("tessera_api", "HTTP API counter", self.api)
 
 
@@ -53,8 +59,8 @@ def _gauges(info: Any) -> Iterator[Metric]:
         yield GaugeMetricFamily(f"tessera_{name}", name.replace("_", " "), value=value)
 
 
-def _counters(prefix: str, doc: str, table: Any) -> Iterator[Metric]:
-    for name, value in dict(table).items():
+def _counters(prefix: str, doc: str, table: dict[str, Any]) -> Iterator[Metric]:
+    for name, value in table.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             yield CounterMetricFamily(f"{prefix}_{name}", f"{doc}: {name}", value=value)
 
@@ -104,6 +110,12 @@ class RequestTimeline:
 
     def stage(self, name: str, seconds: float) -> None:
         self.metrics.stage.labels(name).observe(seconds)
+
+    def scheduler_stages(self, stages: StageTimes | None) -> None:
+        """The scheduler's queue, encoder and prefill seconds (they come with the first token)."""
+        if stages is not None:
+            for name, seconds in dataclasses.asdict(stages).items():
+                self.stage(name, seconds)
 
     def output(self, new_tokens: int) -> None:
         """An output with `new_tokens` more tokens arrived now."""

@@ -25,6 +25,7 @@ import zmq.asyncio
 from runtime.io_struct import (
     AbortReq,
     BatchStrOut,
+    Finish,
     FlushCacheOut,
     FlushCacheReq,
     GetServerInfoReq,
@@ -180,14 +181,14 @@ class TokenizerManager:
         if out.finish_reason is not None:
             state.finished = True
             # A stop string or a detokenizer failure ends the request before the scheduler does.
-            if "matched" in out.finish_reason or out.finish_reason.get("type") == "error":
+            if out.finish_reason.matched is not None or out.finish_reason.is_error:
                 self._send(AbortReq(out.rid))
         state.queue.put_nowait(out)
 
     def fail_all(self, reason: str) -> None:
         """The server is going down: every request in flight ends with a 503 error."""
         self.fatal = reason
-        finish = {"type": "error", "detail": reason, "status": 503, "code": "server_shutdown"}
+        finish = Finish.error(reason, 503, "server_shutdown")
         for rid, state in list(self.states.items()):
             if not state.finished:
                 state.finished = True
@@ -331,8 +332,9 @@ class TokenizerManager:
             while True:
                 out = await state.queue.get()
                 timeline.output(len(out.token_ids))
+                timeline.scheduler_stages(out.stages)
                 if out.finish_reason is not None:
-                    if out.finish_reason.get("type") in ("stop", "length"):
+                    if out.finish_reason.completed:
                         timeline.finish(out.prompt_tokens)
                     yield out
                     return

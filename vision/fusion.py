@@ -11,12 +11,10 @@ slicing hands the chunk every level's matching rows, and the levels come back as
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from runtime.forward_batch import ForwardBatch
-from runtime.multimodal import MultimodalDataItem
+from runtime.multimodal import ItemEncoder, MultimodalDataItem
 
 
 def overlaps(item: MultimodalDataItem, chunk_start: int, chunk_end: int) -> bool:
@@ -58,7 +56,7 @@ def scatter_item_rows(
 def fuse_embeddings(
     batch: ForwardBatch,
     text_embeds: torch.Tensor,
-    encode: Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]],
+    encode: ItemEncoder,
     deepstack_levels: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(input embeddings with every overlapping item's rows in place, DeepStack levels

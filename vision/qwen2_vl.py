@@ -11,7 +11,7 @@ the full weights, or a hybrid, as vision/encoder_plan.py plans it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from runtime.layers.weights import LazyWeight
 from runtime.model_config import ModelConfig
 from runtime.model_loader import load_checkpoint, resolve_dtype
 from runtime.models.qwen2 import Qwen2ForCausalLM
-from runtime.multimodal import MultimodalDataItem
+from runtime.multimodal import ItemEncoder, MultimodalDataItem
 from vision.dp_encoder import run_dp_sharded_mrope_vision_model
 from vision.encoder_calibration import calibrate_encoder_costs
 from vision.encoder_plan import (
@@ -64,10 +64,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.visual = VISION_TOWERS[config.arch](config.vision, vision_tp, ops)
         self.language_model = Qwen2ForCausalLM(config.text, tp, backend, ops)
         self.auto_encoder: AutoEncoder | None = None  # auto mode: set by set_encoder_costs
-        # The scheduler may route encoding through its encoder cache (same signature).
-        self.item_encoder: Callable[[list[MultimodalDataItem]], dict[int, torch.Tensor]] = (
-            self.encode_items
-        )
 
     @property
     def plan_counts(self) -> dict[str, int]:
@@ -112,12 +108,15 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return self.auto_encoder(pixels, grids)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, encode: ItemEncoder | None = None) -> torch.Tensor:
+        """Logits of the batch; media rows come from `encode` (the scheduler passes its encoder
+        cache in front of `encode_items`), or straight from `encode_items`."""
         embeds = self.language_model.embed(batch.input_ids)
         deepstack = None
         if batch.mode == ForwardMode.EXTEND:
             levels = self.config.vision.num_deepstack
-            embeds, deepstack = fuse_embeddings(batch, embeds, self.item_encoder, levels)
+            encoder = encode or self.encode_items
+            embeds, deepstack = fuse_embeddings(batch, embeds, encoder, levels)
         return self.language_model(embeds, batch, deepstack)
 
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:

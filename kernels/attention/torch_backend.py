@@ -3,7 +3,7 @@
 Extend (prefill) runs one request at a time, causal over its cached prefix and new tokens. Decode
 (one new token per request) runs as one batched call: each request's K/V slots are gathered into
 a [requests, longest, kv_heads, head_dim] block with a mask over the padding, built once per
-forward and shared by all layers.
+forward and shared by all layers. A mixed step's decode tail takes the batched decode path too.
 """
 
 from __future__ import annotations
@@ -43,23 +43,36 @@ class TorchAttentionBackend:
         if batch.is_decode:
             return self._decode(q, layer, batch).view(-1, layer.num_heads * layer.head_dim)
         out = torch.empty_like(q)
-        start = 0
-        for i, (seq_len, ext_len) in enumerate(zip(batch.seq_lens_list, batch.extend_lens_list)):
+        start = self._extend(q, out, layer, batch)
+        if batch.decode_tail:
+            out[start:] = self._decode(q[start:], layer, batch)
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def _extend(
+        self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> int:
+        """Attend the extend requests (not a mixed step's decode tail) one at a time into out;
+        returns the number of tokens they cover."""
+        kv, start = batch.kv_pool, 0
+        lens = zip(batch.seq_lens_list, batch.extend_lens_list[: batch.extend_count])
+        for i, (seq_len, ext_len) in enumerate(lens):
             slots = batch.req_to_token[batch.req_pool_indices_list[i], :seq_len]
             k_all, v_all = kv.get_kv(layer.layer_id, slots)
             out[start : start + ext_len] = _attend(q[start : start + ext_len], k_all, v_all, layer)
             start += ext_len
-        return out.view(-1, layer.num_heads * layer.head_dim)
-
+        return start
 
     def decode_index(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots [requests, longest], valid [requests, 1, 1, longest]), once per forward.
+        """(slots [requests, longest], valid [requests, 1, 1, longest]) of the decoding requests
+        (all of a decode batch, the tail of a mixed one), once per forward.
 
         Padding positions point at the request's first slot, so every gathered value is finite
         and the mask alone keeps it out of the softmax."""
         if self._decode_index is None or self._decode_batch is not batch:
-            lens = torch.tensor(batch.seq_lens_list, device=batch.req_to_token.device)
-            rows = torch.tensor(batch.req_pool_indices_list, device=lens.device)
+            first = 0 if batch.is_decode else batch.extend_count
+            device = batch.req_to_token.device
+            lens = torch.tensor(batch.seq_lens_list[first:], device=device)
+            rows = torch.tensor(batch.req_pool_indices_list[first:], device=device)
             slots = batch.req_to_token[rows, : int(lens.max())]
             valid = torch.arange(slots.shape[1], device=lens.device)[None, :] < lens[:, None]
             slots = torch.where(valid, slots, slots[:, :1])

@@ -24,8 +24,6 @@ import torch
 
 from runtime.multimodal import Modality, item_tokens
 
-GridLike = Sequence[Sequence[int]] | torch.Tensor
-
 
 @dataclass(frozen=True)
 class MRopeItem:
@@ -116,44 +114,6 @@ def decode_positions(seq_index: int | torch.Tensor, delta: int) -> torch.Tensor:
     return (index + delta).unsqueeze(0).repeat(3, 1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Token-id front end
-# ---------------------------------------------------------------------------------------------
-
-
-def compute_mrope_positions(
-    input_ids: Sequence[int] | torch.Tensor,
-    *,
-    image_token_id: int,
-    video_token_id: int,
-    vision_start_token_id: int,
-    spatial_merge_size: int,
-    image_grid_thw: GridLike | None = None,
-    video_grid_thw: GridLike | None = None,
-    second_per_grid_ts: Sequence[float] | torch.Tensor | None = None,
-    tokens_per_second: float | None = None,
-) -> tuple[torch.Tensor, int]:
-    """Positions [3, L] and decode delta for a prompt that still holds placeholder token ids.
-
-    Each item is a run of image/video tokens right after a vision-start token; its length is
-    taken from the next grid of its modality (grids are consumed in prompt order).
-    """
-    ids = _as_id_list(input_ids)
-    items = find_mrope_items(
-        ids,
-        image_token_id=image_token_id,
-        video_token_id=video_token_id,
-        vision_start_token_id=vision_start_token_id,
-        spatial_merge_size=spatial_merge_size,
-        image_grid_thw=_as_grids(image_grid_thw),
-        video_grid_thw=_as_grids(video_grid_thw),
-        second_per_grid_ts=_as_floats(second_per_grid_ts),
-    )
-    return compute_mrope_positions_from_items(
-        len(ids), items, spatial_merge_size=spatial_merge_size, tokens_per_second=tokens_per_second
-    )
-
-
 def find_mrope_items(
     ids: Sequence[int],
     *,
@@ -216,23 +176,3 @@ def _check_all_used(grids: dict[Modality, list], used: dict[Modality, int]) -> N
             raise ValueError(
                 f"{len(grid_list)} {modality.value} grids given, {used[modality]} found in prompt"
             )
-
-
-def _as_id_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if ids.dim() != 1:
-        raise ValueError(f"input_ids must be one sequence, got shape {tuple(ids.shape)}")
-    return ids.tolist()
-
-
-def _as_grids(grids: GridLike | None) -> list[tuple[int, int, int]]:
-    if grids is None:
-        return []
-    rows = torch.as_tensor(grids, dtype=torch.long).reshape(-1, 3).tolist()
-    return [(t, h, w) for t, h, w in rows]
-
-
-def _as_floats(values: Sequence[float] | torch.Tensor | None) -> list[float] | None:
-    if values is None:
-        return None
-    return [float(v) for v in torch.as_tensor(values, dtype=torch.float64).reshape(-1).tolist()]

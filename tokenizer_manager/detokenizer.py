@@ -25,6 +25,8 @@ from runtime.allocator import keep_freed_memory
 from runtime.io_struct import (
     BatchStrOut,
     BatchTokenOut,
+    Finish,
+    FinishKind,
     ReqOutput,
     ReqStart,
     ShutdownReq,
@@ -221,7 +223,7 @@ class DetokenizerManager:
             text, finish = self._step(out)
         except Exception as exc:  # noqa: BLE001 - one request's failure becomes its typed error
             logger.exception("detokenizing request %s failed", out.rid)
-            text, finish = "", {"type": "error", "detail": f"detokenizer: {exc!r}"}
+            text, finish = "", Finish.error(f"detokenizer: {exc!r}")
             self._drop(out)
         return self._str_output(out, text, finish)
 
@@ -232,12 +234,12 @@ class DetokenizerManager:
             self.tokenizer, skip_special_tokens=start.skip_special_tokens, stop=start.stop
         )
 
-    def _step(self, out: ReqOutput) -> tuple[str, dict | None]:
+    def _step(self, out: ReqOutput) -> tuple[str, Finish | None]:
         state = self.states.get(out.rid) or self._new_state(out)
         text = state.step(out.new_token_ids, final=out.finish_reason is not None)
         if state.matched_stop is not None:
             self._drop(out)
-            return text, {"type": "stop", "matched": state.matched_stop}
+            return text, Finish(FinishKind.STOP, matched=state.matched_stop)
         if out.finish_reason is not None:
             self._drop(out)
         return text, out.finish_reason
@@ -257,7 +259,7 @@ class DetokenizerManager:
                 del self.stopped[next(iter(self.stopped))]
 
     @staticmethod
-    def _str_output(out: ReqOutput, text: str, finish: dict | None) -> StrOutput:
+    def _str_output(out: ReqOutput, text: str, finish: Finish | None) -> StrOutput:
         return StrOutput(
             rid=out.rid,
             text=text,
@@ -266,6 +268,7 @@ class DetokenizerManager:
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
             finish_reason=finish,
+            stages=out.stages,
         )
 
 

@@ -1,0 +1,173 @@
+"""Mixed steps (--enable-mixed-chunk) in-process on one rank, over a fake model: a step carries
+the chunked prefill and the running decodes in one forward, outputs do not change, and
+retraction, aborts and request faults leave nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.distributed import TPGroup
+from runtime.forward_batch import ForwardBatch
+from runtime.io_struct import AbortReq, TokenizedGenerateReq
+from runtime.memory_pool import KVPool, ReqToTokenPool
+from runtime.sampler import Sampler, SamplingParams
+from scheduler.encoder_cache import EncoderCache
+from scheduler.model_runner import ModelRunner
+from scheduler.radix_cache import RadixCache
+from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
+
+VOCAB = 97
+
+
+class RecordingModel:
+    """Next token = a function of the last token and its position; remembers every batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[ForwardBatch] = []
+        self.plan_counts: dict[str, int] = {}
+
+    def __call__(self, batch: ForwardBatch, encode: object = None) -> torch.Tensor:
+        self.batches.append(batch)
+        last = batch.last_token_indices
+        nxt = (batch.input_ids[last] * 7 + batch.positions[0, last] + 3) % VOCAB
+        return F.one_hot(nxt, VOCAB).float()
+
+
+class FakeRunner(ModelRunner):
+    """The real runner's batching and KV bookkeeping over real pools, with a fake model."""
+
+    def __init__(self, kv_tokens: int, max_running: int = 8) -> None:
+        self.model, self.device, self.item_encoder = RecordingModel(), "cpu", None
+        self.req_pool = ReqToTokenPool(max_running, 256, "cpu")
+        self.kv_pool = KVPool(kv_tokens, 1, 1, 4, torch.float32, "cpu")
+
+
+def make_scheduler(kv_tokens: int, mixed: bool, chunk: int = 8, **kw: object) -> Scheduler:
+    runner = FakeRunner(kv_tokens)
+    cfg = SchedulerConfig(
+        max_running_requests=6,
+        max_prefill_tokens=64,
+        chunked_prefill_size=chunk,
+        context_length=200,
+        enable_mixed_chunk=mixed,
+        **kw,
+    )
+    cache = EncoderCache(0)
+    return Scheduler(cfg, TPGroup(), runner, RadixCache(runner.kv_pool), cache, Sampler())
+
+
+def request(rid: str, prompt_len: int, new: int = 12, seed: int = 0) -> TokenizedGenerateReq:
+    params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+    ids = [(seed * 31 + j * 13) % (VOCAB - 1) + 1 for j in range(prompt_len)]
+    return TokenizedGenerateReq(rid, ids, params)
+
+
+def drain(sched: Scheduler, first: StepResult, outputs: dict) -> dict[str, list[int]]:
+    result = first
+    while True:
+        for out in result.outputs:
+            outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+        if sched.idle:
+            return outputs
+        result = sched.step([])
+
+
+def run(sched: Scheduler, msgs: list[TokenizedGenerateReq]) -> dict[str, list[int]]:
+    """One short request decodes; then long prompts arrive and prefill in chunks."""
+    outputs: dict[str, list[int]] = {}
+    result = sched.step(msgs[:1])
+    for _ in range(2):
+        for out in result.outputs:
+            outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+        result = sched.step([])
+    for out in result.outputs:
+        outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+    return drain(sched, sched.step(msgs[1:]), outputs)
+
+
+def workload() -> list[TokenizedGenerateReq]:
+    return [request("short", 5, new=20), request("long", 40, seed=1), request("long2", 30, seed=2)]
+
+
+def assert_leak_free(sched: Scheduler) -> None:
+    kv = sched.runner.kv_pool
+    assert kv.available_size + sched.radix.evictable_size == kv.size
+    assert sched.radix.protected_size == 0
+    assert sched.runner.req_pool.available_size == sched.runner.req_pool.size
+
+
+def test_a_step_carries_the_chunked_prefill_and_the_decodes() -> None:
+    sched = make_scheduler(1000, mixed=True)
+    outputs = run(sched, workload())
+    mixed = [b for b in sched.runner.model.batches if b.decode_tail]
+    assert mixed, "no step carried prefill and decodes together"
+    for batch in mixed:
+        assert batch.extend_count >= 1 and max(batch.extend_lens_list[: batch.extend_count]) > 1
+        assert batch.extend_lens_list[batch.extend_count :] == [1] * batch.decode_tail
+    assert sched.counters.mixed_steps == len(mixed)
+    assert {r.rid: r.sampling_params.max_new_tokens for r in workload()} == {
+        rid: len(tokens) for rid, tokens in outputs.items()
+    }
+    plain = make_scheduler(1000, mixed=False)
+    run(plain, workload())
+    assert plain.counters.mixed_steps == 0
+    assert not any(b.decode_tail for b in plain.runner.model.batches)
+    assert sched.counters.decode_steps < plain.counters.decode_steps
+
+
+def test_the_short_request_decodes_while_the_long_one_prefills() -> None:
+    sched = make_scheduler(1000, mixed=True)
+    sched.step([request("short", 5, new=30)])
+    sched.step([])
+    result = sched.step([request("long", 40, seed=1)])  # 5 chunks of 8
+    tokens = 0
+    while sched.chunked is not None or sched.waiting:
+        tokens += sum(len(o.new_token_ids) for o in result.outputs if o.rid == "short")
+        result = sched.step([])
+    assert tokens >= 4  # one token per chunk step; without mixing, none
+
+
+@pytest.mark.parametrize("kv_tokens", [1000, 70], ids=["roomy", "tight"])
+def test_outputs_equal_without_mixing(kv_tokens: int) -> None:
+    plain = make_scheduler(kv_tokens, mixed=False)
+    mixed = make_scheduler(kv_tokens, mixed=True)
+    assert run(mixed, workload()) == run(plain, workload())
+    assert mixed.counters.mixed_steps > 0
+    assert_leak_free(mixed)
+    if kv_tokens == 70:
+        assert mixed.counters.retractions > 0
+
+
+def test_abort_mid_mixed_step_frees_everything() -> None:
+    sched = make_scheduler(1000, mixed=True)
+    sched.step([request("short", 5, new=40)])
+    sched.step([request("long", 40, seed=1)])
+    assert sched.chunked is not None and sched.running
+    result = sched.step([AbortReq("short"), AbortReq("long")])
+    finishes = {o.rid: o.finish_reason for o in result.outputs if o.finish_reason}
+    assert {k: v.kind.value for k, v in finishes.items()} == {"short": "abort", "long": "abort"}
+    assert sched.idle
+    assert_leak_free(sched)
+
+
+def test_request_faults_in_mixed_steps_fail_alone() -> None:
+    sched = make_scheduler(1000, mixed=True, fault_injection_rate=0.05, random_seed=3)
+    msgs = [request(f"r{i}", 10 + 7 * i, new=16, seed=i) for i in range(6)]
+    outputs: dict[str, list[int]] = {}
+    result = sched.step(msgs[:2])
+    result = drain_some(sched, result, outputs, 3)
+    final = drain(sched, sched.step(msgs[2:]), outputs)
+    assert sched.counters.failed > 0 and sched.counters.mixed_steps > 0
+    assert sched.counters.failed < len(msgs)
+    assert len(final) == len(msgs)
+    assert_leak_free(sched)
+
+
+def drain_some(sched: Scheduler, result: StepResult, outputs: dict, steps: int) -> StepResult:
+    for _ in range(steps):
+        for out in result.outputs:
+            outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+        result = sched.step([])
+    return result
