@@ -1,4 +1,4 @@
-"""tessera: a multi-process serving runtime for Qwen2-VL and Qwen2.5-VL."""
+"""tessera: a multi-process serving runtime for Qwen2-VL, Qwen2.5-VL and Qwen3-VL."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ TOP_LEVEL = ["runtime", "tokenizer_manager", "scheduler", "vision", "kernels"]
 setup(
     name="tessera",
     version="0.1.0",
-    description="Serve Qwen2-VL / Qwen2.5-VL over tensor-parallel ranks with a data-parallel ViT",
+    description="Serve Qwen2-VL / Qwen2.5-VL / Qwen3-VL over TP ranks with a data-parallel ViT",
     python_requires=">=3.10",
     packages=find_packages(include=[p for top in TOP_LEVEL for p in (top, f"{top}.*")]),
     py_modules=["launch"],

@@ -1,8 +1,10 @@
 """Rotary position embedding, including the multimodal (MRoPE) variant.
 
-The LLM rotates with "neox" layout (first half / second half of each head). With MRoPE the
-frequency bands of a head are split into sections (temporal, height, width) and each section takes
-its angle from the matching row of a [3, tokens] position tensor.
+The LLM rotates with "neox" layout (first half / second half of each head). With MRoPE each
+frequency of a head takes its angle from one row (temporal, height, width) of a [3, tokens]
+position tensor. Qwen2-VL / Qwen2.5-VL give the rows contiguous blocks of frequencies (sizes
+`mrope_section`); Qwen3-VL interleaves them (frequency j goes to height when j % 3 == 1 and
+j < 3 * section[1], to width when j % 3 == 2 and j < 3 * section[2], else to temporal).
 """
 
 from __future__ import annotations
@@ -20,8 +22,24 @@ def inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     return (1.0 / theta**exponents).float()
 
 
+def mrope_axes(num_freqs: int, mrope_section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """The position row (0 temporal, 1 height, 2 width) of each of a head's `num_freqs`
+    frequencies: [num_freqs] long. Pure."""
+    if not interleaved:
+        blocks = [torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)]
+        return torch.cat(blocks)[:num_freqs]
+    axes = torch.zeros(num_freqs, dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis : 3 * mrope_section[axis] : 3] = axis
+    return axes
+
+
 def mrope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, mrope_section: tuple[int, ...]
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    mrope_section: tuple[int, ...],
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [tokens, head_dim] for positions [3, tokens] (or [tokens]: plain RoPE)."""
     freqs = inv_freq(head_dim, theta).to(positions.device)
@@ -29,8 +47,8 @@ def mrope_cos_sin(
         angles = positions.float()[:, None] * freqs[None, :]
     else:
         per_axis = positions.float()[:, :, None] * freqs[None, None, :]  # [3, T, D/2]
-        chunks = per_axis.split(list(mrope_section), dim=-1)
-        angles = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
+        axes = mrope_axes(freqs.numel(), mrope_section, interleaved).to(positions.device)
+        angles = per_axis.gather(0, axes.expand(1, per_axis.shape[1], -1)).squeeze(0)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 

@@ -2,7 +2,9 @@
 
 Two layouts exist in the wild: the flat one of the published Qwen2-VL / Qwen2.5-VL repositories
 (text fields at the top level, `rope_scaling: {"type": "mrope", ...}`, `in_chans`), and the nested
-one that transformers 5.x writes (`text_config`, `rope_parameters`). Both parse to the same object.
+one that transformers 5.x writes (`text_config`, `rope_parameters`) and that the published Qwen3-VL
+repositories use (`text_config` with `rope_scaling: {"mrope_interleaved": true, ...}`). Every
+architecture parses from either layout to the same object.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 SUPPORTED_ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
 }
 
 
@@ -35,6 +38,9 @@ class TextConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     head_dim: int
+    mrope_interleaved: bool = False  # Qwen3-VL: T/H/W frequencies interleaved, not in blocks
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary
+    attention_bias: bool = True  # bias on the q/k/v projections (Qwen2: yes, Qwen3: no)
 
     @property
     def q_size(self) -> int:
@@ -56,10 +62,22 @@ class VisionConfig:
     window_size: int = 0
     fullatt_block_indexes: tuple[int, ...] = ()
     tokens_per_second: float = 1.0
+    num_position_embeddings: int = 0  # Qwen3-VL: learned position table, a square grid
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks that feed DeepStack
+    patch_bias: bool = False  # Qwen3-VL's patch embedding has a bias
 
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def num_deepstack(self) -> int:
+        return len(self.deepstack_visual_indexes)
+
+    @property
+    def embed_row_dim(self) -> int:
+        """Width of one encoder output row: the main embedding, then one per DeepStack level."""
+        return self.out_hidden_size * (1 + self.num_deepstack)
 
     @property
     def patch_kernel(self) -> tuple[int, int, int, int]:
@@ -84,6 +102,12 @@ class ModelConfig:
     torch_dtype: str = "float32"
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def timestamped_video(self) -> bool:
+        """Qwen3-VL: every temporal patch of a video is its own `<t seconds>`-stamped run of
+        placeholders in the prompt, with its own MRoPE grid (t = 1)."""
+        return self.arch == "qwen3_vl"
+
     @classmethod
     def from_dir(cls, model_path: str | Path) -> ModelConfig:
         path = Path(model_path) / "config.json"
@@ -94,7 +118,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
         arch = _architecture(cfg)
-        text = _parse_text(cfg.get("text_config") or cfg)
+        text = _parse_text(arch, cfg.get("text_config") or cfg, cfg)
         vision = _parse_vision(arch, cfg["vision_config"], text.hidden_size)
         token = _token_ids(cfg)
         return cls(
@@ -125,17 +149,21 @@ def _architecture(cfg: dict) -> str:
     )
 
 
-def _rope(text: dict) -> tuple[float, tuple[int, ...]]:
+def _rope(text: dict) -> tuple[float, tuple[int, ...], bool]:
+    """(theta, mrope_section, interleaved) from `rope_scaling` or `rope_parameters`."""
     rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
     theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
     section = rope.get("mrope_section")
     if not section:
         raise ModelConfigError("config has no mrope_section (rope_scaling / rope_parameters)")
-    return float(theta), tuple(int(s) for s in section)
+    return float(theta), tuple(int(s) for s in section), bool(rope.get("mrope_interleaved"))
 
 
-def _parse_text(text: dict) -> TextConfig:
-    theta, section = _rope(text)
+def _parse_text(arch: str, text: dict, top: dict) -> TextConfig:
+    """`text`: the text fields (text_config, or the whole config when flat); `top`: the config."""
+    theta, section, interleaved = _rope(text)
+    qwen3 = arch == "qwen3_vl"
+    tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
     heads = int(text["num_attention_heads"])
     head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
     if 2 * sum(section) != head_dim:
@@ -151,8 +179,11 @@ def _parse_text(text: dict) -> TextConfig:
         rope_theta=theta,
         mrope_section=section,
         max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(tie),
         head_dim=head_dim,
+        mrope_interleaved=interleaved,
+        qk_norm=qwen3,
+        attention_bias=bool(text.get("attention_bias", not qwen3)),
     )
 
 
@@ -174,6 +205,8 @@ def _parse_vision(arch: str, v: dict, text_hidden: int) -> VisionConfig:
             hidden_act=str(v.get("hidden_act", "quick_gelu")),
             **common,
         )
+    if arch == "qwen3_vl":
+        return _parse_qwen3_vision(v, text_hidden, common)
     return VisionConfig(
         embed_dim=int(v["hidden_size"]),
         intermediate_size=int(v["intermediate_size"]),
@@ -182,6 +215,22 @@ def _parse_vision(arch: str, v: dict, text_hidden: int) -> VisionConfig:
         window_size=int(v.get("window_size", 112)),
         fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
         tokens_per_second=float(v.get("tokens_per_second", 2)),
+        **common,
+    )
+
+
+def _parse_qwen3_vision(v: dict, text_hidden: int, common: dict) -> VisionConfig:
+    positions = int(v.get("num_position_embeddings", 2304))
+    if round(positions**0.5) ** 2 != positions:
+        raise ModelConfigError(f"num_position_embeddings {positions} is not a square grid")
+    return VisionConfig(
+        embed_dim=int(v["hidden_size"]),
+        intermediate_size=int(v["intermediate_size"]),
+        out_hidden_size=int(v.get("out_hidden_size", text_hidden)),
+        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+        num_position_embeddings=positions,
+        deepstack_visual_indexes=tuple(int(i) for i in v.get("deepstack_visual_indexes", ())),
+        patch_bias=True,
         **common,
     )
 

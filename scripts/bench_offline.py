@@ -224,7 +224,7 @@ def decode_weight_bytes(model: torch.nn.Module, batch: int) -> int:
 def vision_flops(config: ModelConfig, grids: list[tuple[int, int, int]]) -> dict[str, float]:
     """FLOPs (2 per multiply-add) of the vision tower on these items.
 
-    `dense`: patch embedding, every block's QKV, output projection and MLP, and the merger;
+    `dense`: patch embedding, every block's QKV, output projection and MLP, and the mergers;
     `attention`: scores and weighted values inside each frame or window (4 * len**2 * width)."""
     v = config.vision
     grid = torch.tensor(grids)
@@ -232,7 +232,8 @@ def vision_flops(config: ModelConfig, grids: list[tuple[int, int, int]]) -> dict
     e, merge = v.embed_dim, v.spatial_merge_size**2
     gated = config.arch == "qwen2_5_vl"
     mlp = (3 if gated else 2) * e * v.intermediate_size
-    merger = (n // merge) * ((merge * e) ** 2 + merge * e * v.out_hidden_size)
+    mergers = 1 + v.num_deepstack  # Qwen3-VL: one more merger per DeepStack level
+    merger = mergers * (n // merge) * ((merge * e) ** 2 + merge * e * v.out_hidden_size)
     dense = 2 * (n * v.patch_dim * e + v.depth * n * (4 * e * e + mlp) + merger)
 
     def segment_flops(cu: torch.Tensor) -> float:

@@ -1,7 +1,8 @@
-"""Write a random Qwen2-VL / Qwen2.5-VL checkpoint folder for tessera's tests and benchmarks.
+"""Write a random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint folder for tessera's tests.
 
-The folder looks like a published Qwen2-VL-Instruct repository: a flat config.json, safetensors with
-the published tensor names, a byte-level BPE tokenizer, the Instruct chat template, the image
+The folder looks like a published Instruct repository: the published config.json layout (flat for
+Qwen2-VL / Qwen2.5-VL, nested `text_config` for Qwen3-VL), safetensors with the published tensor
+names, a byte-level BPE tokenizer, the Instruct chat template, the image
 processor settings and a generation config. Everything is deterministic: the same arguments give
 byte-identical files.
 
@@ -12,6 +13,9 @@ tensor, norms and biases included, is random, so a weight that is loaded wrongly
 Usage:
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/tiny-qwen2-vl
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /data/q25-7b --preset 7b
+    python scripts/make_tiny_checkpoint.py --arch qwen3_vl --out /tmp/tiny-qwen3-vl
+
+For Qwen3-VL the 7b preset has the shapes of Qwen3-VL-8B.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 PRESETS = ("tiny", "7b")
 
 # Number of byte-level BPE tokens (256 byte symbols plus learned merges); the special tokens follow.
@@ -106,6 +110,7 @@ CHAT_TEMPLATE = (
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+HALF = [0.5, 0.5, 0.5]  # Qwen3-VL normalises with mean 0.5 and std 0.5
 
 TEXT_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -157,11 +162,64 @@ VISION_SHAPES: dict[tuple[str, str], dict[str, Any]] = {
     ),
 }
 
+# Qwen3-VL: head_dim is its own setting (not hidden / heads), MRoPE sections are interleaved, and
+# the vision blocks listed in deepstack_visual_indexes feed the first decoder layers. The tiny
+# decoder has more layers than DeepStack levels, so one layer runs after the last injection.
+QWEN3_TEXT_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        mrope_section=[4, 4, 4],
+    ),
+    "7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        max_position_embeddings=262144,
+        mrope_section=[24, 20, 20],
+    ),
+}
+QWEN3_VISION_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        depth=3,
+        hidden_size=64,
+        num_heads=4,
+        intermediate_size=128,
+        out_hidden_size=64,
+        num_position_embeddings=36,
+        deepstack_visual_indexes=[0, 1],
+    ),
+    "7b": dict(
+        depth=27,
+        hidden_size=1152,
+        num_heads=16,
+        intermediate_size=4304,
+        out_hidden_size=4096,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24],
+    ),
+}
+
 ARCHITECTURES = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
-PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+PROCESSOR_CLASSES = {
+    "qwen2_vl": "Qwen2VLProcessor",
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+}
 MAX_SHARD_BYTES = 4 * 1024**3
 
 
@@ -238,6 +296,64 @@ def tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- configs
 
 
+def checkpoint_config(arch: str, preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
+    """config.json in the layout the published checkpoints of `arch` use."""
+    if arch == "qwen3_vl":
+        return qwen3_config(preset, ids, dtype)
+    return flat_config(arch, preset, ids, dtype)
+
+
+def token_fields(ids: dict[str, int]) -> dict[str, int]:
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def qwen3_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
+    """A Qwen3-VL config.json: nested text_config with `rope_scaling` (interleaved MRoPE)."""
+    text = dict(QWEN3_TEXT_SHAPES[preset])
+    section = text.pop("mrope_section")
+    rope = {"mrope_interleaved": True, "mrope_section": section, "rope_type": "default"}
+    text_config = {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["<|endoftext|>"],
+        "dtype": dtype,
+        "eos_token_id": ids["<|im_end|>"],
+        "hidden_act": "silu",
+        **text,
+        "initializer_range": 0.02,
+        "model_type": "qwen3_vl_text",
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": rope,
+        "rope_theta": 5000000,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+    }
+    vision = {
+        **QWEN3_VISION_SHAPES[preset],
+        "hidden_act": "gelu_pytorch_tanh",
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "model_type": "qwen3_vl",
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    return {
+        "architectures": [ARCHITECTURES["qwen3_vl"]],
+        **token_fields(ids),
+        "model_type": "qwen3_vl",
+        "text_config": text_config,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "vision_config": vision,
+    }
+
+
 def flat_config(arch: str, preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
     """The config.json of a published checkpoint: text fields at the top level."""
     text = dict(TEXT_SHAPES[preset])
@@ -283,6 +399,8 @@ def vision_config(arch: str, preset: str) -> dict[str, Any]:
 
 
 def preprocessor_config(arch: str, preset: str) -> dict[str, Any]:
+    if arch == "qwen3_vl":
+        return qwen3_preprocessor_config(preset)
     return {
         "min_pixels": 3136,
         "max_pixels": 200704 if preset == "tiny" else 12845056,
@@ -293,6 +411,38 @@ def preprocessor_config(arch: str, preset: str) -> dict[str, Any]:
         "image_std": CLIP_STD,
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": PROCESSOR_CLASSES[arch],
+    }
+
+
+def qwen3_preprocessor_config(preset: str) -> dict[str, Any]:
+    """Qwen3-VL: 16-pixel patches, mean/std 0.5, pixel bounds as `size`."""
+    longest = 200704 if preset == "tiny" else 16777216
+    return {
+        "size": {"shortest_edge": 4096 if preset == "tiny" else 65536, "longest_edge": longest},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": HALF,
+        "image_std": HALF,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": PROCESSOR_CLASSES["qwen3_vl"],
+    }
+
+
+def video_preprocessor_config(preset: str) -> dict[str, Any]:
+    """Qwen3-VL's separate video processor settings (frames sampled at `fps`, timestamped)."""
+    return {
+        "size": {"shortest_edge": 4096, "longest_edge": 200704 if preset == "tiny" else 25165824},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": HALF,
+        "image_std": HALF,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 768,
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "processor_class": PROCESSOR_CLASSES["qwen3_vl"],
     }
 
 
@@ -307,10 +457,15 @@ def generation_config(preset: str, ids: dict[str, int]) -> dict[str, Any]:
 
 
 def hf_config(flat: dict[str, Any]) -> Any:
-    """transformers' config object for a flat config dict."""
+    """transformers' config object for a config.json dict (flat, or nested for Qwen3-VL)."""
     import transformers
 
-    cls_name = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}[flat["model_type"]]
+    names = {
+        "qwen2_vl": "Qwen2VLConfig",
+        "qwen2_5_vl": "Qwen2_5_VLConfig",
+        "qwen3_vl": "Qwen3VLConfig",
+    }
+    cls_name = names[flat["model_type"]]
     return getattr(transformers, cls_name)(**flat)
 
 
@@ -323,8 +478,11 @@ def hf_model_class(arch: str) -> type:
 # ----------------------------------------------------------------------------- weights
 
 
-def published_name(name: str) -> str:
-    """Map transformers' in-memory parameter names to the published checkpoint names."""
+def published_name(name: str, arch: str = "qwen2_vl") -> str:
+    """Map transformers' in-memory parameter names to the published checkpoint names (Qwen3-VL
+    publishes transformers' own names: `model.language_model.*`, `model.visual.*`)."""
+    if arch == "qwen3_vl":
+        return name
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model.") :]
     if name.startswith("model.visual."):
@@ -336,6 +494,13 @@ def tensor_seed(seed: int, name: str) -> int:
     """A per-tensor seed, so every tensor is independent of the order tensors are made in."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def canonical_name(name: str) -> str:
+    """One name per tensor whatever the layout, for the init rules below."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    return name
 
 
 def is_norm(name: str) -> bool:
@@ -356,6 +521,7 @@ GAINS = {
     "lm_head": 2.0,
 }
 EMBED_STD = 0.3
+POS_EMBED_STD = 0.5  # Qwen3-VL's learned vision position table: large enough to matter
 TIED_EMBED_STD = 0.375
 # Output rows of the special tokens and of the unused vocabulary tail get this fraction of the
 # usual std: still random (so a misloaded row shows in the logits), but never the greedy choice.
@@ -369,8 +535,11 @@ def init_stats(name: str, shape: tuple[int, ...], tied: bool) -> tuple[float, fl
     weights scatter around one and biases around zero, all random, so a missing or misplaced
     tensor shows in the output.
     """
+    name = canonical_name(name)
     if is_norm(name):
         return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.1)
+    if name.endswith("pos_embed.weight"):
+        return 0.0, POS_EMBED_STD
     if name.endswith("bias"):
         return 0.0, 0.1
     if name == "model.embed_tokens.weight":
@@ -380,7 +549,7 @@ def init_stats(name: str, shape: tuple[int, ...], tied: bool) -> tuple[float, fl
 
 
 def is_output_matrix(name: str, tied: bool) -> bool:
-    return name == ("model.embed_tokens.weight" if tied else "lm_head.weight")
+    return canonical_name(name) == ("model.embed_tokens.weight" if tied else "lm_head.weight")
 
 
 def random_tensor(
@@ -413,13 +582,14 @@ def build_model(arch: str, flat: dict[str, Any], seed: int) -> Any:
     with torch.no_grad():
         for name, param in model.named_parameters():
             shape, tied = tuple(param.shape), flat["tie_word_embeddings"]
-            param.copy_(random_tensor(published_name(name), shape, param.dtype, seed, tied))
+            published = published_name(name, arch)
+            param.copy_(random_tensor(published, shape, param.dtype, seed, tied))
     return model
 
 
-def published_state(model: Any, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def published_state(model: Any, arch: str, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's parameters under the published names, sorted; no lm_head when it is tied."""
-    named = {published_name(n): p.detach() for n, p in model.named_parameters()}
+    named = {published_name(n, arch): p.detach() for n, p in model.named_parameters()}
     if tied:
         named.pop("lm_head.weight", None)
     return iter(sorted(named.items()))
@@ -430,7 +600,8 @@ def streamed_state(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Like `published_state`, one tensor at a time: for checkpoints too large to hold twice."""
     shapes = {
-        published_name(n): tuple(p.shape) for n, p in meta_model(arch, flat).named_parameters()
+        published_name(n, arch): tuple(p.shape)
+        for n, p in meta_model(arch, flat).named_parameters()
     }
     if flat["tie_word_embeddings"]:
         shapes.pop("lm_head.weight", None)
@@ -504,15 +675,18 @@ def make_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int 
     tok = build_tokenizer()
     ids = special_ids(tok)
     dtype = torch.float32 if preset == "tiny" else torch.bfloat16
-    flat = flat_config(arch, preset, ids, str(dtype).removeprefix("torch."))
+    flat = checkpoint_config(arch, preset, ids, str(dtype).removeprefix("torch."))
     remove_old_weights(out)
     save_tokenizer(tok, out)
     write_json(out / "config.json", flat)
     write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
     write_json(out / "preprocessor_config.json", preprocessor_config(arch, preset))
     write_json(out / "generation_config.json", generation_config(preset, ids))
+    if arch == "qwen3_vl":
+        write_json(out / "video_preprocessor_config.json", video_preprocessor_config(preset))
     if preset == "tiny":
-        weights = published_state(build_model(arch, flat, seed), flat["tie_word_embeddings"])
+        model = build_model(arch, flat, seed)
+        weights = published_state(model, arch, flat["tie_word_embeddings"])
     else:
         weights = streamed_state(arch, flat, seed, dtype)
     save_weights(weights, out, MAX_SHARD_BYTES)

@@ -8,6 +8,7 @@ import torch
 from runner_utils import greedy_generate, release
 
 from runtime.distributed import TPGroup
+from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner
 from scheduler.req import Req
 from vision.encoder_plan import EncoderCosts
@@ -31,6 +32,39 @@ def all_logits(runner: ModelRunner, ids: list[int], mm: Any, chunk: int | None) 
         release(runner, seq)
 
 
+def cut_points(mm: Any) -> list[int]:
+    """Chunk ends in the middle of every placeholder run of two tokens or more."""
+    if mm is None:
+        return []
+    runs = [(s, e) for item in mm.items for s, e in item.offsets if e - s > 1]
+    return sorted({s + (e - s) // 2 for s, e in runs})
+
+
+def cut_logits(runner: ModelRunner, ids: list[int], mm: Any) -> torch.Tensor:
+    """Prefill in chunks that end inside every image and every video frame run."""
+    seq = Req(list(ids), mm)
+    runner.admit(seq)
+    try:
+        ends = [*cut_points(mm), len(ids)]
+        return torch.cat([runner.extend([seq], [end - seq.kv_len], True) for end in ends])
+    finally:
+        release(runner, seq)
+
+
+def run_cut_cases(tp: TPGroup, model: Any, cases: list[tuple[str, list[int], Any]]) -> dict:
+    """Cut prefills with the encoder cache in front of the encoder, as the scheduler has it:
+    later chunks of an item read its cached rows (every DeepStack level with them)."""
+    cache = EncoderCache(64 * 2**20)
+    runner = ModelRunner(
+        model, max_total_tokens=1024, max_running_requests=4, max_context_len=256,
+        item_encoder=cache.wrap(model.encode_items, tp),
+    )  # fmt: skip
+    out = {name: cut_logits(runner, ids, mm) for name, ids, mm in cases}
+    out["_cache"] = dict(vars(cache.counters))
+    out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size
+    return out if tp.rank == 0 else {k: out[k] for k in ("_cache", "_kv_free")}
+
+
 def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[int], Any]]) -> dict:
     costs = AUTO_COSTS if mode == "auto" else None
     model = build_model(folder, tp, encoder_mode=mode, encoder_costs=costs, dtype="float32")
@@ -43,8 +77,9 @@ def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[i
         keep = tp.rank == 0
         out[name] = {"logits": full if keep else None, "chunked": chunked if keep else None,
                      "tokens": tokens}
-    out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size
     out["_plans"] = dict(model.plan_counts)
+    out["_cut"] = run_cut_cases(tp, model, cases)
+    out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size
     return out
 
 

@@ -1,7 +1,9 @@
 """tessera's model against HF transformers, at tp 1, 2 and 4, ViT in TP, DP and auto mode.
 
-Prefill logits (also prefilled in chunks that cut images) and 16 greedy tokens through the KV
-pool's decode path, for text, one image, two images of different sizes and a video.
+Prefill logits (also prefilled in chunks that cut images, and in chunks cut inside every item
+with the encoder cache in front) and 16 greedy tokens through the KV pool's decode path, for
+text, one image, two images of different sizes and a video. Qwen3-VL is one of the archs: its
+video is timestamped and its DeepStack levels travel with the cached and gathered rows.
 """
 
 from __future__ import annotations
@@ -63,6 +65,24 @@ def test_chunked_prefill_matches_hf(ranks, oracle, arch: str, mode: str, case: s
     _, results = ranks
     ours = results[0][(arch, mode)][case]["chunked"]
     assert (ours - oracle[arch][1][case].hf_logits).abs().max().item() <= TOL
+
+
+@_params
+def test_prefill_cut_inside_items_through_encoder_cache_matches_hf(
+    ranks, oracle, arch: str, mode: str, case: str
+) -> None:
+    _, results = ranks
+    ours = results[0][(arch, mode)]["_cut"][case]
+    assert (ours - oracle[arch][1][case].hf_logits).abs().max().item() <= TOL
+
+
+def test_cut_prefills_read_the_encoder_cache(ranks) -> None:
+    """Later chunks of an item hit the cache on every rank (every item is encoded once)."""
+    _, results = ranks
+    for per_rank in results:
+        for result in per_rank.values():
+            counters = result["_cut"]["_cache"]
+            assert counters["hits"] > 0 and counters["items_encoded"] == counters["misses"]
 
 
 @_params

@@ -1,4 +1,5 @@
-"""Qwen2-VL / Qwen2.5-VL vision towers against transformers, and TP shards against one rank.
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision towers against transformers, and TP shards against one
+rank. Qwen3-VL rows hold the main embedding and then every DeepStack level.
 
 transformers is imported only in the pytest process (it is slow to import); the spawned TP ranks
 load the tower weights from a temporary .pt file written by the parent.
@@ -19,6 +20,7 @@ from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig, VisionConfig
 from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer, window_index
 from vision.qwen2_vl_vit import Qwen2VisionTransformer
+from vision.qwen3_vl_vit import Qwen3VisionTransformer, position_table_taps
 from vision.vit_common import vision_position_ids
 
 ATOL = RTOL = 1e-4
@@ -77,11 +79,42 @@ CONFIGS = {
             in_chans=3,
         ),
     ),
+    "qwen3_vl": dict(  # nested: transformers' Qwen3-VL config takes no flat text fields
+        {k: v for k, v in TEXT.items() if k.endswith("token_id")},
+        text_config=dict(
+            TEXT,
+            head_dim=16,
+            rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3],
+                          "mrope_interleaved": True},
+        ),
+        architectures=["Qwen3VLForConditionalGeneration"],
+        model_type="qwen3_vl",
+        vision_config=dict(
+            depth=3,
+            hidden_size=64,
+            num_heads=4,
+            intermediate_size=128,
+            out_hidden_size=64,
+            num_position_embeddings=36,
+            deepstack_visual_indexes=[0, 1],
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            hidden_act="gelu_pytorch_tanh",
+            in_channels=3,
+        ),
+    ),
 }
-TOWERS = {"qwen2_vl": Qwen2VisionTransformer, "qwen2_5_vl": Qwen2_5_VisionTransformer}
+TOWERS = {
+    "qwen2_vl": Qwen2VisionTransformer,
+    "qwen2_5_vl": Qwen2_5_VisionTransformer,
+    "qwen3_vl": Qwen3VisionTransformer,
+}
 COMMON_GRIDS = [[(1, 4, 4)], [(1, 4, 4), (1, 6, 8)], [(2, 4, 6)]]
 GRIDS = {
     "qwen2_vl": COMMON_GRIDS,
+    # The 6x6 position table is resampled down, to its own size and up.
+    "qwen3_vl": COMMON_GRIDS + [[(1, 6, 6), (1, 10, 14)], [(1, 2, 2)]],
     # Windows of 4x4 patches: (1, 8, 12) splits evenly, (1, 6, 10) leaves ragged edge windows.
     "qwen2_5_vl": COMMON_GRIDS + [[(1, 8, 12)], [(1, 6, 10)], [(1, 8, 12), (2, 6, 10)]],
 }
@@ -145,14 +178,24 @@ def _hf_model(arch: str) -> torch.nn.Module:
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
     )
 
     classes = {
         "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
         "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+        "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
     }
     config_cls, model_cls = classes[arch]
     return model_cls(config_cls(**CONFIGS[arch])).eval()
+
+
+def hf_rows(visual: torch.nn.Module, case: dict) -> torch.Tensor:
+    """transformers' merged output, then its DeepStack levels (Qwen3-VL) along the features."""
+    out = visual(case["pixels"], grid_thw=case["grid"])
+    levels = getattr(out, "deepstack_features", None) or []
+    return torch.cat([out.pooler_output, *levels], dim=-1)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +208,7 @@ def oracle() -> dict[str, dict[str, Any]]:
         cfg = vision_config(arch)
         cases = [make_inputs(cfg, grids, seed=10 * seed + i) for i, grids in enumerate(GRIDS[arch])]
         with torch.inference_mode():
-            refs = [visual(c["pixels"], grid_thw=c["grid"]).pooler_output for c in cases]
+            refs = [hf_rows(visual, c) for c in cases]
         state = {k: v.clone() for k, v in visual.state_dict().items()}
         out[arch] = {"state": state, "cases": cases, "refs": refs}
     return out
@@ -209,6 +252,18 @@ def test_window_index_matches_hand_layout() -> None:
     first_rows = [0, 1, 5, 6, 2, 3, 7, 8, 4, 9, 10, 11, 12, 13, 14]
     assert order.tolist() == first_rows
     assert (cu.diff() // 4).tolist() == [4, 4, 2, 2, 2, 1]
+
+
+def test_position_table_taps_match_transformers() -> None:
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+    grid = torch.tensor([[1, 4, 6], [2, 10, 14], [1, 2, 2]])
+    ours = position_table_taps(grid, side=6, merge=2)
+    ref = get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=6, mode="bilinear", align_corners=True, spatial_merge_size=2
+    )
+    assert torch.equal(ours[0], ref[0])
+    torch.testing.assert_close(ours[1], ref[1], atol=1e-7, rtol=0)
 
 
 def test_position_ids_follow_merge_windows() -> None:

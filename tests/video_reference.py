@@ -11,6 +11,7 @@ import torch
 
 from tokenizer_manager.video_processor import (
     VideoProcessingConfig,
+    clip_frames,
     frames_to_patches,
     resize_frame,
     sample_frame_indices,
@@ -33,8 +34,9 @@ def preprocess_video(frames: Any, **settings: Any) -> tuple[torch.Tensor, torch.
     cfg = VideoProcessingConfig(**settings)
     stack = np.stack([np.asarray(frame) for frame in frames])
     factor = cfg.patch_size * cfg.merge_size
+    clip = clip_frames(len(stack), cfg.temporal_patch_size, cfg.clip_budget)
     height, width = smart_resize(
-        stack.shape[1], stack.shape[2], factor, cfg.min_pixels, cfg.max_pixels
+        stack.shape[1], stack.shape[2], factor, cfg.min_pixels, cfg.max_pixels, *clip
     )
     resized = np.stack([resize_frame(frame, height, width) for frame in stack])
     patches, grid = frames_to_patches(resized, cfg)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,10 +15,15 @@ from video_reference import preprocess_video
 
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality, MultimodalInputs
-from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_inputs
+from tokenizer_manager.multimodal_inputs import (
+    PreparedMedia,
+    build_multimodal_inputs,
+    expand_placeholders,
+)
+from tokenizer_manager.video_processor import checkpoint_video_config, frame_timestamps
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl")
-PLACEHOLDER = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VIDEO_FPS = 2.0  # the frame rate test videos given as frame arrays are taken to have
 
 
 def noise_image(size: tuple[int, int] = (56, 56), seed: int = 0) -> Image.Image:
@@ -96,25 +101,18 @@ class Checkpoint:
         return PreparedMedia(Modality.IMAGE, out["pixel_values"], grid)
 
     def video_media(self, frames: np.ndarray) -> PreparedMedia:
-        p = self.preprocessor
-        pixels, grid = preprocess_video(
-            frames, min_pixels=p["min_pixels"], max_pixels=p["max_pixels"],
-            image_mean=p["image_mean"], image_std=p["image_std"],
-        )
+        """Frames taken at VIDEO_FPS, preprocessed with the checkpoint's video settings (for
+        Qwen2-VL / Qwen2.5-VL: preprocessor_config.json's pixel bounds, small test grids)."""
+        cfg = checkpoint_video_config(self.folder)
+        pixels, grid = preprocess_video(frames, **dataclasses.asdict(cfg))
         seconds = 1.0 if self.config.arch == "qwen2_5_vl" else None
-        return PreparedMedia(Modality.VIDEO, pixels, tuple(int(x) for x in grid[0]), seconds)
+        times = frame_timestamps(range(len(frames)), VIDEO_FPS)
+        grid_thw = tuple(int(x) for x in grid[0])
+        return PreparedMedia(Modality.VIDEO, pixels, grid_thw, seconds, frame_times=times)
 
     def case(self, name: str, content: list[Any], system: str | None = None) -> Case:
         prompt, media = self.prepare(content, system)
-        merge = self.config.vision.spatial_merge_size**2
-        pieces = re.split("(<\\|image_pad\\|>|<\\|video_pad\\|>)", prompt)
-        queue = iter(media)
-        expanded = [
-            p * (int(np.prod(next(queue).grid_thw)) // merge) if p in PLACEHOLDER.values() else p
-            for p in pieces
-        ]
-        prompt = "".join(expanded)
-        ids = self.tokenizer(prompt)["input_ids"]
+        ids = self.tokenizer(expand_placeholders(prompt, media, self.config))["input_ids"]
         our_ids, mm = build_multimodal_inputs(ids, media, self.config)
         return Case(name, self.hf_inputs(ids, media), our_ids, mm)
 

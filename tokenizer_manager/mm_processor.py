@@ -70,6 +70,9 @@ from tokenizer_manager.video_processor import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
     VideoProcessingConfig,
+    checkpoint_video_config,
+    clip_frames,
+    frame_timestamps,
     frames_to_patches,
     resize_frame,
     sample_frame_indices,
@@ -141,11 +144,12 @@ class ProcessorSpec:
         video_min_pixels: int = VIDEO_MIN_PIXELS,
         video_max_pixels: int = VIDEO_MAX_PIXELS,
     ) -> ProcessorSpec:
-        """Patch, merge, mean and std from preprocessor_config.json; video pixel bounds and the
-        frame cap from the arguments (the image bounds in that file are for images only)."""
+        """Patch, merge, mean and std from preprocessor_config.json; video pixel bounds from the
+        arguments (the image bounds in that file are for images only), or every video setting
+        from a Qwen3-VL video_preprocessor_config.json; the frame cap from `limits`."""
         config = _read_preprocessor_config(model_path)
-        video = VideoProcessingConfig.from_preprocessor_config(
-            config, min_pixels=video_min_pixels, max_pixels=video_max_pixels
+        video = checkpoint_video_config(
+            model_path, min_pixels=video_min_pixels, max_pixels=video_max_pixels
         )
         video = dataclasses.replace(video, max_frames=min(video.max_frames, limits.max_frames))
         defaults = {} if "size" in config else {"min_pixels": IMAGE_MIN_PIXELS}
@@ -168,11 +172,17 @@ class ProcessedMedia:
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None
     digest: int | None = None  # media_digest of the encoded bytes and the processor settings
+    frame_times: tuple[float, ...] | None = None  # video: seconds of each temporal patch
 
     def to_prepared(self) -> PreparedMedia:
         pixels = torch.from_numpy(self.pixel_values)
         return PreparedMedia(
-            self.modality, pixels, self.grid_thw, self.second_per_grid_t, self.digest
+            self.modality,
+            pixels,
+            self.grid_thw,
+            self.second_per_grid_t,
+            self.digest,
+            self.frame_times,
         )
 
 
@@ -234,17 +244,18 @@ def process_video_bytes(data: bytes, spec: ProcessorSpec, limits: MediaLimits) -
     """The one video path: open the video with decord (here, inside the worker), sample frames,
     resize them chunk by chunk (full-size frames never pile up in memory) and patchify."""
     cfg = spec.video
-    frames, sampled_fps = read_resized_frames(data, cfg, limits)
+    frames, sampled_fps, times = read_resized_frames(data, cfg, limits)
     patches, grid = frames_to_patches(frames, cfg)
     seconds = second_per_grid_t(sampled_fps, cfg.temporal_patch_size)
     digest = media_digest(Modality.VIDEO, data, spec)
-    return ProcessedMedia(Modality.VIDEO, patches, grid, seconds, digest)
+    return ProcessedMedia(Modality.VIDEO, patches, grid, seconds, digest, times)
 
 
 def read_resized_frames(
     data: bytes, cfg: VideoProcessingConfig, limits: MediaLimits
-) -> tuple[np.ndarray, float]:
-    """Sampled frames, already resized to the video's target size, and their frame rate."""
+) -> tuple[np.ndarray, float, tuple[float, ...]]:
+    """Sampled frames, already resized to the video's target size, their frame rate, and the
+    timestamp of each temporal patch."""
     header = probe_video(data, video_container(data))
     check_video_header(header, limits)
     reader = open_video_reader(data)
@@ -253,14 +264,15 @@ def read_resized_frames(
         check_video_length(total, total / max(video_fps, 1e-3), limits)
         indices = _sample(total, video_fps, cfg)
         first = decode_frames(reader, indices[:1])
-        size = _video_target_size(first.shape[1], first.shape[2], cfg, limits)
+        size = _video_target_size(first.shape[1], first.shape[2], len(indices), cfg, limits)
         chunks = [_resize_all(first, size)]
         for start in range(1, len(indices), FRAME_CHUNK):
             batch = decode_frames(reader, indices[start : start + FRAME_CHUNK])
             chunks.append(_resize_all(batch, size))
     finally:
         del reader
-    return np.concatenate(chunks), len(indices) / total * video_fps
+    times = frame_timestamps(indices, video_fps, cfg.temporal_patch_size)
+    return np.concatenate(chunks), len(indices) / total * video_fps, times
 
 
 def open_video_reader(data: bytes) -> Any:
@@ -301,13 +313,14 @@ def decode_frames(reader: Any, indices: list[int]) -> np.ndarray:
 
 
 def _video_target_size(
-    height: int, width: int, cfg: VideoProcessingConfig, limits: MediaLimits
+    height: int, width: int, frames: int, cfg: VideoProcessingConfig, limits: MediaLimits
 ) -> tuple[int, int]:
     if height * width > limits.max_pixels or min(height, width) < max(1, limits.min_side):
         raise _bad_video(f"video frames are {width}x{height}: outside the allowed frame size")
     _check_aspect_ratio(height, width, "video_url")
     factor = cfg.patch_size * cfg.merge_size
-    return smart_resize(height, width, factor, cfg.min_pixels, cfg.max_pixels)
+    clip = clip_frames(frames, cfg.temporal_patch_size, cfg.clip_budget)
+    return smart_resize(height, width, factor, cfg.min_pixels, cfg.max_pixels, *clip)
 
 
 def _resize_all(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:

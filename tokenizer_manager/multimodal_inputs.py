@@ -4,11 +4,18 @@ Each image or video becomes one `MultimodalDataItem` whose hash is a SHA-256 dig
 encoded bytes and the processor settings that change its features (computed once, by the media
 worker that decoded it; never per rank). Its placeholder run in the prompt is replaced by the
 item's pad_value, so prefix-cache keys differ whenever the media differ.
+
+Prompt text per item is written here too (`expand_placeholders`). Qwen3-VL stamps videos: the
+chat template's `<|vision_start|><|video_pad|><|vision_end|>` becomes, for every temporal patch,
+`<{t:.1f} seconds><|vision_start|>` + its placeholders + `<|vision_end|>`. Such a video is still
+one item (one encoding, one cache entry) with one offset range per temporal patch; each range is
+its own MRoPE grid of one frame.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +23,12 @@ import torch
 
 from runtime.model_config import ModelConfig
 from runtime.mrope import MRopeItem, compute_mrope_positions_from_items, find_mrope_items
-from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
+from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs, item_tokens
+
+PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
+PLACEHOLDER_RE = re.compile("(<\\|image_pad\\|>|<\\|video_pad\\|>)")
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+WRAPPED_VIDEO = VISION_START + PLACEHOLDERS[Modality.VIDEO] + VISION_END
 
 
 @dataclass
@@ -28,6 +40,43 @@ class PreparedMedia:
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None
     digest: int | None = None  # from the encoded bytes (mm_processor.media_digest), when known
+    frame_times: tuple[float, ...] | None = None  # video: seconds of each temporal patch
+
+
+def placeholder_text(media: PreparedMedia, config: ModelConfig) -> str:
+    """The prompt text that stands for one item (its placeholder token repeated per token;
+    per temporal patch with a timestamp for Qwen3-VL videos)."""
+    merge = config.vision.spatial_merge_size
+    pad = PLACEHOLDERS[media.modality]
+    if media.modality != Modality.VIDEO or not config.timestamped_video:
+        return pad * item_tokens(media.grid_thw, merge)
+    t, h, w = media.grid_thw
+    times = media.frame_times or tuple(float(i) for i in range(t))
+    if len(times) != t:
+        raise ValueError(f"video has {t} temporal patches and {len(times)} timestamps")
+    frame = VISION_START + pad * item_tokens((1, h, w), merge) + VISION_END
+    return "".join(f"<{time:.1f} seconds>" + frame for time in times)
+
+
+def expand_placeholders(prompt: str, media: list[PreparedMedia], config: ModelConfig) -> str:
+    """Replace the chat template's one placeholder per item by the item's prompt text.
+
+    Raises ValueError when the placeholders do not match the media in number or kind."""
+    if config.timestamped_video:
+        prompt = prompt.replace(WRAPPED_VIDEO, PLACEHOLDERS[Modality.VIDEO])
+    pieces = PLACEHOLDER_RE.split(prompt)
+    if sum(p in PLACEHOLDERS.values() for p in pieces) != len(media):
+        raise ValueError(f"prompt has a media placeholder count other than {len(media)} items")
+    queue = iter(media)
+    out = []
+    for piece in pieces:
+        if piece in PLACEHOLDERS.values():
+            item = next(queue)
+            if piece != PLACEHOLDERS[item.modality]:
+                raise ValueError("media placeholders out of order")
+            piece = placeholder_text(item, config)
+        out.append(piece)
+    return "".join(out)
 
 
 def content_hash(media: PreparedMedia) -> int:
@@ -48,7 +97,7 @@ def _grid_key(modality: Modality) -> str:
     return "image_grid_thw" if modality == Modality.IMAGE else "video_grid_thw"
 
 
-def make_item(media: PreparedMedia, span: MRopeItem) -> MultimodalDataItem:
+def make_item(media: PreparedMedia, spans: list[MRopeItem]) -> MultimodalDataItem:
     data: dict[str, object] = {_grid_key(media.modality): torch.tensor([media.grid_thw])}
     if media.second_per_grid_t is not None:
         data["second_per_grid_t"] = media.second_per_grid_t
@@ -56,7 +105,7 @@ def make_item(media: PreparedMedia, span: MRopeItem) -> MultimodalDataItem:
         modality=media.modality,
         feature=media.pixel_values,
         hash=content_hash(media),
-        offsets=[(span.start, span.end)],
+        offsets=[(span.start, span.end) for span in spans],
         model_specific_data=data,
     )
     item.set_pad_value()
@@ -70,6 +119,7 @@ def build_multimodal_inputs(
     if not media:
         return list(input_ids), None
     by_kind = {m: [x for x in media if x.modality == m] for m in Modality}
+    runs = _video_runs(by_kind[Modality.VIDEO], config)
     spans = find_mrope_items(
         input_ids,
         image_token_id=config.image_token_id,
@@ -77,16 +127,48 @@ def build_multimodal_inputs(
         vision_start_token_id=config.vision_start_token_id,
         spatial_merge_size=config.vision.spatial_merge_size,
         image_grid_thw=[x.grid_thw for x in by_kind[Modality.IMAGE]],
-        video_grid_thw=[x.grid_thw for x in by_kind[Modality.VIDEO]],
-        second_per_grid_ts=[x.second_per_grid_t or 1.0 for x in by_kind[Modality.VIDEO]],
+        video_grid_thw=[grid for grid, _ in runs],
+        second_per_grid_ts=[seconds for _, seconds in runs],
     )
-    queues = {m: iter(by_kind[m]) for m in Modality}
-    items = [make_item(next(queues[span.modality]), span) for span in spans]
+    per_video = [_run_count(x, config) for x in by_kind[Modality.VIDEO]]
+    items = [make_item(m, group) for m, group in _group_spans(spans, by_kind, per_video)]
     ids = list(input_ids)
     for item in items:
         for start, end in item.offsets:
             ids[start:end] = [item.pad_value] * (end - start)
     return ids, MultimodalInputs(items, *_positions(len(ids), spans, config))
+
+
+def _run_count(video: PreparedMedia, config: ModelConfig) -> int:
+    """Placeholder runs of a video: one per temporal patch when timestamped, else one."""
+    return video.grid_thw[0] if config.timestamped_video else 1
+
+
+def _video_runs(
+    videos: list[PreparedMedia], config: ModelConfig
+) -> list[tuple[tuple[int, int, int], float]]:
+    """(MRoPE grid, seconds per temporal patch) of every video placeholder run, in order."""
+    out = []
+    for video in videos:
+        t, h, w = video.grid_thw
+        count = _run_count(video, config)
+        out += [((t // count, h, w), video.second_per_grid_t or 1.0)] * count
+    return out
+
+
+def _group_spans(
+    spans: list[MRopeItem], by_kind: dict[Modality, list[PreparedMedia]], per_video: list[int]
+) -> list[tuple[PreparedMedia, list[MRopeItem]]]:
+    """Pair every item with its placeholder runs (several for a timestamped video)."""
+    queues = {m: iter(by_kind[m]) for m in Modality}
+    runs = iter(per_video)
+    groups: list[tuple[PreparedMedia, list[MRopeItem]]] = []
+    pending = iter(spans)
+    for span in pending:
+        media = next(queues[span.modality])
+        count = next(runs) if span.modality == Modality.VIDEO else 1
+        groups.append((media, [span, *(next(pending) for _ in range(count - 1))]))
+    return groups
 
 
 def _positions(seq_len: int, spans: list[MRopeItem], config: ModelConfig):

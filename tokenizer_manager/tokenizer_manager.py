@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import itertools
 import json
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ from runtime.io_struct import (
 )
 from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
-from runtime.multimodal import Modality, item_tokens
+from runtime.multimodal import Modality
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget
@@ -44,16 +43,21 @@ from runtime.transport import to_frames
 from tokenizer_manager.media import MediaError
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor, MediaRef
-from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_inputs
+from tokenizer_manager.multimodal_inputs import (
+    PLACEHOLDER_RE,
+    PLACEHOLDERS,
+    VISION_END,
+    VISION_START,
+    PreparedMedia,
+    build_multimodal_inputs,
+    expand_placeholders,
+)
 from tokenizer_manager.protocol import APIError
 
 logger = get_logger(__name__)
 
 T = TypeVar("T")
 
-PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
-PLACEHOLDER_RE = re.compile("(<\\|image_pad\\|>|<\\|video_pad\\|>)")
-VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
 
 def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
@@ -283,25 +287,12 @@ class TokenizerManager:
         return self.budget.room(text + reserve)
 
     def tokenize(self, prompt: str, media: list[PreparedMedia]) -> list[int]:
-        """Expand each placeholder to its item's token count, then tokenize."""
-        merge = self.config.vision.spatial_merge_size
-        pieces = PLACEHOLDER_RE.split(prompt)
-        slots = [p for p in pieces if p in PLACEHOLDERS.values()]
-        if len(slots) != len(media):
-            raise APIError(
-                f"prompt has {len(slots)} media placeholders for {len(media)} items",
-                param="messages",
-            )
-        queue = iter(media)
-        out = []
-        for piece in pieces:
-            if piece in PLACEHOLDERS.values():
-                item = next(queue)
-                if piece != PLACEHOLDERS[item.modality]:
-                    raise APIError("media placeholders out of order", param="messages")
-                piece = piece * item_tokens(item.grid_thw, merge)
-            out.append(piece)
-        return self.tokenizer("".join(out))["input_ids"]
+        """Expand each placeholder to its item's prompt text, then tokenize."""
+        try:
+            text = expand_placeholders(prompt, media, self.config)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from e
+        return self.tokenizer(text)["input_ids"]
 
     def build_request(
         self,

@@ -1,4 +1,5 @@
-"""Video preprocessing for Qwen2-VL / Qwen2.5-VL: frame sampling, resizing and patchify.
+"""Video preprocessing for Qwen2-VL / Qwen2.5-VL / Qwen3-VL: frame sampling, resizing and
+patchify.
 
 Everything here is pure: functions take frames and settings and return numpy arrays. Decoding
 lives in the media worker (`mm_processor.process_video_bytes`, the one video path): a video is
@@ -7,13 +8,20 @@ opened only inside that process and only frames leave it, never a reader object.
 The patch layout matches the image path, so the vision tower treats a video as a stack of
 temporal patch pairs: row order (grid_t, h / merge, w / merge, merge, merge), and each row holds
 (channel, temporal_patch_size, patch_size, patch_size) values.
+
+Qwen3-VL's video processor differs in two rules (`clip_budget`): the pixel bounds hold for the
+whole clip (temporal patches x height x width), and the sampled frame count is not rounded to
+whole temporal patches (the last frame repeats to fill the final one). Its prompt stamps every
+temporal patch with the time of its frames (`frame_timestamps`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,20 +40,30 @@ def smart_resize(
     factor: int = 28,
     min_pixels: int = 56 * 56,
     max_pixels: int = 14 * 14 * 4 * 1280,
+    num_frames: int = 1,
+    temporal_factor: int = 1,
 ) -> tuple[int, int]:
-    """Target (height, width): multiples of `factor`, pixel count within bounds, aspect kept."""
+    """Target (height, width): multiples of `factor`, pixel count within bounds, aspect kept.
+
+    With `num_frames` and `temporal_factor` (Qwen3-VL videos) the bounds hold for the clip: the
+    frame count rounded to whole temporal patches times the frame's pixels; a frame side shorter
+    than `factor` is first scaled up to it (aspect kept)."""
     if height < 1 or width < 1:
         raise ValueError(f"image is too small to resize: {height}x{width}")
+    if temporal_factor > 1 and min(height, width) < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         ratio = max(height, width) / min(height, width)
         raise ValueError(f"absolute aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio}")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
+    t_bar = max(temporal_factor, round(num_frames / temporal_factor) * temporal_factor)
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     if h_bar == 0 or w_bar == 0:
@@ -65,15 +83,21 @@ def sample_frame_indices(
     min_frames: int = 4,
     max_frames: int = 768,
     temporal_patch_size: int = 2,
+    clip_budget: bool = False,
 ) -> list[int]:
     """Indices of frames to keep: uniform over the video at `fps` frames per second.
 
     The count is clamped to [min_frames, max_frames] and to the video length, then rounded down to
-    a multiple of `temporal_patch_size`. A video shorter than one temporal patch keeps all frames
-    (preprocessing pads it by repeating the last one).
+    a multiple of `temporal_patch_size` (not with `clip_budget`, Qwen3-VL's rule). A video shorter
+    than one temporal patch keeps all frames (preprocessing pads it by repeating the last one).
     """
     _check_sampling_args(total_frames, video_fps, fps)
-    count = _sample_count(total_frames, video_fps, fps, min_frames, max_frames, temporal_patch_size)
+    if clip_budget:
+        count = _clip_count(total_frames, video_fps, fps, min_frames, max_frames)
+    else:
+        count = _sample_count(
+            total_frames, video_fps, fps, min_frames, max_frames, temporal_patch_size
+        )
     if count == 0:
         return list(range(total_frames))
     return np.linspace(0, total_frames - 1, count).round().astype(np.int64).tolist()
@@ -96,6 +120,25 @@ def _sample_count(
     return math.floor(count / tps) * tps
 
 
+def _clip_count(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> int:
+    wanted = int(total / video_fps * fps)
+    return min(max(wanted, min_frames), max_frames, total)
+
+
+def frame_timestamps(
+    indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2
+) -> tuple[float, ...]:
+    """Seconds at the middle of each temporal patch of sampled frames `indices` (Qwen3-VL writes
+    them into the prompt): the last index repeats to fill the final patch, then each patch's
+    time is the mean of its first and last frame's. Pure."""
+    if not indices or not video_fps > 0:
+        raise ValueError("frame timestamps need sampled frames and a positive frame rate")
+    padded = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
+    times = [i / video_fps for i in padded]
+    step = temporal_patch_size
+    return tuple((times[i] + times[i + step - 1]) / 2 for i in range(0, len(times), step))
+
+
 def second_per_grid_t(sampled_fps: float, temporal_patch_size: int = 2) -> float:
     """Seconds covered by one temporal patch of a video sampled at `sampled_fps`."""
     return temporal_patch_size / sampled_fps
@@ -104,6 +147,11 @@ def second_per_grid_t(sampled_fps: float, temporal_patch_size: int = 2) -> float
 # ---------------------------------------------------------------------------------------------
 # Resize, normalize, patchify
 # ---------------------------------------------------------------------------------------------
+
+
+def clip_frames(num_frames: int, temporal_patch_size: int, clip_budget: bool) -> tuple[int, int]:
+    """(num_frames, temporal_factor) for `smart_resize`: the clip's, or one frame's."""
+    return (num_frames, temporal_patch_size) if clip_budget else (1, 1)
 
 
 def frames_to_patches(
@@ -176,6 +224,7 @@ class VideoProcessingConfig:
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
+    clip_budget: bool = False  # Qwen3-VL: pixel bounds per clip, frame count not rounded
 
     @classmethod
     def from_preprocessor_config(
@@ -193,8 +242,26 @@ class VideoProcessingConfig:
         return cls(**values)
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        keys = ("fps", "min_frames", "max_frames", "temporal_patch_size")
+        keys = ("fps", "min_frames", "max_frames", "temporal_patch_size", "clip_budget")
         return {key: getattr(self, key) for key in keys}
+
+
+CLIP_BUDGET_PROCESSORS = ("Qwen3VLVideoProcessor",)
+
+
+def checkpoint_video_config(model_path: str | Path, **fallback: Any) -> VideoProcessingConfig:
+    """A checkpoint's video settings: its own video_preprocessor_config.json when that names a
+    processor with Qwen3-VL's rules (pixel bounds, fps and frame counts all from the file), else
+    preprocessor_config.json with `fallback` (e.g. video pixel bounds) winning over the file."""
+    video = _read_json(Path(model_path) / "video_preprocessor_config.json")
+    if video.get("video_processor_type") in CLIP_BUDGET_PROCESSORS:
+        return VideoProcessingConfig.from_preprocessor_config(video, clip_budget=True)
+    config = _read_json(Path(model_path) / "preprocessor_config.json")
+    return VideoProcessingConfig.from_preprocessor_config(config, **fallback)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 _CONFIG_KEYS = (

@@ -101,7 +101,7 @@ class TowerShape:
         windowed = cfg.window_size > 0
         units = cfg.window_size // (cfg.spatial_merge_size * cfg.patch_size) if windowed else 0
         full = len(cfg.fullatt_block_indexes) if windowed else cfg.depth
-        return cls(cfg.depth, cfg.embed_dim, cfg.out_hidden_size, cfg.spatial_merge_size,
+        return cls(cfg.depth, cfg.embed_dim, cfg.embed_row_dim, cfg.spatial_merge_size,
                    elem_bytes, units, full)
 
 

@@ -3,6 +3,10 @@
 Prompts carry each image's pad_value at its placeholder positions. The text embedding of those
 positions is replaced by the matching rows of the item's vision embedding; a chunk that cuts an
 image takes only the rows that fall inside the chunk.
+
+With DeepStack (Qwen3-VL) an encoder row is `[main | level 0 | level 1 | ...]`: the same row
+slicing hands the chunk every level's matching rows, and the levels come back as one
+[tokens, levels, hidden] tensor, zero at text positions, for the decoder to add.
 """
 
 from __future__ import annotations
@@ -53,13 +57,26 @@ def fuse_embeddings(
     batch: ForwardBatch,
     text_embeds: torch.Tensor,
     encode: ItemEncoder,
-) -> torch.Tensor:
-    """Return input embeddings with every overlapping item's rows in place."""
+    deepstack_levels: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input embeddings with every overlapping item's rows in place, DeepStack levels
+    [tokens, levels, hidden] or None when the model has none or the batch holds no item)."""
     items = items_in_batch(batch)
     if not items:
-        return text_embeds
+        return text_embeds, None
     by_hash = encode(items)
-    embeds = text_embeds.clone()
+    tokens, hidden = text_embeds.shape
+    embeds = text_embeds.new_zeros(tokens, hidden * (1 + deepstack_levels))
+    embeds[:, :hidden] = text_embeds
+    _scatter_batch(batch, embeds, by_hash)
+    if deepstack_levels == 0:
+        return embeds, None
+    return embeds[:, :hidden], embeds[:, hidden:].view(tokens, deepstack_levels, hidden)
+
+
+def _scatter_batch(
+    batch: ForwardBatch, embeds: torch.Tensor, by_hash: dict[int, torch.Tensor]
+) -> None:
     base = 0
     for i, mm in enumerate(batch.mm_inputs):
         start, length = batch.prefix_lens_list[i], batch.extend_lens_list[i]
@@ -68,4 +85,3 @@ def fuse_embeddings(
                 rows = by_hash[item.hash].to(embeds.dtype)
                 scatter_item_rows(embeds, item, rows, start, start + length, base)
         base += length
-    return embeds

@@ -1,4 +1,7 @@
-"""Composite Qwen2-VL / Qwen2.5-VL models: vision tower + fusion + Qwen2 decoder.
+"""Composite Qwen2-VL / Qwen2.5-VL / Qwen3-VL models: vision tower + fusion + decoder.
+
+Qwen3-VL uses the same composition: its tower's rows also carry the DeepStack levels, which the
+fusion step splits off and the decoder adds after its first layers (see vision/fusion.py).
 
 The vision tower runs in TP mode (sharded like the decoder, with per-layer all-reduce), in DP
 mode (a full replica on every rank; the batch's items are balanced over the ranks and the results
@@ -33,8 +36,13 @@ from vision.encoder_plan import (
 from vision.fusion import fuse_embeddings
 from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer
 from vision.qwen2_vl_vit import Qwen2VisionTransformer
+from vision.qwen3_vl_vit import Qwen3VisionTransformer
 
-VISION_TOWERS = {"qwen2_vl": Qwen2VisionTransformer, "qwen2_5_vl": Qwen2_5_VisionTransformer}
+VISION_TOWERS = {
+    "qwen2_vl": Qwen2VisionTransformer,
+    "qwen2_5_vl": Qwen2_5_VisionTransformer,
+    "qwen3_vl": Qwen3VisionTransformer,
+}
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
@@ -104,9 +112,11 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         """Logits of the batch; media rows come from `encode` (the scheduler passes its encoder
         cache in front of `encode_items`), or straight from `encode_items`."""
         embeds = self.language_model.embed(batch.input_ids)
+        deepstack = None
         if batch.mode == ForwardMode.EXTEND:
-            embeds = fuse_embeddings(batch, embeds, encode or self.encode_items)
-        return self.language_model(embeds, batch)
+            levels = self.config.vision.num_deepstack
+            embeds, deepstack = fuse_embeddings(batch, embeds, encode or self.encode_items, levels)
+        return self.language_model(embeds, batch, deepstack)
 
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
         """Load checkpoint tensors (published or transformers 5.x names); returns loaded params."""
@@ -137,6 +147,11 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Same composition; the vision tower is chosen from the config's architecture."""
 
 
+class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Same composition: Qwen3 decoder switches come from the text config, DeepStack levels
+    from the vision config."""
+
+
 def normalize_checkpoint_name(name: str) -> str:
     """Map transformers 5.x saved names onto the published layout."""
     if name.startswith("model.language_model."):
@@ -149,6 +164,7 @@ def normalize_checkpoint_name(name: str) -> str:
 MODEL_CLASSES = {
     "qwen2_vl": Qwen2VLForConditionalGeneration,
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
 }
 
 

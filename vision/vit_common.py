@@ -70,9 +70,15 @@ def vision_position_ids(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
 class VisionPatchEmbed(nn.Module):
     """A linear map of each flattened patch; equal to the checkpoint's stride-sized Conv3d."""
 
-    def __init__(self, patch_dim: int, embed_dim: int, kernel_shape: tuple[int, int, int, int]):
+    def __init__(
+        self,
+        patch_dim: int,
+        embed_dim: int,
+        kernel_shape: tuple[int, int, int, int],
+        bias: bool = False,
+    ):
         super().__init__()
-        self.proj = ReplicatedLinear(patch_dim, embed_dim, bias=False)
+        self.proj = ReplicatedLinear(patch_dim, embed_dim, bias=bias)
         self.kernel_shape = kernel_shape
         set_weight_loader(self.proj.weight, self._load)
 
@@ -93,7 +99,9 @@ class VisionPatchEmbed(nn.Module):
         # On CPU a strided conv sums in the same order as the reference implementation, which
         # keeps parity tests tight; on GPU one GEMM is faster and equally exact in intent.
         kernel = self.proj.weight.view(self.proj.weight.shape[0], *self.kernel_shape)
-        out = F.conv3d(pixels.view(-1, *self.kernel_shape), kernel, stride=self.kernel_shape[1:])
+        out = F.conv3d(
+            pixels.view(-1, *self.kernel_shape), kernel, self.proj.bias, self.kernel_shape[1:]
+        )
         return out.view(pixels.shape[0], -1)
 
 

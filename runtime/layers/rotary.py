@@ -16,15 +16,19 @@ class MRotaryEmbedding(nn.Module):
         theta: float,
         mrope_section: tuple[int, ...],
         ops: KernelOps = TORCH_OPS,
+        interleaved: bool = False,
     ):
         super().__init__()
         self.ops = ops
         self.head_dim = head_dim
         self.theta = theta
         self.mrope_section = tuple(mrope_section)
+        self.interleaved = interleaved
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return mrope_cos_sin(positions, self.head_dim, self.theta, self.mrope_section)
+        return mrope_cos_sin(
+            positions, self.head_dim, self.theta, self.mrope_section, self.interleaved
+        )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -1,4 +1,12 @@
-"""The Qwen2 decoder shared by Qwen2-VL and Qwen2.5-VL, on tensor-parallel layers."""
+"""The Qwen2 decoder of Qwen2-VL and Qwen2.5-VL, and the Qwen3 decoder of Qwen3-VL, on
+tensor-parallel layers.
+
+Qwen3 differs in three places, each a config switch here: RMSNorm over every head of q and k
+before the rotary (`qk_norm`), no q/k/v bias (`attention_bias`), and interleaved MRoPE sections
+(`mrope_interleaved`). DeepStack (Qwen3-VL) adds vision features of some encoder blocks to the
+hidden states after the first decoder layers: `deepstack[:, i]` after layer i, zero rows at text
+positions.
+"""
 
 from __future__ import annotations
 
@@ -40,8 +48,15 @@ class Qwen2Attention(nn.Module):
     ):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, tp
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            tp,
+            bias=cfg.attention_bias,
         )
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, bias=False)
         self.layer = AttentionLayer(
             layer_id=layer_id,
@@ -50,7 +65,9 @@ class Qwen2Attention(nn.Module):
             head_dim=cfg.head_dim,
             scaling=cfg.head_dim**-0.5,
         )
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, ops)
+        self.rotary = MRotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.mrope_section, ops, cfg.mrope_interleaved
+        )
         self.backend = backend
 
     def forward(
@@ -58,9 +75,11 @@ class Qwen2Attention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
         d = self.layer.head_dim
-        q, k = self.rotary(
-            q.view(-1, self.layer.num_heads, d), k.view(-1, self.layer.num_kv_heads, d), *cos_sin
-        )
+        q, k = q.reshape(-1, self.layer.num_heads, d), k.reshape(-1, self.layer.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, d)).view_as(q)  # norms take [rows, dim]
+            k = self.k_norm(k.reshape(-1, d)).view_as(k)
+        q, k = self.rotary(q, k, *cos_sin)
         out = self.backend.forward(q.flatten(1), k.flatten(1), v, self.layer, batch)
         return self.o_proj(out)
 
@@ -107,11 +126,17 @@ class Qwen2Model(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, embeds: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, batch: ForwardBatch, deepstack: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`deepstack`: [tokens, levels, hidden] or None; level i is added after layer i."""
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(batch.positions)
         x, residual = embeds, None
-        for layer in self.layers:
+        levels = 0 if deepstack is None else deepstack.shape[1]
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos_sin, batch)
+            if i < levels:
+                x = x + deepstack[:, i]
         x, _ = self.norm(x, residual)
         return x
 
@@ -132,8 +157,10 @@ class Qwen2ForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids.clamp(0, self.cfg.vocab_size - 1))
 
-    def forward(self, embeds: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model(embeds, batch)
+    def forward(
+        self, embeds: torch.Tensor, batch: ForwardBatch, deepstack: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden = self.model(embeds, batch, deepstack)
         if not batch.return_all_logits:
             hidden = hidden[batch.last_token_indices]
         return self.lm_head(hidden)
