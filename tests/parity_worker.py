@@ -56,16 +56,13 @@ def run_cut_cases(tp: TPGroup, model: Any, cases: list[tuple[str, list[int], Any
     later chunks of an item read its cached rows (every DeepStack level with them)."""
     cache = EncoderCache(64 * 2**20)
     runner = ModelRunner(
-        model,
-        max_total_tokens=1024,
-        max_running_requests=1,
-        max_context_len=256,
+        model, max_total_tokens=1024, max_running_requests=4, max_context_len=256,
         item_encoder=cache.wrap(model.encode_items, tp),
-    )
+    )  # fmt: skip
     out = {name: cut_logits(runner, ids, mm) for name, ids, mm in cases}
     out["_cache"] = dict(vars(cache.counters))
     out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size
-    return out if tp.rank == 0 else {"_cache": out["_cache"], "_kv_free": out["_kv_free"]}
+    return out if tp.rank == 0 else {k: out[k] for k in ("_cache", "_kv_free")}
 
 
 def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[int], Any]]) -> dict:
@@ -80,6 +77,8 @@ def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[i
         keep = tp.rank == 0
         out[name] = {"logits": full if keep else None, "chunked": chunked if keep else None,
                      "tokens": tokens}
+    out["_plans"] = dict(model.plan_counts)
+    out["_cut"] = run_cut_cases(tp, model, cases)
     out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size
     out["_plans"] = dict(model.plan_counts)
     out["_cut"] = run_cut_cases(tp, model, cases)

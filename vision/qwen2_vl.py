@@ -115,8 +115,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         deepstack = None
         if batch.mode == ForwardMode.EXTEND:
             levels = self.config.vision.num_deepstack
-            encoder = encode or self.encode_items
-            embeds, deepstack = fuse_embeddings(batch, embeds, encoder, levels)
+            embeds, deepstack = fuse_embeddings(batch, embeds, encode or self.encode_items, levels)
         return self.language_model(embeds, batch, deepstack)
 
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
