@@ -80,8 +80,6 @@ def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[i
     out["_plans"] = dict(model.plan_counts)
     out["_cut"] = run_cut_cases(tp, model, cases)
     out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size
-    out["_plans"] = dict(model.plan_counts)
-    out["_cut"] = run_cut_cases(tp, model, cases)
     return out
 
 
