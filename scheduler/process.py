@@ -23,7 +23,7 @@ from scheduler.model_runner import ModelRunner, kv_layout
 from scheduler.radix_cache import RadixCache
 from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
 from vision.encoder_plan import EncoderCosts
-from vision.qwen2_vl import build_model
+from vision.vlm import build_model
 
 logger = get_logger(__name__)
 

@@ -26,7 +26,7 @@ from runtime.sampler import SamplingParams  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 from scheduler.process import build_scheduler  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
-from vision.qwen2_vl import build_model  # noqa: E402
+from vision.vlm import build_model  # noqa: E402
 
 
 class TimedModel:

@@ -42,7 +42,7 @@ from tokenizer_manager.video_processor import smart_resize  # noqa: E402
 from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
 from vision.encoder_calibration import calibrate_encoder_costs  # noqa: E402
 from vision.encoder_plan import AutoEncoder, EncoderCosts, TowerShape  # noqa: E402
-from vision.qwen2_vl import VISION_TOWERS, normalize_checkpoint_name  # noqa: E402
+from vision.vlm import VISION_TOWERS, normalize_checkpoint_name  # noqa: E402
 
 
 class CountingGroup(TPGroup):

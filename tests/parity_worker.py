@@ -12,7 +12,7 @@ from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner
 from scheduler.req import Req
 from vision.encoder_plan import EncoderCosts
-from vision.qwen2_vl import build_model
+from vision.vlm import build_model
 
 CHUNK = 7  # small enough that chunks cut through every image and video
 # Auto encoder mode with fixed costs (no calibration noise): TP does 3/4 of the full tower's

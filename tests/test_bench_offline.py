@@ -81,7 +81,7 @@ def test_vision_flops_match_a_flop_counter(tmp_path: Path, arch: str) -> None:
     from kernels.ops import TORCH_OPS
     from runtime.distributed import TPGroup
     from runtime.model_config import ModelConfig
-    from vision.qwen2_vl import VISION_TOWERS
+    from vision.vlm import VISION_TOWERS
 
     config = ModelConfig.from_dir(make_checkpoint(arch, tmp_path / "ck"))
     ops = dataclasses.replace(TORCH_OPS, varlen_attention=matmul_varlen_attention)

@@ -34,7 +34,7 @@ from tokenizer_manager.video_processor import (
     sample_frame_indices,
     smart_resize,
 )
-from vision.qwen2_vl import build_model
+from vision.vlm import build_model
 
 
 def read_json(path: Path) -> dict[str, Any]:

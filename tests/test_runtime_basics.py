@@ -19,7 +19,7 @@ from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import QKVParallelLinear, RowParallelLinear
 from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.model_loader import CheckpointError
-from vision.qwen2_vl import build_model
+from vision.vlm import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ from runtime.server_args import ServerArgs
 from scheduler.process import build_scheduler
 from scheduler.req import Req
 from scheduler.scheduler import Scheduler
-from vision.qwen2_vl import build_model
+from vision.vlm import build_model
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from vlm_cases import Checkpoint, noise_image  # noqa: E402
 from runtime.distributed import TPGroup  # noqa: E402
 from scheduler.model_runner import ModelRunner  # noqa: E402
 from scheduler.req import Req  # noqa: E402
-from vision.qwen2_vl import build_model  # noqa: E402
+from vision.vlm import build_model  # noqa: E402
 
 
 def run(folder: str, backend: str, ids: list[int], mm) -> tuple[torch.Tensor, list[int]]:

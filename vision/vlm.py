@@ -1,4 +1,6 @@
-"""Composite Qwen2-VL / Qwen2.5-VL / Qwen3-VL models: vision tower + fusion + decoder.
+"""Composite Qwen2-VL / Qwen2.5-VL / Qwen3-VL models: vision tower + fusion + decoder, and
+`build_model`. The composite sits here, above the decoders of runtime/models/, because it needs
+the vision towers and the fusion of this folder (imports only go downwards).
 
 Qwen3-VL uses the same composition: its tower's rows also carry the DeepStack levels, which the
 fusion step splits off and the decoder adds after its first layers (see vision/fusion.py).
