@@ -26,10 +26,11 @@ from runtime.layers.norm import RMSNorm
 from runtime.layers.weights import LazyWeight
 from runtime.model_config import VisionConfig
 from vision.vit_common import (
-    VisionAttention,
+    VisionBlock,
     VisionPatchEmbed,
     VisionPatchMerger,
     VisionRotary,
+    VisionTower,
     check_heads,
     frame_cu_seqlens,
     load_weights,
@@ -92,26 +93,13 @@ class Qwen2_5_VisionMLP(nn.Module):
         return self.down_proj(self.act(gate) * up, shard)
 
 
-class Qwen2_5_VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps):
-        super().__init__()
-        self.norm1 = RMSNorm(cfg.embed_dim, NORM_EPS, ops)
-        self.norm2 = RMSNorm(cfg.embed_dim, NORM_EPS, ops)
-        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp, ops)
-        self.mlp = Qwen2_5_VisionMLP(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act, tp)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        shard: TPGroup | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, rotary, shard)
-        return x + self.mlp(self.norm2(x), shard)
+def qwen2_5_block(cfg: VisionConfig, tp: TPGroup, ops: KernelOps) -> VisionBlock:
+    """RMSNorm, gated MLP."""
+    mlp = Qwen2_5_VisionMLP(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act, tp)
+    return VisionBlock(cfg, tp, ops, lambda: RMSNorm(cfg.embed_dim, NORM_EPS, ops), mlp)
 
 
-class Qwen2_5_VisionTransformer(nn.Module):
+class Qwen2_5_VisionTransformer(VisionTower):
     def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps = TORCH_OPS):
         super().__init__()
         check_heads(cfg.num_heads, tp)
@@ -123,20 +111,12 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim, cfg.patch_kernel)
         self.rotary = VisionRotary(cfg.head_dim)
         self.blocks = nn.ModuleList(
-            [Qwen2_5_VisionBlock(cfg, tp, ops) for _ in range(cfg.depth)]
+            [qwen2_5_block(cfg, tp, ops) for _ in range(cfg.depth)]
         )
         norm = RMSNorm(cfg.embed_dim, NORM_EPS, ops)
         self.merger = VisionPatchMerger(
             norm, cfg.embed_dim, cfg.out_hidden_size, cfg.spatial_merge_size, tp
         )
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.patch_embed.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.patch_embed.weight.device
 
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, shard: TPGroup | None = None

@@ -13,18 +13,18 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kernels.activation import get_activation
 from kernels.ops import TORCH_OPS, KernelOps
 from runtime.distributed import TPGroup
-from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from runtime.layers.norm import LayerNorm
 from runtime.layers.weights import LazyWeight
 from runtime.model_config import VisionConfig
 from vision.vit_common import (
-    VisionAttention,
+    VisionBlock,
+    VisionMLP,
     VisionPatchEmbed,
     VisionPatchMerger,
     VisionRotary,
+    VisionTower,
     check_heads,
     frame_cu_seqlens,
     load_weights,
@@ -34,39 +34,13 @@ from vision.vit_common import (
 NORM_EPS = 1e-6
 
 
-class Qwen2VisionMLP(nn.Module):
-    """fc1 column-parallel, activation, fc2 row-parallel."""
-
-    def __init__(self, dim: int, hidden: int, act: str, tp: TPGroup):
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(dim, [hidden], tp, bias=True)
-        self.act = get_activation(act)
-        self.fc2 = RowParallelLinear(hidden, dim, tp, bias=True)
-
-    def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x, shard)), shard)
+def qwen2_block(cfg: VisionConfig, tp: TPGroup, ops: KernelOps) -> VisionBlock:
+    """LayerNorm with bias, MLP fc1 / fc2."""
+    mlp = VisionMLP(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act, tp, ("fc1", "fc2"))
+    return VisionBlock(cfg, tp, ops, lambda: LayerNorm(cfg.embed_dim, eps=NORM_EPS), mlp)
 
 
-class Qwen2VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps):
-        super().__init__()
-        self.norm1 = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
-        self.norm2 = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
-        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp, ops)
-        self.mlp = Qwen2VisionMLP(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act, tp)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        shard: TPGroup | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, rotary, shard)
-        return x + self.mlp(self.norm2(x), shard)
-
-
-class Qwen2VisionTransformer(nn.Module):
+class Qwen2VisionTransformer(VisionTower):
     def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps = TORCH_OPS):
         super().__init__()
         check_heads(cfg.num_heads, tp)
@@ -76,19 +50,11 @@ class Qwen2VisionTransformer(nn.Module):
         self.out_hidden_size = cfg.out_hidden_size
         self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim, cfg.patch_kernel)
         self.rotary = VisionRotary(cfg.head_dim)
-        self.blocks = nn.ModuleList([Qwen2VisionBlock(cfg, tp, ops) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([qwen2_block(cfg, tp, ops) for _ in range(cfg.depth)])
         norm = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
         self.merger = VisionPatchMerger(
             norm, cfg.embed_dim, cfg.out_hidden_size, cfg.spatial_merge_size, tp
         )
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.patch_embed.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.patch_embed.weight.device
 
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, shard: TPGroup | None = None

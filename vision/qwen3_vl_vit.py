@@ -26,7 +26,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kernels.activation import get_activation
 from kernels.ops import TORCH_OPS, KernelOps
 from runtime.distributed import TPGroup
 from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -34,9 +33,11 @@ from runtime.layers.norm import LayerNorm
 from runtime.layers.weights import LazyWeight, default_weight_loader, set_weight_loader
 from runtime.model_config import VisionConfig
 from vision.vit_common import (
-    VisionAttention,
+    VisionBlock,
+    VisionMLP,
     VisionPatchEmbed,
     VisionRotary,
+    VisionTower,
     check_heads,
     frame_cu_seqlens,
     load_weights,
@@ -75,36 +76,11 @@ def _axis_taps(
     return taps, weights
 
 
-class Qwen3VisionMLP(nn.Module):
-    """linear_fc1 column-parallel, activation, linear_fc2 row-parallel."""
-
-    def __init__(self, dim: int, hidden: int, act: str, tp: TPGroup):
-        super().__init__()
-        self.linear_fc1 = ColumnParallelLinear(dim, [hidden], tp, bias=True)
-        self.act = get_activation(act)
-        self.linear_fc2 = RowParallelLinear(hidden, dim, tp, bias=True)
-
-    def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x, shard)), shard)
-
-
-class Qwen3VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps):
-        super().__init__()
-        self.norm1 = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
-        self.norm2 = LayerNorm(cfg.embed_dim, eps=NORM_EPS)
-        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp, ops)
-        self.mlp = Qwen3VisionMLP(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act, tp)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        shard: TPGroup | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, rotary, shard)
-        return x + self.mlp(self.norm2(x), shard)
+def qwen3_block(cfg: VisionConfig, tp: TPGroup, ops: KernelOps) -> VisionBlock:
+    """LayerNorm with bias, MLP linear_fc1 / linear_fc2."""
+    names = ("linear_fc1", "linear_fc2")
+    mlp = VisionMLP(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act, tp, names)
+    return VisionBlock(cfg, tp, ops, lambda: LayerNorm(cfg.embed_dim, eps=NORM_EPS), mlp)
 
 
 class Qwen3PatchMerger(nn.Module):
@@ -128,7 +104,7 @@ class Qwen3PatchMerger(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x, shard)), shard)
 
 
-class Qwen3VisionTransformer(nn.Module):
+class Qwen3VisionTransformer(VisionTower):
     def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps = TORCH_OPS):
         super().__init__()
         check_heads(cfg.num_heads, tp)
@@ -144,20 +120,12 @@ class Qwen3VisionTransformer(nn.Module):
         self.pos_embed.weight.requires_grad_(False)
         set_weight_loader(self.pos_embed.weight, default_weight_loader)
         self.rotary = VisionRotary(cfg.head_dim)
-        self.blocks = nn.ModuleList([Qwen3VisionBlock(cfg, tp, ops) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([qwen3_block(cfg, tp, ops) for _ in range(cfg.depth)])
         self.merger = Qwen3PatchMerger(cfg, tp, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
             [Qwen3PatchMerger(cfg, tp, postshuffle_norm=True) for _ in range(cfg.num_deepstack)]
         )
         self.deepstack_levels = {b: i for i, b in enumerate(cfg.deepstack_visual_indexes)}
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.patch_embed.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.patch_embed.weight.device
 
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, shard: TPGroup | None = None

@@ -16,12 +16,13 @@ call (the auto encoder mode, vision/encoder_plan.py). With None it issues no col
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.activation import get_activation
 from kernels.ops import TORCH_OPS, KernelOps
 from runtime.distributed import TPGroup
 from runtime.layers.linear import (
@@ -31,8 +32,10 @@ from runtime.layers.linear import (
     RowParallelLinear,
 )
 from runtime.layers.weights import LazyWeight, as_lazy, copy_checked, set_weight_loader
+from runtime.model_config import VisionConfig
 
 VISION_ROPE_THETA = 10000.0
+Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) per patch
 
 
 def check_heads(num_heads: int, tp: TPGroup) -> None:
@@ -228,3 +231,55 @@ def _load_one(param: nn.Parameter, weight: LazyWeight | torch.Tensor, shard: int
         loader(param, weight)
     else:
         loader(param, weight, shard)
+
+
+class VisionMLP(nn.Module):
+    """Column-parallel in, activation, row-parallel out. `names`: the two layers' checkpoint
+    names (Qwen2-VL `fc1`/`fc2`, Qwen3-VL `linear_fc1`/`linear_fc2`)."""
+
+    def __init__(self, dim: int, hidden: int, act: str, tp: TPGroup, names: tuple[str, str]):
+        super().__init__()
+        self.names = names
+        setattr(self, names[0], ColumnParallelLinear(dim, [hidden], tp, bias=True))
+        self.act = get_activation(act)
+        setattr(self, names[1], RowParallelLinear(hidden, dim, tp, bias=True))
+
+    def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
+        up, down = (getattr(self, name) for name in self.names)
+        return down(self.act(up(x, shard)), shard)
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm attention and MLP, each with its residual; every tower picks its norm and MLP."""
+
+    def __init__(
+        self,
+        cfg: VisionConfig,
+        tp: TPGroup,
+        ops: KernelOps,
+        norm: Callable[[], nn.Module],
+        mlp: nn.Module,
+    ):
+        super().__init__()
+        self.norm1, self.norm2 = norm(), norm()
+        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp, ops)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, rotary: Rotary,
+                shard: TPGroup | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, rotary, shard)
+        return x + self.mlp(self.norm2(x), shard)
+
+
+class VisionTower(nn.Module):
+    """What every vision tower shares: its dtype and device are those of its patch embedding."""
+
+    patch_embed: nn.Module
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embed.weight.device
