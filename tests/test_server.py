@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -86,9 +87,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("server") / "qwen2_vl"))
 
 
-@pytest.fixture(scope="module")
-def server(folder: str, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(folder, tmp_path_factory.mktemp("log") / "server.log")
+def serve_then_check_teardown(srv: Server) -> Iterator[Server]:
+    """A server fixture's body: serve, then SIGTERM must end every process of the server."""
     yield srv
     srv.stop()
     deadline = time.monotonic() + 10
@@ -98,11 +98,11 @@ def server(folder: str, tmp_path_factory: pytest.TempPathFactory):
     assert not srv.group_alive(), "SIGTERM left a process of the server behind"
 
 
-@pytest.fixture(scope="module")
-def oracle(folder: str) -> dict:
-    """HF greedy text for the messages the tests send."""
+def chat_oracle(folder: str, frame_size: tuple[int, int], new_tokens: int) -> dict:
+    """HF greedy text for the one-image, two-image and video chats the tests send (the video
+    decoded as the server decodes it)."""
     ckpt = Checkpoint(Path(folder))
-    video = mp4_bytes(video_frames(8, (56, 84)))
+    video = mp4_bytes(video_frames(8, frame_size))
     spec = ProcessorSpec.from_checkpoint(folder, MediaLimits())
     prepared = process_video_bytes(video, spec, MediaLimits()).to_prepared()
     cases = {
@@ -112,11 +112,21 @@ def oracle(folder: str) -> dict:
     }
     model = load_hf(Path(folder))
     for case in cases.values():
-        run_hf(model, case, NEW_TOKENS)
-    text = {
-        k: ckpt.tokenizer.decode(c.hf_tokens, skip_special_tokens=True) for k, c in cases.items()
-    }
-    return {"text": text, "video": video}
+        run_hf(model, case, new_tokens)
+    decode = ckpt.tokenizer.decode
+    text = {k: decode(c.hf_tokens, skip_special_tokens=True) for k, c in cases.items()}
+    return {"text": text, "video": video, "frame_times": prepared.frame_times}
+
+
+@pytest.fixture(scope="module")
+def server(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    yield from serve_then_check_teardown(Server(folder, log))
+
+
+@pytest.fixture(scope="module")
+def oracle(folder: str) -> dict:
+    return chat_oracle(folder, (56, 84), NEW_TOKENS)
 
 
 def client(server: Server):

@@ -5,16 +5,19 @@ and timestamped video chats against HF generate."""
 from __future__ import annotations
 
 import base64
-import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 from make_tiny_checkpoint import make_checkpoint
-from test_server import QUESTION, Server, client, image_part, mp4_bytes
-from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
-
-from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.mm_processor import ProcessorSpec, process_video_bytes
+from test_server import (
+    QUESTION,
+    Server,
+    chat_oracle,
+    client,
+    image_part,
+    serve_then_check_teardown,
+)
+from vlm_cases import gradient_image, noise_image
 
 NEW_TOKENS = 16
 
@@ -25,34 +28,14 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(folder: str, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(folder, tmp_path_factory.mktemp("log3") / "server.log")
-    yield srv
-    srv.stop()
-    deadline = time.monotonic() + 10
-    while srv.group_alive() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not srv.group_alive(), "SIGTERM left a process of the server behind"
+def server(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("log3") / "server.log"
+    yield from serve_then_check_teardown(Server(folder, log))
 
 
 @pytest.fixture(scope="module")
 def oracle(folder: str) -> dict:
-    """HF greedy text for the messages the tests send (the video decoded as the server does)."""
-    ckpt = Checkpoint(Path(folder))
-    video = mp4_bytes(video_frames(8, (64, 96)))
-    spec = ProcessorSpec.from_checkpoint(folder, MediaLimits())
-    prepared = process_video_bytes(video, spec, MediaLimits()).to_prepared()
-    cases = {
-        "one_image": ckpt.case("one_image", [noise_image(), QUESTION]),
-        "two_images": ckpt.case("two_images", [gradient_image(), noise_image(), "Compare."]),
-        "video": ckpt.case("video", [prepared, "What happens?"]),
-    }
-    model = load_hf(Path(folder))
-    for case in cases.values():
-        run_hf(model, case, NEW_TOKENS)
-    decode = ckpt.tokenizer.decode
-    text = {k: decode(c.hf_tokens, skip_special_tokens=True) for k, c in cases.items()}
-    return {"text": text, "video": video, "frame_times": prepared.frame_times}
+    return chat_oracle(folder, (64, 96), NEW_TOKENS)
 
 
 def chat(server: Server, content: list[dict]) -> str:
