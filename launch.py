@@ -159,6 +159,7 @@ def fail_everything(loop: asyncio.AbstractEventLoop, tm: object, mm: object, rea
 async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     import uvicorn
 
+    from runtime.transport import local_shm_dir
     from tokenizer_manager.http_server import create_app
     from tokenizer_manager.media import MediaLimits
     from tokenizer_manager.mm_processor import AsyncMMDataProcessor
@@ -174,6 +175,7 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
         per_request_timeout=args.mm_per_request_timeout,
         fetches_per_request=args.mm_max_fetches_per_request,
         max_inflight_bytes=args.mm_max_inflight_mb << 20,
+        shm_dir=local_shm_dir(args.nnodes),
     )
     await mm.warmup()
     kv_total = supervisor.ready_info.get("scheduler-TP0", {}).get("kv_total")

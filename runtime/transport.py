@@ -10,6 +10,13 @@ cross each process boundary once and are pickled once, in the TokenizerManager. 
 large frames go to the other ranks through a shared-memory file instead of the group (only the
 layout, the segment's token and the pickles are broadcast), once per request, never per step.
 
+Media pixels skip even that copy on one node: the media worker that made them writes them into
+a shared-memory file (`SharedTensor`), and only its name travels, in the pickle (a persistent
+reference). Whoever unpickles it reads the file. The file is owned by exactly one place at a
+time, and removed when its owner lets go: the TokenizerManager until the request is sent
+(dropped unsent: removed), then the scheduler ranks, where rank 0 removes it once every rank has
+read it (`release_loaded`). A server that stops sweeps what a killed process left behind.
+
 Received tensors share the receive buffer: they are inputs, read and never written in place.
 """
 
@@ -17,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import mmap
 import os
 import pickle
+import re
 import secrets
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,13 +46,155 @@ logger = get_logger(__name__)
 Frame = bytes | memoryview
 
 
+SHM_DIR = "/dev/shm"
+MEDIA_PREFIX = "tessera-media-"
+_MEDIA_NAME = re.compile(re.escape(MEDIA_PREFIX) + r"(\d+)-[0-9a-f]+$")
+
+
+def local_shm_dir(nnodes: int) -> str | None:
+    """Shared memory that every process of this server can map: /dev/shm when all of them run
+    on this node, else None (everything then crosses as bytes)."""
+    return SHM_DIR if nnodes == 1 and os.path.isdir(SHM_DIR) else None
+
+
+class SharedTensor:
+    """A tensor's bytes in a file in shared memory, passed between processes by name.
+
+    The producer (a media worker) writes the file at a path its caller chose and returns an
+    unowned handle; the handle it pickles back arrives owned: the receiving process removes the
+    file when the handle is dropped, unless it `hand_off()`s the file to the next owner."""
+
+    __slots__ = ("path", "shape", "dtype", "_owner", "__weakref__")
+
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: str, owned: bool = True):
+        self.path, self.shape, self.dtype = path, tuple(int(n) for n in shape), dtype
+        self._owner = weakref.finalize(self, remove_file, path) if owned else None
+
+    def __reduce__(self) -> tuple:
+        return SharedTensor, (self.path, self.shape, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"SharedTensor({self.path!r}, {self.shape}, {self.dtype})"
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def owned(self) -> bool:
+        return self._owner is not None and self._owner.alive
+
+    def hand_off(self) -> None:
+        """The file now belongs to whoever received this handle: dropping it removes nothing."""
+        if self._owner is not None:
+            self._owner.detach()
+
+    def release(self) -> None:
+        """Remove the file now (if this handle owns it)."""
+        if self._owner is not None:
+            self._owner()
+
+    @classmethod
+    def write(cls, array: np.ndarray, path: str) -> SharedTensor:
+        """Write `array` into a new file at `path`; an unowned handle to it. The space is
+        reserved first, so a full shared memory is an OSError here (nothing is left behind),
+        never a fault in a process that maps the file later."""
+        data = np.ascontiguousarray(array)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            if data.nbytes:
+                os.posix_fallocate(fd, 0, data.nbytes)
+            with open(fd, "wb", closefd=False) as out:
+                out.write(memoryview(data.reshape(-1).view(np.uint8)))
+        except BaseException:
+            remove_file(path)
+            raise
+        finally:
+            os.close(fd)
+        return cls(path, data.shape, data.dtype.name, owned=False)
+
+    def load(self) -> torch.Tensor:
+        """The tensor, read from the file into this process's memory in one call. (Reading
+        beats mapping here: 4 ms and no page fault for 11.7 MB into recycled heap memory,
+        against 10 ms and 2,900 faults for a pre-faulted private mapping.)"""
+        tensor = torch.empty(self.shape, dtype=getattr(torch, self.dtype))
+        if self.nbytes:
+            with open(self.path, "rb", buffering=0) as f:
+                got = f.readinto(memoryview(tensor.view(torch.uint8).numpy()))
+            if got != self.nbytes:
+                raise OSError(f"{self.path}: {got} of {self.nbytes} bytes")
+        return tensor
+
+
+_NAME_COUNTER = itertools.count()
+_NAME_TOKEN = secrets.token_hex(4)  # a process of the same pid, later, never reuses a name
+
+
+def new_media_path(shm_dir: str) -> str:
+    """A fresh name for one media file; the creating process's pid is in it."""
+    name = f"{MEDIA_PREFIX}{os.getpid()}-{_NAME_TOKEN}{next(_NAME_COUNTER):08x}"
+    return os.path.join(shm_dir, name)
+
+
+def sweep_media_files(shm_dir: str | None, owner_pid: int | None = None) -> int:
+    """Remove media files named by `owner_pid`, or by any process that is gone (None): what a
+    killed process left behind. Returns how many were removed."""
+    if shm_dir is None or not os.path.isdir(shm_dir):
+        return 0
+    removed = 0
+    for name in os.listdir(shm_dir):
+        match = _MEDIA_NAME.match(name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid == owner_pid or (owner_pid is None and not _alive(pid)):
+            remove_file(os.path.join(shm_dir, name))
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class _Pickler(pickle.Pickler):
-    """Protocol 5 with CPU tensors reduced to numpy arrays (whose bytes go out of band)."""
+    """Protocol 5 with CPU tensors reduced to numpy arrays (whose bytes go out of band) and
+    shared tensors pickled by name (collected in `shared`)."""
+
+    def __init__(self, file: io.BytesIO, buffers: list, shared: list[SharedTensor]):
+        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+        self.shared = shared
 
     def reducer_override(self, obj: object) -> object:
         if isinstance(obj, torch.Tensor) and _numpy_ready(obj):
             return _tensor_from_numpy, (obj.detach().contiguous().numpy(),)
         return NotImplemented
+
+    def persistent_id(self, obj: object) -> object:
+        if type(obj) is SharedTensor:
+            self.shared.append(obj)
+            return (obj.path, obj.shape, obj.dtype)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads every shared tensor it meets and notes the file in `loaded`."""
+
+    def __init__(self, file: io.BytesIO, buffers: Sequence[Frame], loaded: list[str]):
+        super().__init__(file, buffers=buffers)
+        self.loaded = loaded
+
+    def persistent_load(self, pid: object) -> torch.Tensor:
+        path, shape, dtype = pid
+        tensor = SharedTensor(path, shape, dtype, owned=False).load()
+        self.loaded.append(path)
+        return tensor
 
 
 def _numpy_ready(t: torch.Tensor) -> bool:
@@ -55,16 +207,36 @@ def _tensor_from_numpy(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-def to_frames(obj: object) -> list[Frame]:
-    """[pickle, buffer, buffer, ...]; the buffers are views of the tensors' memory."""
+def to_frames(obj: object, shared: list[SharedTensor] | None = None) -> list[Frame]:
+    """[pickle, buffer, buffer, ...]; the buffers are views of the tensors' memory. Shared
+    tensors go by name: they are appended to `shared`, for the sender to hand off once sent."""
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
+    _Pickler(out, buffers, [] if shared is None else shared).dump(obj)
     return [out.getbuffer(), *(b.raw() for b in buffers)]
 
 
-def from_frames(frames: Sequence[Frame]) -> object:
-    return pickle.loads(frames[0], buffers=frames[1:])
+def from_frames(frames: Sequence[Frame], loaded: list[str] | None = None) -> object:
+    """The message. Its shared tensors are read; their files are noted in `loaded` for
+    `release_loaded`, or, without a list (a lone receiver), removed at once."""
+    names: list[str] = [] if loaded is None else loaded
+    obj = _Unpickler(io.BytesIO(frames[0]), frames[1:], names).load()
+    if loaded is None:
+        for path in names:
+            remove_file(path)
+    return obj
+
+
+def release_loaded(paths: list[str], rank: int, group: dist.ProcessGroup | None, size: int) -> None:
+    """Every rank read the same shared files (they unpickled the same messages); once all
+    have, rank 0 removes them. Every rank calls it with the same list."""
+    if not paths:
+        return
+    if size > 1:
+        _all_mapped(group)
+    if rank == 0:
+        for path in paths:
+            remove_file(path)
 
 
 SHARED_MIN_BYTES = 1 << 16  # frames from this size up go through shared memory, when enabled
@@ -157,7 +329,7 @@ def _first_rank_layout(messages: list[list[Frame]], shm_dir: str | None) -> Fram
         _write_segment(path, layout.pick([f for m in messages for f in m], True))
     except OSError as exc:
         logger.warning("shared-memory frames failed (%r); broadcasting them instead", exc)
-        _remove(path)
+        remove_file(path)
         return FrameLayout.plan(messages, None)
     return layout
 
@@ -173,10 +345,10 @@ def _send_inline(
             _all_mapped(group)
     finally:
         if path:
-            _remove(path)
+            remove_file(path)
 
 
-def _remove(path: str) -> None:
+def remove_file(path: str) -> None:
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         os.unlink(path)
 
@@ -207,7 +379,8 @@ def _map_segment(path: str, nbytes: int) -> memoryview:
 
 
 def _all_mapped(group: dist.ProcessGroup | None) -> None:
-    """Every rank has mapped the segment (a barrier that rank 0 can only pass after them)."""
+    """Every rank has mapped the segment, or read the files (a barrier that rank 0 can only
+    pass after them)."""
     dist.all_reduce(torch.zeros(1, dtype=torch.int32), group=group)
 
 

@@ -17,7 +17,13 @@ from runtime.logging_utils import configure_logging, get_logger
 from runtime.memory_pool import kv_pool_tokens
 from runtime.sampler import Sampler
 from runtime.server_args import ServerArgs
-from runtime.transport import Frame, broadcast_frames, from_frames
+from runtime.transport import (
+    Frame,
+    broadcast_frames,
+    from_frames,
+    local_shm_dir,
+    release_loaded,
+)
 from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner, kv_layout
 from scheduler.radix_cache import RadixCache
@@ -28,7 +34,6 @@ from vision.vlm import build_model
 logger = get_logger(__name__)
 
 IDLE_POLL_MS = 20
-SHM_DIR = "/dev/shm"
 
 
 class SchedulerChannel:
@@ -115,12 +120,6 @@ def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:
     )
 
 
-def frames_shm_dir(args: ServerArgs) -> str | None:
-    """Where rank 0 puts the large frames (pixels) for the other ranks: shared memory when every
-    rank runs on this node, else None (the CPU group carries them)."""
-    return SHM_DIR if args.nnodes == 1 and os.path.isdir(SHM_DIR) else None
-
-
 def serve(
     scheduler: Scheduler, tp: TPGroup, channel: SchedulerChannel | None, shm_dir: str | None
 ) -> None:
@@ -129,7 +128,9 @@ def serve(
         if channel is not None:
             frames = channel.recv_all(IDLE_POLL_MS if scheduler.idle else 0)
         frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size, shm_dir)
-        msgs = [from_frames(f) for f in frames]
+        loaded: list[str] = []
+        msgs = [from_frames(f, loaded) for f in frames]
+        release_loaded(loaded, tp.rank, tp.cpu_group, tp.size)
         if any(isinstance(m, ShutdownReq) for m in msgs):
             return
         result = step_or_die(scheduler, tp, msgs)
@@ -180,7 +181,7 @@ def run_scheduler_process(
         raise
     try:
         with torch.inference_mode():
-            serve(scheduler, tp, channel, frames_shm_dir(args))
+            serve(scheduler, tp, channel, local_shm_dir(args.nnodes))
     finally:
         if channel is not None:
             channel.close()

@@ -14,6 +14,7 @@ Usage:
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/tiny-qwen2-vl
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /data/q25-7b --preset 7b
     python scripts/make_tiny_checkpoint.py --arch qwen3_vl --out /tmp/tiny-qwen3-vl
+    python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/vit-heavy --preset vit-heavy
 
 For Qwen3-VL the 7b preset has the shapes of Qwen3-VL-8B.
 """
@@ -37,7 +38,12 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-PRESETS = ("tiny", "7b")
+PRESETS = ("tiny", "vit-heavy", "7b")
+# Presets built in float32 from a transformers model in memory; 7b is streamed in bfloat16.
+# vit-heavy (Qwen2-VL only) pairs a larger vision tower (depth 4, width 320) with the tiny
+# text model: a prefill-bound checkpoint whose time goes to the vision tower, as with real
+# checkpoints and large images, for benchmarks of the serving path on a CPU.
+SMALL_PRESETS = ("tiny", "vit-heavy")
 
 # Number of byte-level BPE tokens (256 byte symbols plus learned merges); the special tokens follow.
 BPE_VOCAB_SIZE = 368
@@ -135,8 +141,13 @@ TEXT_SHAPES: dict[str, dict[str, Any]] = {
     ),
 }
 
+TEXT_SHAPES["vit-heavy"] = TEXT_SHAPES["tiny"]
+
 VISION_SHAPES: dict[tuple[str, str], dict[str, Any]] = {
     ("qwen2_vl", "tiny"): dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2, hidden_size=64),
+    ("qwen2_vl", "vit-heavy"): dict(
+        depth=4, embed_dim=320, num_heads=5, mlp_ratio=4, hidden_size=64
+    ),
     ("qwen2_vl", "7b"): dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584),
     ("qwen2_5_vl", "tiny"): dict(
         depth=2,
@@ -403,7 +414,7 @@ def preprocessor_config(arch: str, preset: str) -> dict[str, Any]:
         return qwen3_preprocessor_config(preset)
     return {
         "min_pixels": 3136,
-        "max_pixels": 200704 if preset == "tiny" else 12845056,
+        "max_pixels": 200704 if preset in SMALL_PRESETS else 12845056,
         "patch_size": 14,
         "temporal_patch_size": 2,
         "merge_size": 2,
@@ -450,7 +461,7 @@ def generation_config(preset: str, ids: dict[str, int]) -> dict[str, Any]:
     """Published sampling defaults for 7b; plain greedy for tiny so HF comparisons stay simple."""
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     base = {"bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"]}
-    if preset == "tiny":
+    if preset in SMALL_PRESETS:
         return {**base, "do_sample": False, "eos_token_id": eos}
     sampling = {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.1}
     return {**base, **sampling, "eos_token_id": eos, "top_k": 1, "top_p": 0.001}
@@ -663,18 +674,25 @@ def remove_old_weights(out: Path) -> None:
         path.unlink()
 
 
+def supported(arch: str, preset: str) -> bool:
+    if arch == "qwen3_vl":
+        return preset in QWEN3_VISION_SHAPES
+    return (arch, preset) in VISION_SHAPES
+
+
 def make_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """Write a complete checkpoint folder for `arch` and `preset` into `out` and return its path.
 
-    The tiny preset is stored in float32, the 7b preset in bfloat16 (shards of at most 4 GiB).
+    The tiny and vit-heavy presets are stored in float32, the 7b preset in bfloat16 (shards of
+    at most 4 GiB).
     """
-    if arch not in ARCHS or preset not in PRESETS:
+    if not supported(arch, preset):
         raise ValueError(f"unknown arch/preset {arch!r}/{preset!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
     ids = special_ids(tok)
-    dtype = torch.float32 if preset == "tiny" else torch.bfloat16
+    dtype = torch.float32 if preset in SMALL_PRESETS else torch.bfloat16
     flat = checkpoint_config(arch, preset, ids, str(dtype).removeprefix("torch."))
     remove_old_weights(out)
     save_tokenizer(tok, out)
@@ -684,7 +702,7 @@ def make_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int 
     write_json(out / "generation_config.json", generation_config(preset, ids))
     if arch == "qwen3_vl":
         write_json(out / "video_preprocessor_config.json", video_preprocessor_config(preset))
-    if preset == "tiny":
+    if preset in SMALL_PRESETS:
         model = build_model(arch, flat, seed)
         weights = published_state(model, arch, flat["tie_word_embeddings"])
     else:

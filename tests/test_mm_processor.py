@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import io
 import json
 import os
@@ -26,12 +27,14 @@ from PIL import Image
 from video_reference import preprocess_video, read_frames
 
 from runtime.multimodal import Modality
+from runtime.transport import from_frames, to_frames
 from tokenizer_manager.media import MediaError, MediaLimits
 from tokenizer_manager.media_fetch import MediaUrlPolicy
 from tokenizer_manager.mm_processor import (
     AsyncMMDataProcessor,
     MediaRef,
     ProcessorSpec,
+    export_pixels,
     process_image_bytes,
     process_video_bytes,
 )
@@ -234,6 +237,50 @@ def test_async_processor_end_to_end(checkpoint: str, video: bytes) -> None:
     assert len(new_pids) == 1 and new_pids != pids
     mm.shutdown()
     assert_processes_gone(pids + new_pids)
+
+
+def test_pixels_come_back_in_shared_files_and_no_file_outlives_its_request(
+    checkpoint: str, video: bytes, tmp_path: Path
+) -> None:
+    """With a shared-memory folder the workers write each item's pixels into a file there and
+    only its name comes back; every way a request can end leaves no file behind."""
+    image = noise_image((70, 50), seed=1)
+    good = MediaRef(IMAGE, data_url(png_bytes(image), "image/png"))
+    refs = [good, MediaRef(VIDEO, data_url(video, "video/mp4"))]
+    bad = [good, MediaRef(IMAGE, "data:image/png;base64,###")]
+
+    async def run() -> tuple[list[str], list[PreparedMedia], list[str], list[MediaError]]:
+        async with AsyncMMDataProcessor(checkpoint, MediaLimits(), shm_dir=str(tmp_path)) as mm:
+            await mm.warmup()
+            out = await mm.process(refs)
+            kinds = [type(m.pixel_values).__name__ for m in out]
+            listed = sorted(os.listdir(tmp_path))
+            assert listed == sorted(os.path.basename(m.pixel_values.path) for m in out)
+            shared: list = []
+            back = from_frames(to_frames(out, shared))  # as the scheduler receives it
+            for handle in shared:
+                handle.hand_off()
+            del out, shared
+            errors = [await _error_of(mm.process(bad))]
+            mm._cpu.job_timeout = 0.005  # the video job is killed mid-way
+            errors.append(await _error_of(mm.process(refs[1:])))
+            gc.collect()
+            return kinds, back, listed, errors, os.listdir(tmp_path)
+
+    kinds, back, listed, errors, left = asyncio.run(run())
+    assert kinds == ["SharedTensor"] * 2
+    assert all(name.startswith(f"tessera-media-{os.getpid()}-") for name in listed)
+    np.testing.assert_array_equal(back[0].pixel_values.numpy(), hf_image(checkpoint, image)[0])
+    pixels, _ = reference_video(checkpoint, video, MediaLimits().max_frames)
+    np.testing.assert_array_equal(back[1].pixel_values.numpy(), pixels)
+    assert [e.code for e in errors] == ["invalid_base64", "media_processing_timeout"]
+    assert left == []  # received ones removed by the receiver, failed ones by their owner
+
+
+def test_pixels_stay_inline_when_the_shared_file_cannot_be_written(tmp_path: Path) -> None:
+    pixels = np.ones((2, 3), np.float32)
+    assert export_pixels(pixels, str(tmp_path / "no-such-folder" / "x")) is pixels
+    assert export_pixels(pixels, None) is pixels
 
 
 async def survive_a_worker_crash(mm: AsyncMMDataProcessor, pid: int, ref: MediaRef) -> list[int]:

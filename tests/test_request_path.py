@@ -24,7 +24,11 @@ from runtime.token_budget import TokenBudget
 from tokenizer_manager.http_server import create_app
 from tokenizer_manager.media import MediaLimits
 from tokenizer_manager.mm_processor import MediaRef, ProcessorSpec
-from tokenizer_manager.multimodal_inputs import PreparedMedia
+from tokenizer_manager.multimodal_inputs import (
+    PLACEHOLDER_RE,
+    PreparedMedia,
+    expand_placeholder_ids,
+)
 from tokenizer_manager.protocol import APIError
 from tokenizer_manager.tokenizer_manager import GenerateInput, TokenizerManager
 
@@ -102,6 +106,35 @@ def test_chat_and_text_prompts_expand_media_the_same_way(checkpoint: Path) -> No
         assert end - start == item_tokens(GRID, tm.config.vision.spatial_merge_size) == 6
         assert req.input_ids[start - 1] == tm.config.vision_start_token_id
     assert text.input_ids[0] == tm.config.vision_start_token_id  # placeholders put in front
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "<|vision_start|><|image_pad|><|vision_end|>describe it",
+        "a <|image_pad|> b<|video_pad|>c <|image_pad|>",
+        " leading space<|image_pad|> trailing space ",
+    ],
+)
+def test_spliced_placeholder_ids_equal_tokenizing_the_expanded_text(
+    checkpoint: Path, prompt: str
+) -> None:
+    """The prompt is tokenized once; each placeholder id is repeated in place. Same ids as
+    tokenizing the expanded text (the slow path, still used for timestamped videos)."""
+    tm = manager(checkpoint)
+    kinds = {"<|image_pad|>": Modality.IMAGE, "<|video_pad|>": Modality.VIDEO}
+    grids = [(1, 4, 6), (2, 8, 4), (1, 2, 2)]
+    media = [
+        PreparedMedia(kinds[pad], torch.zeros(0), grid)
+        for pad, grid in zip(PLACEHOLDER_RE.findall(prompt), grids)
+    ]
+    spliced = expand_placeholder_ids(tm.encode(prompt), media, tm.config)
+    assert spliced == tm.tokenize(prompt, media)
+    assert len(spliced) > len(tm.encode(prompt)) + len(media)
+    with pytest.raises(ValueError, match="count"):
+        expand_placeholder_ids(tm.encode(prompt), media[:-1], tm.config)
+    with pytest.raises(APIError):
+        run(tm, GenerateInput("x", False, fixed(1), 1, text="typed <|image_pad|> by hand"))
 
 
 def test_media_budget_is_what_the_context_and_kv_pool_leave(checkpoint: Path) -> None:

@@ -3,8 +3,12 @@ entry rank's frames reach every rank unchanged."""
 
 from __future__ import annotations
 
+import gc
 import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 from dist_utils import run_on_ranks
@@ -12,7 +16,16 @@ from dist_utils import run_on_ranks
 from runtime.io_struct import AbortReq, TokenizedGenerateReq
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
 from runtime.sampler import SamplingParams
-from runtime.transport import broadcast_frames, from_frames, to_frames
+from runtime.transport import (
+    MEDIA_PREFIX,
+    SharedTensor,
+    broadcast_frames,
+    from_frames,
+    new_media_path,
+    release_loaded,
+    sweep_media_files,
+    to_frames,
+)
 
 
 def request(rid: str, pixels: torch.Tensor) -> TokenizedGenerateReq:
@@ -106,3 +119,90 @@ def test_shared_memory_that_cannot_be_written_falls_back_to_the_group(tmp_path) 
     backing, (big, _), _, left = results[1]
     assert backing == ["ndarray", "ndarray"] and left == ["file"]
     assert torch.equal(big, torch.arange(40_000.0).view(400, 100))
+
+
+# ------------------------------------------------------------------ pixels in shared files
+
+
+def test_a_shared_tensor_travels_by_name_and_its_file_has_one_owner(tmp_path) -> None:  # noqa: ANN001
+    pixels = np.arange(600, dtype=np.float32).reshape(20, 30)
+    path = new_media_path(str(tmp_path))
+    assert os.path.basename(path).startswith(f"{MEDIA_PREFIX}{os.getpid()}-")
+    written = SharedTensor.write(pixels, path)  # the producer's handle owns nothing
+    assert not written.owned and written.nbytes == pixels.nbytes
+    del written
+    gc.collect()
+    assert os.path.exists(path)
+    handle = pickle_round_trip(SharedTensor(path, (20, 30), "float32", owned=False))
+    assert handle.owned  # a received handle owns the file
+    shared: list[SharedTensor] = []
+    frames = to_frames(request("a", handle), shared)
+    assert shared == [handle] and len(frames) == 3  # no pixel frame: the name is in the pickle
+    handle.hand_off()  # sent: dropping the sender's handle removes nothing
+    del handle
+    gc.collect()
+    assert os.path.exists(path)
+    back = from_frames([bytes(f) for f in frames])  # a lone receiver reads, then removes
+    assert not os.path.exists(path)
+    assert torch.equal(back.mm_inputs.items[0].feature, torch.from_numpy(pixels))
+
+
+def pickle_round_trip(obj: object) -> object:
+    import pickle
+
+    return pickle.loads(pickle.dumps(obj))
+
+
+def test_an_unsent_handle_removes_its_file_and_a_failed_write_leaves_nothing(tmp_path) -> None:  # noqa: ANN001
+    path = new_media_path(str(tmp_path))
+    handle = pickle_round_trip(SharedTensor.write(np.ones((4, 4), np.float32), path))
+    del handle  # a request that failed before it was sent
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(FileNotFoundError):
+        SharedTensor.write(np.ones(3, np.float32), str(tmp_path / "missing" / "x"))
+    empty = pickle_round_trip(SharedTensor.write(np.zeros((0, 7), np.float32), path))
+    assert from_frames(to_frames({"e": empty}))["e"].shape == (0, 7)
+    assert os.listdir(tmp_path) == []
+
+
+def test_sweep_removes_files_of_gone_processes_only(tmp_path) -> None:  # noqa: ANN001
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    mine = new_media_path(str(tmp_path))
+    stale = str(tmp_path / f"{MEDIA_PREFIX}{gone.stdout.strip()}-00ff")
+    other = str(tmp_path / "unrelated")
+    for path in (mine, stale, other):
+        open(path, "wb").close()
+    assert sweep_media_files(str(tmp_path)) == 1  # the dead process's file
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(mine), "unrelated"])
+    assert sweep_media_files(str(tmp_path), os.getpid()) == 1  # a stopping server's own
+    assert os.listdir(tmp_path) == ["unrelated"]
+    assert sweep_media_files(None) == 0
+
+
+def shared_pixels_worker(tp, folder: str) -> tuple:  # noqa: ANN001
+    """Rank 0 receives a request whose pixels are a shared file and forwards the frames; every
+    rank reads the file, rank 0 removes it once all have."""
+    sent = None
+    if tp.rank == 0:
+        path = new_media_path(folder)
+        pixels = np.arange(12, dtype=np.float32).reshape(3, 4)
+        handle = pickle_round_trip(SharedTensor.write(pixels, path))
+        sent = [to_frames(request("r", handle))]
+        handle.hand_off()
+    frames = broadcast_frames(sent, tp.rank, tp.cpu_group, tp.size, folder)
+    loaded: list[str] = []
+    msgs = [from_frames(f, loaded) for f in frames]
+    present = sorted(os.listdir(folder))
+    release_loaded(loaded, tp.rank, tp.cpu_group, tp.size)
+    tp.all_reduce_cpu(torch.zeros(1))  # rank 0 has removed it
+    return msgs[0].mm_inputs.items[0].feature, len(loaded), len(present), os.listdir(folder)
+
+
+def test_every_rank_reads_the_shared_pixels_then_rank_0_removes_them(tmp_path) -> None:  # noqa: ANN001
+    for feature, loaded, present, left in run_on_ranks(
+        shared_pixels_worker, 2, str(tmp_path), timeout=120
+    ):
+        assert torch.equal(feature, torch.arange(12.0).view(3, 4))
+        assert (loaded, present, left) == (1, 1, [])

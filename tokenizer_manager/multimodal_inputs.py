@@ -5,7 +5,8 @@ encoded bytes and the processor settings that change its features (computed once
 worker that decoded it; never per rank). Its placeholder run in the prompt is replaced by the
 item's pad_value, so prefix-cache keys differ whenever the media differ.
 
-Prompt text per item is written here too (`expand_placeholders`). Qwen3-VL stamps videos: the
+Prompt text per item is written here too (`expand_placeholders`), and the same expansion over
+token ids (`expand_placeholder_ids`), so a prompt is tokenized once. Qwen3-VL stamps videos: the
 chat template's `<|vision_start|><|video_pad|><|vision_end|>` becomes, for every temporal patch,
 `<{t:.1f} seconds><|vision_start|>` + its placeholders + `<|vision_end|>`. Such a video is still
 one item (one encoding, one cache entry) with one offset range per temporal patch; each range is
@@ -24,6 +25,7 @@ import torch
 from runtime.model_config import ModelConfig
 from runtime.mrope import MRopeItem, compute_mrope_positions_from_items, find_mrope_items
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs, item_tokens
+from runtime.transport import SharedTensor
 
 PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
 PLACEHOLDER_RE = re.compile("(<\\|image_pad\\|>|<\\|video_pad\\|>)")
@@ -36,7 +38,7 @@ class PreparedMedia:
     """One preprocessed image or video, in prompt order."""
 
     modality: Modality
-    pixel_values: torch.Tensor  # [t*h*w patches, patch_dim]
+    pixel_values: torch.Tensor | SharedTensor  # [t*h*w patches, patch_dim]
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None
     digest: int | None = None  # from the encoded bytes (mm_processor.media_digest), when known
@@ -77,6 +79,32 @@ def expand_placeholders(prompt: str, media: list[PreparedMedia], config: ModelCo
             piece = placeholder_text(item, config)
         out.append(piece)
     return "".join(out)
+
+
+def expand_placeholder_ids(
+    ids: list[int], media: list[PreparedMedia], config: ModelConfig
+) -> list[int] | None:
+    """`ids` of the unexpanded prompt with each item's one placeholder token repeated to its
+    token count: the ids of `expand_placeholders`' text without tokenizing it again (the
+    placeholders are special tokens, so the text around them tokenizes alike). None where only
+    text can say it: Qwen3-VL videos, whose timestamps are text.
+
+    Raises ValueError when the placeholders do not match the media in number or kind."""
+    if config.timestamped_video and any(m.modality == Modality.VIDEO for m in media):
+        return None
+    kinds = {config.image_token_id: Modality.IMAGE, config.video_token_id: Modality.VIDEO}
+    found = [i for i, token in enumerate(ids) if token in kinds]
+    if len(found) != len(media):
+        raise ValueError(f"prompt has a media placeholder count other than {len(media)} items")
+    out, start = [], 0
+    merge = config.vision.spatial_merge_size
+    for at, item in zip(found, media):
+        if kinds[ids[at]] != item.modality:
+            raise ValueError("media placeholders out of order")
+        out += ids[start:at]
+        out += [ids[at]] * item_tokens(item.grid_thw, merge)
+        start = at + 1
+    return out + ids[start:]
 
 
 def content_hash(media: PreparedMedia) -> int:

@@ -39,7 +39,7 @@ from runtime.multimodal import Modality
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget
-from runtime.transport import to_frames
+from runtime.transport import SharedTensor, to_frames
 from tokenizer_manager.media import MediaError
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor, MediaRef
@@ -50,6 +50,7 @@ from tokenizer_manager.multimodal_inputs import (
     VISION_START,
     PreparedMedia,
     build_multimodal_inputs,
+    expand_placeholder_ids,
     expand_placeholders,
 )
 from tokenizer_manager.protocol import APIError
@@ -195,7 +196,10 @@ class TokenizerManager:
                 state.queue.put_nowait(StrOutput(rid, "", [], 0, 0, 0, finish))
 
     def _send(self, msg: object) -> None:
-        self._to_scheduler.send_multipart(to_frames(msg), copy=False)
+        shared: list[SharedTensor] = []
+        self._to_scheduler.send_multipart(to_frames(msg, shared), copy=False)
+        for handle in shared:  # the scheduler ranks own these files now
+            handle.hand_off()
 
     # ------------------------------------------------------------------ prompts
     async def tokenize_request(self, inp: GenerateInput) -> TokenizedGenerateReq:
@@ -206,8 +210,9 @@ class TokenizerManager:
         if prompt is None:
             ids, media = self.checked_ids(inp.input_ids or []), []
         else:
-            media = await self.prepare_media(refs, prompt, inp.max_tokens)
-            ids = await self.in_thread(self.tokenize, prompt, media)
+            ids = await self.in_thread(self.encode, prompt)
+            media = await self.prepare_media(refs, ids, inp.max_tokens)
+            ids = await self.expand_ids(prompt, ids, media)
         params = inp.sampling(max(1, self.budget.room(len(ids))))
         return await self.in_thread(self.build_request, inp.rid, ids, media, params, inp.stream)
 
@@ -265,14 +270,14 @@ class TokenizerManager:
         return list(ids)
 
     async def prepare_media(
-        self, refs: list[MediaRef], prompt: str, max_tokens: int | None
+        self, refs: list[MediaRef], ids: list[int], max_tokens: int | None
     ) -> list[PreparedMedia]:
         """Fetch and preprocess `refs`; the images' tokens are checked against what the context
-        leaves the prompt (from their headers, before any is decoded)."""
+        leaves the prompt `ids` (from their headers, before any is decoded)."""
         if not refs:
             return []
         start = time.perf_counter()
-        budget = await self.in_thread(self.media_token_budget, prompt, max_tokens)
+        budget = self.media_token_budget(ids, max_tokens)
         try:
             media = await self.mm.process(refs, budget)
         except MediaError as e:
@@ -280,11 +285,29 @@ class TokenizerManager:
         self.metrics.stage.labels("media").observe(time.perf_counter() - start)
         return media
 
-    def media_token_budget(self, prompt: str, max_tokens: int | None) -> int:
-        """Tokens left for the media: the budget less the text and the tokens to generate."""
-        text = len(self.tokenizer(prompt)["input_ids"]) - len(PLACEHOLDER_RE.findall(prompt))
+    def media_token_budget(self, ids: list[int], max_tokens: int | None) -> int:
+        """Tokens left for the media: the budget less the text (the prompt's ids less its
+        placeholders) and the tokens to generate."""
+        pads = (self.config.image_token_id, self.config.video_token_id)
+        text = len(ids) - sum(1 for token in ids if token in pads)
         reserve = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 1
         return self.budget.room(text + reserve)
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt)["input_ids"]
+
+    async def expand_ids(
+        self, prompt: str, ids: list[int], media: list[PreparedMedia]
+    ) -> list[int]:
+        """The prompt's ids with every placeholder expanded to its item's tokens: spliced into
+        the ids, or (Qwen3-VL videos) the expanded text tokenized."""
+        try:
+            expanded = expand_placeholder_ids(ids, media, self.config)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from e
+        if expanded is None:
+            expanded = await self.in_thread(self.tokenize, prompt, media)
+        return expanded
 
     def tokenize(self, prompt: str, media: list[PreparedMedia]) -> list[int]:
         """Expand each placeholder to its item's prompt text, then tokenize."""
@@ -292,7 +315,7 @@ class TokenizerManager:
             text = expand_placeholders(prompt, media, self.config)
         except ValueError as e:
             raise APIError(str(e), param="messages") from e
-        return self.tokenizer(text)["input_ids"]
+        return self.encode(text)
 
     def build_request(
         self,
