@@ -159,6 +159,7 @@ def fail_everything(loop: asyncio.AbstractEventLoop, tm: object, mm: object, rea
 async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     import uvicorn
 
+    from runtime.cpus import usable_cpus
     from runtime.transport import local_shm_dir
     from tokenizer_manager.http_server import create_app
     from tokenizer_manager.media import MediaLimits
@@ -170,7 +171,7 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
         args.model_path,
         limits,
         io_workers=8,
-        cpu_workers=max(1, min(4, os.cpu_count() or 1)),
+        cpu_workers=min(4, len(usable_cpus())),
         max_concurrent_calls=args.mm_max_concurrent_calls,
         per_request_timeout=args.mm_per_request_timeout,
         fetches_per_request=args.mm_max_fetches_per_request,

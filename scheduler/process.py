@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import traceback
 from multiprocessing.connection import Connection
 
@@ -11,6 +10,7 @@ import zmq
 from torch import nn
 
 from runtime.allocator import keep_freed_memory
+from runtime.cpus import threads_per_rank
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
 from runtime.io_struct import BatchTokenOut, ShutdownReq
 from runtime.logging_utils import configure_logging, get_logger
@@ -160,7 +160,7 @@ def run_scheduler_process(
     configure_logging(args.log_level, prefix=f"TP{tp_rank}")
     keep_freed_memory()
     if not args.use_cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
+        torch.set_num_threads(threads_per_rank(args.tp_size))
     else:
         torch.cuda.set_device(tp_rank % torch.cuda.device_count())
     channel = None

@@ -35,13 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels.ops import get_kernel_ops  # noqa: E402
+from runtime.cpus import rank_cpus, threads_per_rank  # noqa: E402
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group  # noqa: E402
 from runtime.model_config import ModelConfig  # noqa: E402
 from runtime.model_loader import iterate_weights  # noqa: E402
 from tokenizer_manager.video_processor import smart_resize  # noqa: E402
 from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
 from vision.encoder_calibration import calibrate_encoder_costs  # noqa: E402
-from vision.encoder_plan import AutoEncoder, EncoderCosts, TowerShape  # noqa: E402
+from vision.encoder_plan import AutoEncoder, EncoderCosts, TowerShape, frame_units  # noqa: E402
 from vision.vlm import VISION_TOWERS, normalize_checkpoint_name  # noqa: E402
 
 
@@ -110,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="vision attention (auto: triton on CUDA, torch on CPU)",
     )
     p.add_argument("--encoder-costs", default=None, help="auto mode: cost JSON, no calibration")
+    p.add_argument(
+        "--pin-ranks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU: each rank runs on its own share of the usable CPUs (as a GPU per rank would)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart here (needs matplotlib)")
     args = p.parse_args(argv)
@@ -217,7 +224,8 @@ def mode_loads(mode: str, runner: Runner, grids_list: list[list[list[int]]]) -> 
             tp_items, dp_items = range(len(sizes)), []
         elif mode == "dp":
             tp_items, dp_items = [], range(len(sizes))
-        else:
+        else:  # auto plans over frame units
+            sizes = [t * h * w for t, h, w in frame_units(grids)]
             plan = runner.auto.plan(grids)
             tp_items, dp_items = plan.tp_items, plan.dp_items
         shared = sum(sizes[i] for i in tp_items)
@@ -252,7 +260,10 @@ def rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, q
     if device == "cuda":
         torch.cuda.set_device(rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
+        own = rank_cpus(rank, args.tp) if args.pin_ranks else None
+        if own:
+            os.sched_setaffinity(0, own)
+        torch.set_num_threads(len(own) if own else threads_per_rank(args.tp))
     base = init_tp_group(rank, args.tp, f"tcp://127.0.0.1:{port}", use_cuda=device == "cuda")
     try:
         queue.put((rank, run_rank(args, model_path, base, device)))

@@ -42,8 +42,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
 
 import bench_serving  # noqa: E402
+
+from runtime.cpus import usable_cpus  # noqa: E402
 
 WORKLOADS = {
     "prefill": [
@@ -114,6 +117,7 @@ class Server:
     log: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    cpus: list[int] | None = None  # its own CPUs (with --cpus-per-server), inherited by children
 
     @property
     def url(self) -> str:
@@ -121,10 +125,13 @@ class Server:
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        argv = [*self.argv, "--port", str(self.port)]
+        if self.cpus is not None:
+            argv = ["taskset", "--cpu-list", ",".join(map(str, self.cpus)), *argv]
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                [*self.argv, "--port", str(self.port)],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
             )  # fmt: skip
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -181,6 +188,17 @@ def make_server(spec: str, model_path: str, log_dir: Path) -> Server:
         flags += ["--device", "cpu"]
     argv = [sys.executable, "launch.py", "--model-path", model_path, *flags]
     return Server(name, argv, log_dir / f"{name}.log")
+
+
+def pin_servers(servers: list[Server], per_server: int) -> None:
+    """Server i runs on its own `per_server` CPUs; this process (the client) keeps the rest."""
+    cpus = usable_cpus()
+    needed = per_server * len(servers) + 1
+    if len(cpus) < needed:
+        raise SystemExit(f"--cpus-per-server {per_server} needs {needed} CPUs; {len(cpus)} usable")
+    for i, server in enumerate(servers):
+        server.cpus = cpus[i * per_server : (i + 1) * per_server]
+    os.sched_setaffinity(0, cpus[per_server * len(servers) :])
 
 
 # ---------------------------------------------------------------- one measured run
@@ -288,6 +306,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests before each run")
     p.add_argument("--seed", type=int, default=0, help="round r uses image seed SEED + r")
+    p.add_argument(
+        "--cpus-per-server",
+        type=int,
+        default=0,
+        help="give each server N CPUs of its own (taskset) and the benchmark client the rest, "
+        "so no server or client takes another's CPU time (0: all share every CPU)",
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-dir", type=Path, default=Path("bench_vs_reference_logs"))
     p.add_argument("--json", type=Path, default=None)
@@ -299,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     specs = args.server or DEFAULT_SERVERS[args.workload]
     servers = [make_server(spec, args.model_path, args.log_dir) for spec in specs]
+    if args.cpus_per_server:
+        pin_servers(servers, args.cpus_per_server)
     runs: list[dict[str, Any]] = []
     try:
         for server in servers:

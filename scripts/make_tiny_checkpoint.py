@@ -40,9 +40,10 @@ from tokenizers.trainers import BpeTrainer
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 PRESETS = ("tiny", "vit-heavy", "7b")
 # Presets built in float32 from a transformers model in memory; 7b is streamed in bfloat16.
-# vit-heavy (Qwen2-VL only) pairs a larger vision tower (depth 4, width 320) with the tiny
-# text model: a prefill-bound checkpoint whose time goes to the vision tower, as with real
-# checkpoints and large images, for benchmarks of the serving path on a CPU.
+# vit-heavy (Qwen2-VL only) pairs a larger vision tower (depth 4, width 320, 4 heads of 80 as in
+# the published towers, so it shards at tp 2 and 4) with the tiny text model: a prefill-bound
+# checkpoint whose time goes to the vision tower, as with real checkpoints and large images, for
+# benchmarks of the serving path and of the encoder modes on a CPU.
 SMALL_PRESETS = ("tiny", "vit-heavy")
 
 # Number of byte-level BPE tokens (256 byte symbols plus learned merges); the special tokens follow.
@@ -146,7 +147,7 @@ TEXT_SHAPES["vit-heavy"] = TEXT_SHAPES["tiny"]
 VISION_SHAPES: dict[tuple[str, str], dict[str, Any]] = {
     ("qwen2_vl", "tiny"): dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2, hidden_size=64),
     ("qwen2_vl", "vit-heavy"): dict(
-        depth=4, embed_dim=320, num_heads=5, mlp_ratio=4, hidden_size=64
+        depth=4, embed_dim=320, num_heads=4, mlp_ratio=4, hidden_size=64
     ),
     ("qwen2_vl", "7b"): dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584),
     ("qwen2_5_vl", "tiny"): dict(

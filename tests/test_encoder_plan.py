@@ -26,6 +26,7 @@ from vision.encoder_plan import (
     TowerShape,
     dp_cost,
     fixed_plan,
+    frame_units,
     item_work,
     plan_encoder,
     run_planned_encoder,
@@ -194,6 +195,44 @@ def test_feedback_moves_a_mispredicted_tp_plan_to_dp() -> None:
         feedback.observe(plan, modeled * (3 if plan.kind == "tp" else 1))
     assert kinds[0] == "tp" and kinds[-2:] == ["dp", "dp"]
     assert feedback.scale.tp > 1.3 and feedback.scale.dp == pytest.approx(1.0)
+
+
+def test_an_untried_hybrid_is_costed_with_what_tp_and_dp_taught() -> None:
+    """DP measured 30% slower than modeled. A hybrid of many equal small items then only looks
+    cheaper than DP if it is priced at the model's word while DP pays its learned factor."""
+    batch, scale = [[1, 8, 8]] * 16, Scale(dp=1.3)
+    works = [item_work(g, SHAPE) for g in batch]
+    slow = costs(tp_patch_s=0.9e-6)
+    dp_s = dp_cost(works, 2, SHAPE, slow)
+    hybrids = [tp_cost(works[:k], SHAPE, slow) + dp_cost(works[k:], 2, SHAPE, slow)
+               for k in range(1, len(works))]
+    assert plan_encoder(batch, 2, SHAPE, slow).kind == "dp"
+    assert min(hybrids) < 1.3 * dp_s  # a flat factor of 1 for the hybrid would pick it
+    plan = plan_encoder(batch, 2, SHAPE, slow, scale)
+    assert plan.kind == "dp" and plan.factor == pytest.approx(1.3)
+    # Once a hybrid has been measured, its own factor decides.
+    assert plan_encoder(batch, 2, SHAPE, slow, replace(scale, hybrid=0.5)).kind == "hybrid"
+
+
+def test_feedback_moves_each_factor_towards_measured_over_modeled() -> None:
+    feedback = EncoderFeedback(rate=0.5)
+    plan = plan_encoder([[1, 8, 8]] * 4, 2, SHAPE, COSTS, feedback.scale)
+    for _ in range(3):  # the same plan's time fed in again (a batch of feedback): it converges
+        feedback.observe(plan, 4 * plan.est_s)
+    assert feedback.scale.of(plan.kind) == pytest.approx(4 ** (1 - 0.5**3))
+
+
+def test_a_video_spreads_its_frames_over_the_ranks() -> None:
+    """A 4-frame video as one item: DP leaves a rank idle, so TP wins. Auto plans over frame
+    units, and DP with two frames per rank beats both."""
+    video = [[4, 32, 32]]
+    whole = plan_encoder(video, 2, SHAPE, COSTS)
+    assert whole.kind == "tp"
+    auto = AutoEncoder(torch.nn.Identity(), TPGroup(rank=0, size=2), SHAPE, COSTS)
+    plan = auto.plan(video)
+    assert (plan.kind, plan.dp_items) == ("dp", (0, 1, 2, 3))
+    assert plan.est_s < whole.est_s
+    assert frame_units([[2, 4, 6], [1, 2, 2]]) == [[1, 4, 6], [1, 4, 6], [1, 2, 2]]
 
 
 def test_feedback_learns_each_kind_apart_and_stays_bounded() -> None:

@@ -18,6 +18,7 @@ from dist_utils import run_on_ranks
 from kernels.attention.varlen import varlen_attention
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig, VisionConfig
+from vision.encoder_plan import frame_units
 from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer, window_index
 from vision.qwen2_vl_vit import Qwen2VisionTransformer
 from vision.qwen3_vl_vit import Qwen3VisionTransformer, position_table_taps
@@ -241,6 +242,20 @@ def test_items_are_independent(arch: str, oracle: dict) -> None:
     ]
     together = run_cases(tower, [batch])[0]
     torch.testing.assert_close(together, torch.cat(run_cases(tower, alone)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_frames_are_independent(arch: str, oracle: dict) -> None:
+    """A video encoded as one (t, h, w) item equals its t frame units (1, h, w) encoded as
+    items, rows in the same order: what the auto mode's planner relies on to spread a long
+    video over the ranks (vision.encoder_plan.frame_units)."""
+    tower = build_tower(arch, oracle[arch]["state"], TPGroup())
+    grids = [(3, 8, 12), (1, 4, 6), (2, 6, 10)]
+    whole = make_inputs(vision_config(arch), grids, seed=11)
+    units = {"pixels": whole["pixels"], "grid": torch.tensor(frame_units(grids))}
+    assert units["grid"].tolist() == [[1, 8, 12]] * 3 + [[1, 4, 6]] + [[1, 6, 10]] * 2
+    as_items, as_units = run_cases(tower, [whole, units])
+    torch.testing.assert_close(as_units, as_items, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- pure helpers and errors

@@ -108,12 +108,14 @@ class TowerShape:
 @dataclass(frozen=True)
 class EncoderPlan:
     """`tp_items` run TP across all ranks (first), `dp_items` are balanced DP; item indices are
-    in the call's original order. `est_s` is the cost model's estimate."""
+    in the call's original order. `est_s` is the cost model's estimate: the modeled time times
+    `factor`, what the feedback had learned for this kind of plan."""
 
     kind: str
     tp_items: tuple[int, ...]
     dp_items: tuple[int, ...]
     est_s: float
+    factor: float = 1.0
 
 
 def item_work(grid: Sequence[int], shape: TowerShape) -> tuple[int, int]:
@@ -183,15 +185,16 @@ def plan_encoder(grids: Sequence[Sequence[int]], ranks: int, shape: TowerShape,
     if ranks == 1 or not works:
         return EncoderPlan("dp", (), tuple(range(len(works))), dp_cost(works, 1, shape, costs))
     order = sorted(range(len(works)), key=lambda i: -works[i][0])  # stable: ties keep index order
-    best_k, best = 0, float("inf")
+    best_k, best, factor = 0, float("inf"), 1.0
     for k in range(len(order) + 1):
-        est = tp_cost([works[i] for i in order[:k]], shape, costs)
-        est += dp_cost([works[i] for i in sorted(order[k:])], ranks, shape, costs)
-        est *= scale.of(_kind(k, len(order)))
+        tp_s = tp_cost([works[i] for i in order[:k]], shape, costs)
+        dp_s = dp_cost([works[i] for i in sorted(order[k:])], ranks, shape, costs)
+        est = scale.estimate(_kind(k, len(order)), tp_s, dp_s)
         if est < best:
             best_k, best = k, est
+            factor = est / (tp_s + dp_s) if tp_s + dp_s > 0 else 1.0
     tp_items, dp_items = tuple(sorted(order[:best_k])), tuple(sorted(order[best_k:]))
-    return EncoderPlan(_kind(best_k, len(order)), tp_items, dp_items, best)
+    return EncoderPlan(_kind(best_k, len(order)), tp_items, dp_items, best, factor)
 
 
 def _kind(tp_count: int, total: int) -> str:
@@ -201,14 +204,24 @@ def _kind(tp_count: int, total: int) -> str:
 @dataclass(frozen=True)
 class Scale:
     """Factors on the modeled time of each kind of plan: measured over modeled, learned while
-    serving."""
+    serving. A hybrid is a TP call followed by a DP call: until a hybrid has been measured
+    (`hybrid` None), its TP part takes TP's factor and its DP part DP's, so an untried hybrid
+    never looks cheaper than what the other two kinds have taught (with a flat 1 it would win
+    as soon as DP measured a little slower than modeled, and then lose when run)."""
 
     dp: float = 1.0
     tp: float = 1.0
-    hybrid: float = 1.0
+    hybrid: float | None = None
 
     def of(self, kind: str) -> float:
-        return getattr(self, kind)
+        value = getattr(self, kind)
+        return 1.0 if value is None else value
+
+    def estimate(self, kind: str, tp_s: float, dp_s: float) -> float:
+        """A plan's time from its modeled TP and DP parts."""
+        if kind == "hybrid" and self.hybrid is None:
+            return self.tp * tp_s + self.dp * dp_s
+        return self.of(kind) * (tp_s + dp_s)
 
 
 @dataclass
@@ -231,7 +244,10 @@ class EncoderFeedback:
         if plan.est_s <= 0 or seconds <= 0:
             return
         low, high = self.bounds
-        moved = self.scale.of(plan.kind) * (seconds / plan.est_s) ** self.rate
+        modeled = plan.est_s / plan.factor
+        current = getattr(self.scale, plan.kind)
+        current = plan.factor if current is None else current  # a hybrid's first measurement
+        moved = current * (seconds / (modeled * current)) ** self.rate
         self.scale = replace(self.scale, **{plan.kind: min(high, max(low, moved))})
 
 
@@ -253,13 +269,15 @@ class AutoEncoder:
         self._timed: list[tuple[EncoderPlan, float]] = []  # this rank's times, not yet shared
 
     def plan(self, grids: Sequence[Sequence[int]]) -> EncoderPlan:
-        return plan_encoder(grids, self.tp.size, self.shape, self.costs, self.feedback.scale)
+        """The plan over the call's frame units (see `frame_units`)."""
+        units = frame_units(grids)
+        return plan_encoder(units, self.tp.size, self.shape, self.costs, self.feedback.scale)
 
     def __call__(self, pixel_values: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
         plan = self.plan(grids)
         self.plan_counts[plan.kind] += 1
         start = time.perf_counter()
-        out = run_planned_encoder(self.tower, pixel_values, grids, self.tp, plan)
+        out = run_planned_encoder(self.tower, pixel_values, frame_units(grids), self.tp, plan)
         if out.is_cuda:
             torch.cuda.synchronize()
         self._timed.append((plan, time.perf_counter() - start))
@@ -273,6 +291,17 @@ class AutoEncoder:
         for (plan, _), seconds in zip(self._timed, slowest):
             self.feedback.observe(plan, seconds)
         self._timed.clear()
+
+
+def frame_units(grids: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The call's items cut into temporal patches: a (t, h, w) item becomes t units (1, h, w).
+
+    Every tower attends within one temporal patch only (per-frame `cu_seqlens`; windows and
+    position embeddings repeat per frame), and an item's pixel rows and output rows run frame
+    after frame, so the units' outputs, concatenated, are the items' outputs. Planned over
+    units, a long video spreads over the ranks DP-style instead of leaving every rank but one
+    idle (DP) or paying TP's per-layer all-reduces on every patch."""
+    return [[1, int(h), int(w)] for t, h, w in grids for _ in range(int(t))]
 
 
 def fixed_plan(kind: str, num_items: int) -> EncoderPlan:
