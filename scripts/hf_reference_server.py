@@ -54,7 +54,10 @@ class Reference:
         self.template = load_chat_template(model_path, self.tokenizer)
         self.name = Path(model_path).name
         self.device, self.dtype = device, dtype
-        self.lock = threading.Lock()
+        # One request at a time, queued on the event loop. (Taken inside `stream`, a lock made
+        # waiting requests block the executor's threads that advance the running one: with
+        # more requests in flight than threads, every thread waited and nothing ran.)
+        self.turn = asyncio.Lock()
 
     def inputs(self, messages: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         images = [load_image(url) for url in image_urls(messages)]
@@ -75,22 +78,19 @@ class Reference:
         return out
 
     def stream(self, body: dict[str, Any], result: dict[str, Any]) -> Iterator[str]:
-        """Text pieces as `generate` produces them; the lock serialises requests. On return,
+        """Text pieces as `generate` produces them (the caller holds `turn`). On return,
         `result` holds the usage and the finish reason."""
         from transformers import TextIteratorStreamer
 
-        with self.lock:
-            inputs = self.inputs(body["messages"])
-            streamer = TextIteratorStreamer(
-                self.tokenizer, skip_prompt=True, skip_special_tokens=True
-            )
-            kwargs = generation_kwargs(body) | {"streamer": streamer}
-            worker = threading.Thread(target=self.run, args=(inputs, kwargs, result))
-            worker.start()
-            try:
-                yield from streamer
-            finally:
-                worker.join()  # also when the client left: the next request starts after it
+        inputs = self.inputs(body["messages"])
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        kwargs = generation_kwargs(body) | {"streamer": streamer}
+        worker = threading.Thread(target=self.run, args=(inputs, kwargs, result))
+        worker.start()
+        try:
+            yield from streamer
+        finally:
+            worker.join()  # also when the client left: the next request starts after it
 
     def run(self, inputs: dict[str, Any], kwargs: dict[str, Any], result: dict[str, Any]) -> None:
         with torch.inference_mode():
@@ -192,16 +192,17 @@ def create_app(ref: Reference) -> FastAPI:
 async def pieces_of(
     ref: Reference, body: dict[str, Any], result: dict[str, Any]
 ) -> AsyncIterator[str]:
-    """Run the blocking streamer in a thread, one piece at a time."""
+    """Run the blocking streamer in a thread, one piece at a time, one request at a time."""
     loop = asyncio.get_running_loop()
-    pieces = ref.stream(body, result)
-    done = object()
-    try:
-        while (piece := await loop.run_in_executor(None, next, pieces, done)) is not done:
-            if piece:
-                yield piece
-    finally:
-        await loop.run_in_executor(None, pieces.close)
+    async with ref.turn:
+        pieces = ref.stream(body, result)
+        done = object()
+        try:
+            while (piece := await loop.run_in_executor(None, next, pieces, done)) is not done:
+                if piece:
+                    yield piece
+        finally:
+            await loop.run_in_executor(None, pieces.close)
 
 
 def envelope(ref: Reference, rid: str, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -3,9 +3,12 @@ text for image chats (inputs built independently by the test helpers), streamed 
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from hf_reference_server import Reference, create_app
@@ -68,3 +71,24 @@ def test_stream_equals_full_response(client: TestClient) -> None:
     assert full["usage"]["completion_tokens"] == NEW_TOKENS
     assert full["choices"][0]["finish_reason"] == "length"
     assert client.get("/v1/models").json()["data"][0]["id"] == "qwen2_vl"
+
+
+def test_more_requests_in_flight_than_executor_threads(folder: Path) -> None:
+    """Six streamed requests at once on an executor of two threads all finish: waiting
+    requests queue on the event loop and never hold the threads the running one needs."""
+    import torch
+
+    app = create_app(Reference(str(folder), "cpu", torch.float32))
+    request = body([noise_image()], "Describe.", ignore_eos=True, stream=True)
+
+    async def one(client: httpx.AsyncClient) -> str:
+        async with client.stream("POST", "/v1/chat/completions", json=request) as resp:
+            return [line async for line in resp.aiter_lines() if line.startswith("data: ")][-1]
+
+    async def run() -> list[str]:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ref") as client:
+            return await asyncio.wait_for(asyncio.gather(*[one(client) for _ in range(6)]), 120)
+
+    assert asyncio.run(run()) == ["data: [DONE]"] * 6
