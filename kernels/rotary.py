@@ -9,6 +9,8 @@ j < 3 * section[1], to width when j % 3 == 2 and j < 3 * section[2], else to tem
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 
@@ -17,11 +19,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@lru_cache(maxsize=16)  # the same few tables every forward; callers never write to them
 def inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
     return (1.0 / theta**exponents).float()
 
 
+@lru_cache(maxsize=16)
 def mrope_axes(num_freqs: int, mrope_section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
     """The position row (0 temporal, 1 height, 2 width) of each of a head's `num_freqs`
     frequencies: [num_freqs] long. Pure."""
@@ -47,7 +51,8 @@ def mrope_cos_sin(
         angles = positions.float()[:, None] * freqs[None, :]
     else:
         per_axis = positions.float()[:, :, None] * freqs[None, None, :]  # [3, T, D/2]
-        axes = mrope_axes(freqs.numel(), mrope_section, interleaved).to(positions.device)
+        axes = mrope_axes(freqs.numel(), tuple(mrope_section), interleaved)
+        axes = axes.to(positions.device)
         angles = per_axis.gather(0, axes.expand(1, per_axis.shape[1], -1)).squeeze(0)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()

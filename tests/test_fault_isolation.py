@@ -8,9 +8,12 @@ hang."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from make_tiny_checkpoint import make_checkpoint
 from scheduler_harness import SchedulerHarness
 from vlm_cases import Checkpoint, gradient_image, noise_image
@@ -18,6 +21,7 @@ from vlm_cases import Checkpoint, gradient_image, noise_image
 from runtime.io_struct import TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from scheduler.faults import check_item
 
 NEW_TOKENS = 8
 
@@ -78,3 +82,18 @@ def test_injected_faults_fail_their_requests_only_at_tp2(
     assert info.kv_free + info.kv_evictable == info.kv_total and info.kv_protected == 0
     assert info.encoder_cache.pins == 0
     assert (info.counters.mixed_steps > 0) == mixed
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, None])
+def test_media_features_must_be_finite(bad: float | None) -> None:
+    """The input check refuses a feature holding NaN or either infinity, anywhere in it."""
+    feature = torch.randn(6, 4)
+    if bad is not None:
+        feature[4, 1] = bad
+    item = SimpleNamespace(offsets=[(1, 3)], pad_value=7, feature=feature, num_patches=6)
+    prompt = torch.tensor([0, 7, 7, 0])
+    if bad is None:
+        check_item(item, prompt)
+        return
+    with pytest.raises(ValueError, match="NaN or inf"):
+        check_item(item, prompt)
