@@ -194,6 +194,14 @@ def test_streaming_with_usage(server: Server, oracle: dict) -> None:
     assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
 
 
+def test_ranks_wait_for_work_without_spinning(server: Server) -> None:
+    """On CPU the ranks' OpenMP threads sleep when idle (unless the user chose otherwise)."""
+    expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    for rank in ("scheduler-TP0", "scheduler-TP1"):
+        environ = Path(f"/proc/{server.pid_of(rank)}/environ").read_bytes().split(b"\0")
+        assert f"OMP_WAIT_POLICY={expected}".encode() in environ
+
+
 def test_repeated_prompt_reports_cached_tokens(server: Server) -> None:
     content = [image_part(gradient_image()), {"type": "text", "text": "Once more."}]
     first = chat(server, content)
