@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from dist_utils import run_on_ranks
 from make_tiny_checkpoint import make_checkpoint
 from safetensors.torch import load_file, save_file
 
+from runtime.cpus import rank_cpus, threads_per_rank, usable_cpus
 from runtime.distributed import TPGroup
 from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -169,3 +171,20 @@ def test_vit_benchmark_prints_every_mode(tmp_path: Path) -> None:
     assert tp["collective_bytes_per_rank"] > 0 and dp["collective_bytes_per_rank"] > 0
     assert sum(auto["plans"].values()) == 2  # one plan per timed batch
     assert png.stat().st_size > 0
+
+
+def test_ranks_share_the_usable_cpus() -> None:
+    cpus = [4, 5, 6, 7, 8]  # e.g. `taskset -c 4-8` on a larger machine
+    assert [rank_cpus(r, 2, cpus) for r in range(2)] == [[4, 5], [6, 7]]
+    assert threads_per_rank(2, cpus) == 2 and threads_per_rank(8, cpus) == 1
+    assert rank_cpus(0, 8, cpus) is None  # fewer CPUs than ranks: no pinning
+    assert usable_cpus() == sorted(os.sched_getaffinity(0))
+
+
+def test_a_rank_counts_the_cpus_it_may_use_not_the_machine() -> None:
+    """Under `taskset -c 0` a process sees one CPU, whatever the machine has."""
+    code = "from runtime.cpus import threads_per_rank; print(threads_per_rank(1))"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], cwd=root,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"

@@ -270,14 +270,17 @@ class AutoEncoder:
 
     def plan(self, grids: Sequence[Sequence[int]]) -> EncoderPlan:
         """The plan over the call's frame units (see `frame_units`)."""
-        units = frame_units(grids)
+        return self._plan_units(frame_units(grids))
+
+    def _plan_units(self, units: list[list[int]]) -> EncoderPlan:
         return plan_encoder(units, self.tp.size, self.shape, self.costs, self.feedback.scale)
 
     def __call__(self, pixel_values: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
-        plan = self.plan(grids)
+        units = frame_units(grids)
+        plan = self._plan_units(units)
         self.plan_counts[plan.kind] += 1
         start = time.perf_counter()
-        out = run_planned_encoder(self.tower, pixel_values, frame_units(grids), self.tp, plan)
+        out = run_planned_encoder(self.tower, pixel_values, units, self.tp, plan)
         if out.is_cuda:
             torch.cuda.synchronize()
         self._timed.append((plan, time.perf_counter() - start))
