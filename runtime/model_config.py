@@ -80,11 +80,6 @@ class VisionConfig:
         return self.out_hidden_size * (1 + self.num_deepstack)
 
     @property
-    def patch_kernel(self) -> tuple[int, int, int, int]:
-        """(channels, temporal, height, width) of one flattened patch."""
-        return (self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
-
-    @property
     def patch_dim(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 

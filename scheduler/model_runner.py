@@ -84,13 +84,24 @@ class ModelRunner:
         decode_tail: int = 0,
     ) -> torch.Tensor:
         slots = self._alloc(sum(lens))
+        # Extends one by one; the decoding tail (all of a decode batch) in one go: one token
+        # each, past its prompt, so its position is its index plus the request's MRoPE delta.
+        tail = len(seqs) if mode is ForwardMode.DECODE else decode_tail
+        head = len(seqs) - tail
         ids, positions, offset = [], [], 0
-        for seq, n in zip(seqs, lens):
+        for seq, n in zip(seqs[:head], lens[:head]):
             start = seq.kv_len
             self.req_pool.write(seq.req_pool_index, start, slots[offset : offset + n])
             ids.extend(seq.token_ids[start : start + n])
             positions.append(seq.positions(start, start + n))
             offset += n
+        if tail:
+            decoding = seqs[head:]
+            indices = [seq.kv_len for seq in decoding]
+            self.req_pool.write_each([s.req_pool_index for s in decoding], indices, slots[offset:])
+            ids.extend(seq.token_ids[i] for seq, i in zip(decoding, indices))
+            values = [i + seq.mrope_delta for seq, i in zip(decoding, indices)]
+            positions.append(torch.tensor(values, dtype=torch.long).expand(3, -1))
         batch = ForwardBatch(
             mode=mode,
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),

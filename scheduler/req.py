@@ -76,10 +76,15 @@ class Req:
             arrival=arrival,
         )
 
+    @property
+    def mrope_delta(self) -> int:
+        """A decoded token's MRoPE position is its sequence index plus this (see positions)."""
+        return 0 if self.mm is None else self.mm.mrope_position_delta
+
     def positions(self, start: int, end: int) -> torch.Tensor:
         """[3, end - start] MRoPE positions for sequence indices [start, end)."""
         prompt_len = 0 if self.mm is None else self.mm.mrope_positions.shape[1]
-        delta = 0 if self.mm is None else self.mm.mrope_position_delta
+        delta = self.mrope_delta
         parts = []
         if start < prompt_len:
             parts.append(self.mm.mrope_positions[:, start : min(end, prompt_len)])

@@ -341,9 +341,8 @@ async def read_stream(resp: httpx.Response, trace: StreamTrace) -> None:
 
 
 async def send_request(
-    session: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str]
+    session: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]
 ) -> RequestRecord:
-    body = json.dumps(payload).encode()  # serialized before the clock starts
     headers = {**headers, "Content-Type": "application/json"}
     trace = StreamTrace()
     start = time.perf_counter()
@@ -366,16 +365,20 @@ async def run_requests(
     offsets: Sequence[float],
     max_concurrency: int | None,
 ) -> tuple[list[RequestRecord], float]:
-    """Send each payload at its offset (waiting for a free slot if capped); records + duration."""
-    slots = asyncio.Semaphore(max_concurrency or len(payloads) or 1)
+    """Send each payload at its offset (waiting for a free slot if capped); records + duration.
+
+    The bodies are serialized before the run starts: the client's CPU inside the window is
+    taken from the server under test (a 0.8 MB body costs 1.4 ms to serialize)."""
+    bodies = [json.dumps(payload).encode() for payload in payloads]
+    slots = asyncio.Semaphore(max_concurrency or len(bodies) or 1)
     start = time.perf_counter()
 
-    async def one(payload: dict[str, Any], offset: float) -> RequestRecord:
+    async def one(body: bytes, offset: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         async with slots:
-            return await send_request(session, url, payload, headers)
+            return await send_request(session, url, body, headers)
 
-    records = await asyncio.gather(*(one(p, o) for p, o in zip(payloads, offsets)))
+    records = await asyncio.gather(*(one(b, o) for b, o in zip(bodies, offsets)))
     return list(records), time.perf_counter() - start
 
 

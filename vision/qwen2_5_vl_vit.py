@@ -108,7 +108,7 @@ class Qwen2_5_VisionTransformer(VisionTower):
         self.spatial_merge_size = cfg.spatial_merge_size
         self.out_hidden_size = cfg.out_hidden_size
         self.full_attention_blocks = frozenset(cfg.fullatt_block_indexes)
-        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim, cfg.patch_kernel)
+        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim)
         self.rotary = VisionRotary(cfg.head_dim)
         self.blocks = nn.ModuleList(
             [qwen2_5_block(cfg, tp, ops) for _ in range(cfg.depth)]

@@ -48,7 +48,7 @@ class Qwen2VisionTransformer(VisionTower):
         self.tp = tp
         self.spatial_merge_size = cfg.spatial_merge_size
         self.out_hidden_size = cfg.out_hidden_size
-        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim, cfg.patch_kernel)
+        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim)
         self.rotary = VisionRotary(cfg.head_dim)
         self.blocks = nn.ModuleList([qwen2_block(cfg, tp, ops) for _ in range(cfg.depth)])
         norm = LayerNorm(cfg.embed_dim, eps=NORM_EPS)

@@ -113,9 +113,7 @@ class Qwen3VisionTransformer(VisionTower):
         self.spatial_merge_size = cfg.spatial_merge_size
         self.out_hidden_size = cfg.embed_row_dim  # the width of one output row, all levels
         self.side = round(cfg.num_position_embeddings**0.5)
-        self.patch_embed = VisionPatchEmbed(
-            cfg.patch_dim, cfg.embed_dim, cfg.patch_kernel, bias=cfg.patch_bias
-        )
+        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim, bias=cfg.patch_bias)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.embed_dim)
         self.pos_embed.weight.requires_grad_(False)
         set_weight_loader(self.pos_embed.weight, default_weight_loader)
