@@ -47,6 +47,7 @@ setup(
             "ruff",
             "triton>=3.0",
             "matplotlib",
+            "aiohttp>=3.9",  # scripts/bench_serving.py's client
         ],
         "gpu": ["triton>=3.0", "flashinfer-python"],
     },

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 from PIL import Image
 
@@ -305,12 +305,12 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 async def first_model_id(
-    session: httpx.AsyncClient, base_url: str, headers: dict[str, str]
+    session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]
 ) -> str:
     try:
-        resp = await session.get(f"{base_url}/v1/models", headers=headers)
-        body = resp.json()
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
+            body = json.loads(await resp.read())
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise BenchError(f"cannot list models at {base_url}/v1/models: {reason}") from exc
     models = body.get("data") if isinstance(body, dict) else None
@@ -319,19 +319,19 @@ async def first_model_id(
     return str(models[0]["id"])
 
 
-async def http_error(resp: httpx.Response) -> str:
-    text = (await resp.aread()).decode("utf-8", errors="replace")
+async def http_error(resp: aiohttp.ClientResponse) -> str:
+    text = (await resp.read()).decode("utf-8", errors="replace")
     try:
         message = error_message(json.loads(text))
     except json.JSONDecodeError:
         message = None
-    return f"HTTP {resp.status_code}: {message or text[:300]}"
+    return f"HTTP {resp.status}: {message or text[:300]}"
 
 
-async def read_stream(resp: httpx.Response, trace: StreamTrace) -> None:
+async def read_stream(resp: aiohttp.ClientResponse, trace: StreamTrace) -> None:
     """Split the body into lines as bytes arrive; each line is stamped with its arrival time."""
     pending = b""
-    async for piece in resp.aiter_raw():
+    async for piece in resp.content.iter_any():
         now = time.perf_counter()
         *lines, pending = (pending + piece).split(b"\n")
         for line in lines:
@@ -341,24 +341,24 @@ async def read_stream(resp: httpx.Response, trace: StreamTrace) -> None:
 
 
 async def send_request(
-    session: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]
+    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]
 ) -> RequestRecord:
     headers = {**headers, "Content-Type": "application/json"}
     trace = StreamTrace()
     start = time.perf_counter()
     try:
-        async with session.stream("POST", url, content=body, headers=headers) as resp:
-            if resp.status_code != 200:
+        async with session.post(url, data=body, headers=headers) as resp:
+            if resp.status != 200:
                 trace.error = await http_error(resp)
             else:
                 await read_stream(resp, trace)
-    except (httpx.HTTPError, UnicodeDecodeError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
         trace.error = f"{type(exc).__name__}: {exc}"
     return finish_trace(trace, start, time.perf_counter())
 
 
 async def run_requests(
-    session: httpx.AsyncClient,
+    session: aiohttp.ClientSession,
     url: str,
     payloads: Sequence[dict[str, Any]],
     headers: dict[str, str],
@@ -401,10 +401,15 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     offsets = arrival_offsets(len(measured), args.request_rate, args.seed)
     headers = auth_headers(args.api_key)
     url = f"{args.base_url}/v1/chat/completions"
-    timeout = httpx.Timeout(args.request_timeout)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # --request-timeout bounds connecting and each wait for bytes, not a whole stream
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=args.request_timeout, sock_read=args.request_timeout
+    )
     # the semaphore, not the client's pool, caps load; the environment's proxies are not used
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as session:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, trust_env=False
+    ) as session:
         model = args.model or await first_model_id(session, args.base_url, headers)
         warm_payloads = [build_payload(r, model, args.ignore_eos) for r in warmup]
         warm, _ = await run_requests(
@@ -431,17 +436,18 @@ SERVER_HISTOGRAMS = {
 
 
 async def scrape(
-    session: httpx.AsyncClient, base_url: str, headers: dict[str, str]
+    session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]
 ) -> dict[str, float]:
     """The server's Prometheus samples ({} when it has no /metrics): name[label...] -> value."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        resp = await session.get(f"{base_url}/metrics", headers=headers)
-        if resp.status_code != 200:
-            return {}
-        families = list(text_string_to_metric_families(resp.text))
-    except (httpx.HTTPError, ValueError):
+        async with session.get(f"{base_url}/metrics", headers=headers) as resp:
+            if resp.status != 200:
+                return {}
+            text = (await resp.read()).decode("utf-8")
+        families = list(text_string_to_metric_families(text))
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return {}
     return {
         s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value

@@ -370,4 +370,4 @@ def test_unreachable_server(tmp_path: Path) -> None:
     finally:
         sock.close()
     assert code == 1 and report["metrics"]["failed"] == 2
-    assert report["metrics"]["errors"][0].startswith("ConnectError")
+    assert report["metrics"]["errors"][0].startswith("ClientConnectorError")

@@ -245,6 +245,21 @@ def test_items_are_independent(arch: str, oracle: dict) -> None:
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
+def test_pixels_as_item_blocks_equal_their_concatenation(arch: str, oracle: dict) -> None:
+    """The tower takes a call's pixels as one block per item (how the scheduler passes them, so
+    they are never copied into one tensor): the same output, bit for bit, as the joined pixels.
+    Qwen3-VL's patch embedding has a bias (the addmm path), the others none."""
+    tower = build_tower(arch, oracle[arch]["state"], TPGroup())
+    grids = [(1, 8, 12), (2, 4, 6), (1, 6, 10)]
+    batch = make_inputs(vision_config(arch), grids, seed=5)
+    blocks = list(batch["pixels"].split([t * h * w for t, h, w in grids]))
+    with torch.inference_mode():
+        joined = tower(batch["pixels"], batch["grid"])
+        assert torch.equal(tower(blocks, batch["grid"]), joined)
+        assert torch.equal(tower.patch_embed(blocks), tower.patch_embed(batch["pixels"]))
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
 def test_frames_are_independent(arch: str, oracle: dict) -> None:
     """A video encoded as one (t, h, w) item equals its t frame units (1, h, w) encoded as
     items, rows in the same order: what the auto mode's planner relies on to spread a long

@@ -26,6 +26,7 @@ from runtime.layers.norm import RMSNorm
 from runtime.layers.weights import LazyWeight
 from runtime.model_config import VisionConfig
 from vision.vit_common import (
+    Pixels,
     VisionBlock,
     VisionPatchEmbed,
     VisionPatchMerger,
@@ -119,7 +120,7 @@ class Qwen2_5_VisionTransformer(VisionTower):
         )
 
     def forward(
-        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, shard: TPGroup | None = None
+        self, pixel_values: Pixels, grid_thw: torch.Tensor, shard: TPGroup | None = None
     ) -> torch.Tensor:
         """[num_patches, patch_dim] -> [num_patches / merge**2, out_hidden_size].
 
@@ -127,7 +128,7 @@ class Qwen2_5_VisionTransformer(VisionTower):
         merge = self.spatial_merge_size
         units, cu_windows = window_index(grid_thw, self.cfg.window_size, self.cfg.patch_size, merge)
         patches = units_to_patches(units, merge).to(self.device)
-        x = self.patch_embed(pixel_values.to(self.device))[patches]
+        x = self.patch_embed(pixel_values)[patches]
         cos, sin = self.rotary(vision_position_ids(grid_thw, merge)[patches.cpu()])
         x = self._run_blocks(x, frame_cu_seqlens(grid_thw), cu_windows, (cos, sin), shard)
         return self.merger(x, shard)[torch.argsort(units).to(self.device)]

@@ -19,6 +19,7 @@ from runtime.layers.norm import LayerNorm
 from runtime.layers.weights import LazyWeight
 from runtime.model_config import VisionConfig
 from vision.vit_common import (
+    Pixels,
     VisionBlock,
     VisionMLP,
     VisionPatchEmbed,
@@ -57,12 +58,12 @@ class Qwen2VisionTransformer(VisionTower):
         )
 
     def forward(
-        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, shard: TPGroup | None = None
+        self, pixel_values: Pixels, grid_thw: torch.Tensor, shard: TPGroup | None = None
     ) -> torch.Tensor:
         """[num_patches, patch_dim] -> [num_patches / merge**2, out_hidden_size].
 
         `shard`: run this call tensor-parallel over that group on full weights (see vit_common)."""
-        x = self.patch_embed(pixel_values.to(self.device))
+        x = self.patch_embed(pixel_values)
         rotary = self.rotary(vision_position_ids(grid_thw, self.spatial_merge_size))
         cu_seqlens = frame_cu_seqlens(grid_thw)
         for block in self.blocks:

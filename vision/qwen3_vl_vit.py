@@ -33,6 +33,7 @@ from runtime.layers.norm import LayerNorm
 from runtime.layers.weights import LazyWeight, default_weight_loader, set_weight_loader
 from runtime.model_config import VisionConfig
 from vision.vit_common import (
+    Pixels,
     VisionBlock,
     VisionMLP,
     VisionPatchEmbed,
@@ -126,12 +127,12 @@ class Qwen3VisionTransformer(VisionTower):
         self.deepstack_levels = {b: i for i, b in enumerate(cfg.deepstack_visual_indexes)}
 
     def forward(
-        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, shard: TPGroup | None = None
+        self, pixel_values: Pixels, grid_thw: torch.Tensor, shard: TPGroup | None = None
     ) -> torch.Tensor:
         """[num_patches, patch_dim] -> [num_patches / merge**2, out_hidden_size * (1 + levels)].
 
         `shard`: run this call tensor-parallel over that group on full weights (see vit_common)."""
-        x = self.patch_embed(pixel_values.to(self.device)) + self.positions(grid_thw)
+        x = self.patch_embed(pixel_values) + self.positions(grid_thw)
         rotary = self.rotary(vision_position_ids(grid_thw, self.spatial_merge_size))
         cu_seqlens = frame_cu_seqlens(grid_thw)
         levels: list[torch.Tensor] = []

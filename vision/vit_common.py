@@ -16,7 +16,7 @@ call (the auto encoder mode, vision/encoder_plan.py). With None it issues no col
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,9 @@ def vision_position_ids(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- patch embedding
 
+# A call's pixels: one [patches, patch_dim] tensor, or one such block per item (in order)
+Pixels = torch.Tensor | Sequence[torch.Tensor]
+
 
 class VisionPatchEmbed(nn.Module):
     """A linear map of each flattened patch: the checkpoint's Conv3d, whose stride is its kernel,
@@ -94,8 +97,27 @@ class VisionPatchEmbed(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.proj.weight
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.proj(pixels.to(self.proj.weight.dtype))
+    def forward(self, pixels: Pixels) -> torch.Tensor:
+        """[patches, patch_dim] -> [patches, embed_dim], on the weight's device and dtype.
+
+        A list of row blocks (one per item) gives the rows of their concatenation, each block's
+        GEMM writing into its slice of the output: the pixels are never copied into one tensor
+        (a 448x448 image's are 4.8 MB, its embedding at width 64 a fifth of a MB)."""
+        weight, bias = self.proj.weight, self.proj.bias
+        if isinstance(pixels, torch.Tensor):
+            return self.proj(pixels.to(device=weight.device, dtype=weight.dtype))
+        rows = sum(block.shape[0] for block in pixels)
+        out = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        start = 0
+        for block in pixels:
+            block = block.to(device=weight.device, dtype=weight.dtype)
+            part = out[start : start + block.shape[0]]
+            if bias is None:
+                torch.mm(block, weight.t(), out=part)
+            else:  # the same kernel as F.linear with a bias
+                torch.addmm(bias, block, weight.t(), out=part)
+            start += block.shape[0]
+        return out
 
 
 # ---------------------------------------------------------------- 2-D rotary

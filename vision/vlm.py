@@ -90,16 +90,17 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     def encode_items(self, items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
         """Vision embeddings per item hash; every rank calls this with the same items."""
-        pixels = torch.cat([item.feature for item in items]).to(self.visual.dtype)
+        pixels = [item.feature for item in items]  # joined only where a mode slices them
         grids = [list(item.grid_thw) for item in items]
         out = self._encode(pixels, grids)
         merge = self.config.vision.spatial_merge_size**2
         rows = [item.num_patches // merge for item in items]
         return {item.hash: emb for item, emb in zip(items, out.split(rows))}
 
-    def _encode(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
-        if self.encoder_mode == "tp":
-            return self.visual(pixels, torch.tensor(grids, dtype=torch.long))
+    def _encode(self, blocks: list[torch.Tensor], grids: list[list[int]]) -> torch.Tensor:
+        if self.encoder_mode == "tp":  # the tower's patch embedding reads the blocks in place
+            return self.visual(blocks, torch.tensor(grids, dtype=torch.long))
+        pixels = torch.cat(blocks).to(self.visual.dtype)
         if self.encoder_mode == "dp":
             merge = self.config.vision.spatial_merge_size
             return run_dp_sharded_mrope_vision_model(
