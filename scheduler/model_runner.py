@@ -5,6 +5,9 @@ Every rank builds the same batches from the same decisions, so each rank's colle
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -12,6 +15,13 @@ from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.memory_pool import KVLayout, ReqToTokenPool
 from runtime.multimodal import ItemEncoder
 from scheduler.req import Req
+
+# A decode step with less work than this (multiply-adds: weights times tokens, plus attention
+# over the KV) takes about a millisecond of one core; on a CPU it runs on one thread. Splitting
+# it gains less than the fork and join cost, and the cores it leaves free serve the media
+# workers, the detokenizer and the HTTP server (docs/benchmarks.md: +7% requests/s for a small
+# model on 2 cores). Any real model's step is far above it and keeps every thread.
+SMALL_STEP_MACS = 1 << 24
 
 
 class OutOfKVError(RuntimeError):
@@ -43,7 +53,13 @@ class ModelRunner:
         self.device = device
         self.item_encoder = item_encoder or model.encode_items
         self.req_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
-        self.kv_pool = kv_layout(model).pool(max_total_tokens, device)
+        layout = kv_layout(model)
+        self.kv_pool = layout.pool(max_total_tokens, device)
+        # per decoded token: about one per local weight; per token of context: q.k and p.v
+        # for this rank's heads in every layer
+        self.macs_per_token = sum(p.numel() for p in model.language_model.parameters())
+        heads = model.language_model.model.layers[0].self_attn.layer.num_heads
+        self.macs_per_context = 2 * layout.num_layers * heads * layout.head_dim
 
     def admit(self, seq: Req) -> None:
         index = self.req_pool.alloc()
@@ -65,7 +81,24 @@ class ModelRunner:
 
     def decode(self, seqs: list[Req]) -> torch.Tensor:
         """One step: each sequence's last token (not yet in KV) goes through the model."""
-        return self._run(ForwardMode.DECODE, seqs, [1] * len(seqs), False)
+        macs = len(seqs) * self.macs_per_token + self.macs_per_context * sum(
+            seq.kv_len for seq in seqs
+        )
+        with self._threads_for(macs):
+            return self._run(ForwardMode.DECODE, seqs, [1] * len(seqs), False)
+
+    @contextlib.contextmanager
+    def _threads_for(self, macs: int) -> Iterator[None]:
+        """One intra-op thread for a small CPU step (see SMALL_STEP_MACS), else as configured."""
+        threads = torch.get_num_threads()
+        if self.device != "cpu" or threads == 1 or macs >= SMALL_STEP_MACS:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def mixed(
         self, seqs: list[Req], extend_lens: list[int], decodes: list[Req]

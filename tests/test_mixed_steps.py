@@ -42,6 +42,7 @@ class FakeRunner(ModelRunner):
         self.model, self.device, self.item_encoder = RecordingModel(), "cpu", None
         self.req_pool = ReqToTokenPool(max_running, 256, "cpu")
         self.kv_pool = KVPool(kv_tokens, 1, 1, 4, torch.float32, "cpu")
+        self.macs_per_token = self.macs_per_context = 0  # every decode step counts as small
 
 
 def make_scheduler(kv_tokens: int, mixed: bool, chunk: int = 8, **kw: object) -> Scheduler:

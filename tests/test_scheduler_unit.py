@@ -14,6 +14,7 @@ from runtime.distributed import TPGroup
 from runtime.io_struct import TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from scheduler import model_runner
 from scheduler.process import build_scheduler
 from scheduler.req import Req
 from scheduler.scheduler import Scheduler
@@ -148,3 +149,33 @@ def test_request_constants_go_to_the_detokenizer_once(model) -> None:
     later = [sched.step([]) for _ in range(4)]
     assert all(not r.started for r in later)
     assert sum(len(o.new_token_ids) for r in [first, *later] for o in r.outputs) == 3
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["small-step", "large-step"])
+def test_small_cpu_decode_steps_run_on_one_thread(
+    model, monkeypatch: pytest.MonkeyPatch, small: bool
+) -> None:
+    """A decode step under SMALL_STEP_MACS runs on one intra-op thread and gives the threads
+    back afterwards; a larger one (here: the limit set to 1) keeps them. Outputs are the same."""
+    if not small:
+        monkeypatch.setattr(model_runner, "SMALL_STEP_MACS", 1)
+    scheduler = make_scheduler(model, kv_tokens=1024)
+    seen: list[tuple[str, int]] = []
+    forward = scheduler.runner._run
+
+    def recording_run(mode, *args, **kwargs):
+        seen.append((mode.name, torch.get_num_threads()))
+        return forward(mode, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler.runner, "_run", recording_run)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outputs, _ = run(scheduler)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    decode_threads = {n for mode, n in seen if mode == "DECODE"}
+    assert decode_threads == ({1} if small else {2})
+    assert {n for mode, n in seen if mode != "DECODE"} == {2}
+    assert outputs == run(make_scheduler(model, kv_tokens=1024))[0]
