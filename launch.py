@@ -220,7 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         supervisor.start()
         threading.Thread(target=supervisor.watch, daemon=True).start()
         if args.node_rank == 0:
-            asyncio.run(serve_http(args, supervisor))
+            import uvloop  # here, not at the top: the spawned children import this module
+
+            # uvloop's event loop, as uvicorn picks when it runs its own: 6% less main-process
+            # CPU per 4-image request than asyncio's (docs/benchmarks.md)
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(serve_http(args, supervisor))
         else:
             while True:
                 time.sleep(1)

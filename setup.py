@@ -32,6 +32,7 @@ setup(
         "pydantic>=2",
         "uvicorn>=0.29",
         "httptools>=0.6",  # uvicorn's C HTTP parser, used when installed (h11 otherwise)
+        "uvloop>=0.19",  # the HTTP server's event loop (launch.py)
         "decord>=0.6.0; platform_machine == 'x86_64'",
         "av>=12",
         "httpx>=0.27",
