@@ -12,7 +12,8 @@ layout, the segment's token and the pickles are broadcast), once per request, ne
 
 Media pixels skip even that copy on one node: the media worker that made them writes them into
 a shared-memory file (`SharedTensor`), and only its name travels, in the pickle (a persistent
-reference). Whoever unpickles it reads the file. The file is owned by exactly one place at a
+reference). Whoever unpickles it maps the file, or reads it past its mapping budget
+(`MapBudget`). The file is owned by exactly one place at a
 time, and removed when its owner lets go: the TokenizerManager until the request is sent
 (dropped unsent: removed), then the scheduler ranks, where rank 0 removes it once every rank has
 read it (`release_loaded`). A server that stops sweeps what a killed process left behind.
@@ -30,6 +31,7 @@ import os
 import pickle
 import re
 import secrets
+import threading
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -114,9 +116,32 @@ class SharedTensor:
         return cls(path, data.shape, data.dtype.name, owned=False)
 
     def load(self) -> torch.Tensor:
-        """The tensor, read from the file into this process's memory in one call. (Reading
-        beats mapping here: 4 ms and no page fault for 11.7 MB into recycled heap memory,
-        against 10 ms and 2,900 faults for a pre-faulted private mapping.)"""
+        """The tensor: the file mapped while this process's mappings stay within its budget
+        (`MAPPED`), else read into this process's memory in one call."""
+        if self.nbytes and MAPPED.take(self.path, self.nbytes):
+            try:
+                return self._map()
+            except BaseException:
+                MAPPED.give(self.nbytes)
+                raise
+        return self._read()
+
+    def _map(self) -> torch.Tensor:
+        """A shared mapping, its pages mapped up front (no fault when it is read): no copy, 0.27
+        against 1.2 ms for a 4.8 MB image. Writable, as every tensor is, though inputs are never
+        written; the pages stay until the tensor is dropped, even after the file is removed."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < self.nbytes:  # a shorter file would fault when read
+                raise OSError(f"{self.path}: shorter than {self.nbytes} bytes")
+            buffer = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        finally:
+            os.close(fd)
+        weakref.finalize(buffer, MAPPED.give, self.nbytes)
+        tensor = torch.frombuffer(buffer, dtype=getattr(torch, self.dtype))
+        return tensor.view(self.shape)
+
+    def _read(self) -> torch.Tensor:
         tensor = torch.empty(self.shape, dtype=getattr(torch, self.dtype))
         if self.nbytes:
             with open(self.path, "rb", buffering=0) as f:
@@ -124,6 +149,42 @@ class SharedTensor:
             if got != self.nbytes:
                 raise OSError(f"{self.path}: {got} of {self.nbytes} bytes")
         return tensor
+
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class MapBudget:
+    """Bytes of shared files this process holds mapped, at most a `1 / share` of the shared
+    memory they live in. A mapping keeps its file's pages for the tensor's life (a request's),
+    where a read frees them at once: past the budget files are read, so a small /dev/shm (a
+    container's 64 MB default) never fills up with mapped inputs and refuses new media."""
+
+    def __init__(self, share: int = 4):
+        self.share = share
+        self.mapped = 0
+        self._limit: int | None = None
+        self._lock = threading.Lock()
+
+    def take(self, path: str, nbytes: int) -> bool:
+        with self._lock:
+            if self._limit is None:
+                try:
+                    fs = os.statvfs(os.path.dirname(path))
+                    self._limit = fs.f_blocks * fs.f_frsize // self.share
+                except OSError:
+                    self._limit = 0
+            if self.mapped + nbytes > self._limit:
+                return False
+            self.mapped += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.mapped -= nbytes
+
+
+MAPPED = MapBudget()
 
 
 _NAME_COUNTER = itertools.count()

@@ -13,11 +13,13 @@ import pytest
 import torch
 from dist_utils import run_on_ranks
 
+from runtime import transport
 from runtime.io_struct import AbortReq, TokenizedGenerateReq
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
 from runtime.sampler import SamplingParams
 from runtime.transport import (
     MEDIA_PREFIX,
+    MapBudget,
     SharedTensor,
     broadcast_frames,
     from_frames,
@@ -206,3 +208,45 @@ def test_every_rank_reads_the_shared_pixels_then_rank_0_removes_them(tmp_path) -
     ):
         assert torch.equal(feature, torch.arange(12.0).view(3, 4))
         assert (loaded, present, left) == (1, 1, [])
+
+
+def test_a_mapped_input_outlives_its_file_and_gives_its_budget_back(tmp_path) -> None:  # noqa: ANN001
+    pixels = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    path = new_media_path(str(tmp_path))
+    SharedTensor.write(pixels, path)
+    before = transport.MAPPED.mapped
+    tensor = SharedTensor(path, (64, 64), "float32", owned=False).load()
+    assert transport.MAPPED.mapped == before + pixels.nbytes  # mapped, not read
+    os.remove(path)  # what rank 0 does once every rank has it
+    assert torch.equal(tensor, torch.from_numpy(pixels))
+    del tensor
+    gc.collect()
+    assert transport.MAPPED.mapped == before
+
+
+def test_past_the_mapping_budget_inputs_are_read(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    budget = MapBudget()
+    budget.take(str(tmp_path / "x"), 0)  # sizes the budget from the file system
+    budget._limit = 3 * 1024  # room for one 2 kB input, not two
+    monkeypatch.setattr(transport, "MAPPED", budget)
+    arrays = [np.full((16, 32), i, np.float32) for i in range(2)]
+    paths = [new_media_path(str(tmp_path)) for _ in arrays]
+    for array, path in zip(arrays, paths):
+        SharedTensor.write(array, path)
+    first, second = (SharedTensor(p, (16, 32), "float32", owned=False).load() for p in paths)
+    assert budget.mapped == 2048  # the first mapped, the second read
+    for path in paths:
+        os.remove(path)
+    assert torch.equal(first, torch.zeros(16, 32)) and torch.equal(second, torch.ones(16, 32))
+    del first, second
+    gc.collect()
+    assert budget.mapped == 0
+
+
+def test_a_short_file_is_an_error_and_takes_no_budget(tmp_path) -> None:  # noqa: ANN001
+    path = new_media_path(str(tmp_path))
+    SharedTensor.write(np.ones(8, np.float32), path)
+    before = transport.MAPPED.mapped
+    with pytest.raises(OSError, match="shorter"):
+        SharedTensor(path, (16,), "float32", owned=False).load()  # claims 64 of 32 bytes
+    assert transport.MAPPED.mapped == before
