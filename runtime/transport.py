@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import math
 import mmap
 import os
 import pickle
@@ -80,7 +81,7 @@ class SharedTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     @property
     def owned(self) -> bool:
