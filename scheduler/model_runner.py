@@ -19,8 +19,8 @@ from scheduler.req import Req
 # A decode step with less work than this (multiply-adds: weights times tokens, plus attention
 # over the KV) takes about a millisecond of one core; on a CPU it runs on one thread. Splitting
 # it gains less than the fork and join cost, and the cores it leaves free serve the media
-# workers, the detokenizer and the HTTP server (docs/benchmarks.md: +7% requests/s for a small
-# model on 2 cores). Any real model's step is far above it and keeps every thread.
+# workers, the detokenizer and the HTTP server (docs/benchmarks.md: +5 to 8% requests/s for a
+# small model on 2 cores). Any real model's step is far above it and keeps every thread.
 SMALL_STEP_MACS = 1 << 24
 
 
@@ -81,17 +81,15 @@ class ModelRunner:
 
     def decode(self, seqs: list[Req]) -> torch.Tensor:
         """One step: each sequence's last token (not yet in KV) goes through the model."""
-        macs = len(seqs) * self.macs_per_token + self.macs_per_context * sum(
-            seq.kv_len for seq in seqs
-        )
-        with self._threads_for(macs):
+        with self._threads_for(seqs):
             return self._run(ForwardMode.DECODE, seqs, [1] * len(seqs), False)
 
     @contextlib.contextmanager
-    def _threads_for(self, macs: int) -> Iterator[None]:
-        """One intra-op thread for a small CPU step (see SMALL_STEP_MACS), else as configured."""
+    def _threads_for(self, seqs: list[Req]) -> Iterator[None]:
+        """One intra-op thread for a small CPU decode step (see SMALL_STEP_MACS), else as
+        configured."""
         threads = torch.get_num_threads()
-        if self.device != "cpu" or threads == 1 or macs >= SMALL_STEP_MACS:
+        if self.device != "cpu" or threads == 1 or self._decode_macs(seqs) >= SMALL_STEP_MACS:
             yield
             return
         torch.set_num_threads(1)
@@ -99,6 +97,10 @@ class ModelRunner:
             yield
         finally:
             torch.set_num_threads(threads)
+
+    def _decode_macs(self, seqs: list[Req]) -> int:
+        context = sum(seq.kv_len for seq in seqs)
+        return len(seqs) * self.macs_per_token + context * self.macs_per_context
 
     def mixed(
         self, seqs: list[Req], extend_lens: list[int], decodes: list[Req]

@@ -177,8 +177,8 @@ def patch_embed_as_gemm(model: Any) -> Any:
     flattened patches that it equals, the way tessera runs it (and transformers' own
     `fusion_config={"patch_embeddings": True}`, which cannot load these checkpoints' published
     names: in transformers 5.23 it leaves the projection unloaded). Every other module stays
-    transformers' own. The two orders of summation differ by
-    float32 rounding; `test_model_parity` bounds that gap against the Conv3d."""
+    transformers' own. The two orders of summation differ by float32 rounding;
+    `test_model_parity` bounds that gap against the Conv3d."""
     for module in model.modules():
         proj = getattr(module, "proj", None)
         if isinstance(proj, torch.nn.Conv3d):
