@@ -30,14 +30,13 @@ from runtime.multimodal import Modality
 from runtime.transport import from_frames, to_frames
 from tokenizer_manager.media import MediaError, MediaLimits
 from tokenizer_manager.media_fetch import MediaUrlPolicy
-from tokenizer_manager.mm_processor import (
-    AsyncMMDataProcessor,
-    MediaRef,
-    ProcessorSpec,
+from tokenizer_manager.media_types import MediaRef, ProcessorSpec
+from tokenizer_manager.media_worker import (
     export_pixels,
     process_image_bytes,
     process_video_bytes,
 )
+from tokenizer_manager.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.multimodal_inputs import PreparedMedia
 from tokenizer_manager.video_processor import (
     VIDEO_MAX_PIXELS,

@@ -23,7 +23,7 @@ from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget
 from tokenizer_manager.http_server import create_app
 from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.mm_processor import MediaRef, ProcessorSpec
+from tokenizer_manager.media_types import MediaRef, ProcessorSpec
 from tokenizer_manager.multimodal_inputs import (
     PLACEHOLDER_RE,
     PreparedMedia,

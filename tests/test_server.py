@@ -24,7 +24,8 @@ from test_media import png_header_only
 from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
 
 from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.mm_processor import ProcessorSpec, process_video_bytes
+from tokenizer_manager.media_types import ProcessorSpec
+from tokenizer_manager.media_worker import process_video_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 8

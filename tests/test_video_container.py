@@ -18,7 +18,8 @@ import pytest
 from make_tiny_checkpoint import make_checkpoint
 
 from tokenizer_manager.media import MediaError, MediaLimits
-from tokenizer_manager.mm_processor import ProcessorSpec, process_video_bytes
+from tokenizer_manager.media_types import ProcessorSpec
+from tokenizer_manager.media_worker import process_video_bytes
 from tokenizer_manager.video_container import (
     AVI,
     MATROSKA,
@@ -121,8 +122,8 @@ def test_playlists_and_lists_never_reach_out(
 def test_hls_playlist_sent_as_a_data_url_is_refused_end_to_end(
     spec: ProcessorSpec, listener: Listener, tmp_path: Path
 ) -> None:
+    from runtime.multimodal import Modality
     from tokenizer_manager.media import load_media_bytes
-    from tokenizer_manager.mm_processor import Modality
 
     playlist = hostile("hls", listener.port, tmp_path / "x.ts")
     url = "data:video/mp4;base64," + base64.b64encode(playlist).decode()

@@ -32,13 +32,8 @@ from PIL import Image, ImageOps
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
 from runtime.server_args import ServerArgs
-from tokenizer_manager.media_fetch import (
-    MediaFetcher,
-    MediaUrlPolicy,
-    NotFetched,
-    TooLarge,
-    parse_domains,
-)
+from tokenizer_manager.media_fetch import MediaFetcher, MediaUrlPolicy, parse_domains
+from tokenizer_manager.media_types import MediaError, media_param, too_large
 
 logger = get_logger(__name__)
 
@@ -52,28 +47,6 @@ _BASE64_RE = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 _WHITESPACE = re.compile(r"\s+")
 # PIL's errors for data that is not a (complete, valid) image.
 _PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error)
-
-
-class MediaError(Exception):
-    """A client's media cannot be used; `status` and `param` say how the HTTP reply reports it.
-
-    Pickles across processes (CPU workers raise it too): every field has a default and the
-    instance dict travels with the message.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        param: str | None = "messages",
-        code: str | None = "invalid_media",
-    ):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -107,11 +80,6 @@ class MediaLimits:
             allowed_local_media_path=args.allowed_local_media_path,
             url_policy=policy,
         )
-
-
-def media_param(modality: Modality) -> str:
-    """The OpenAI request field that holds a media URL of this kind."""
-    return "image_url" if modality == Modality.IMAGE else "video_url"
 
 
 def _short(url: str, limit: int = 120) -> str:
@@ -208,7 +176,7 @@ def decode_base64(payload: str, max_bytes: int, param: str) -> bytes:
             return _checked(data, max_bytes, param)
     compact = _WHITESPACE.sub("", payload)
     if len(compact) // 4 * 3 > max_bytes + 2:
-        raise _too_large(max_bytes, param)
+        raise too_large(max_bytes, param)
     try:
         data = pybase64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -222,16 +190,8 @@ def _checked(data: bytes, max_bytes: int, param: str) -> bytes:
     if not data:
         raise MediaError("media data is empty", param=param, code="invalid_base64")
     if len(data) > max_bytes:
-        raise _too_large(max_bytes, param)
+        raise too_large(max_bytes, param)
     return data
-
-
-def _too_large(max_bytes: int, param: str, what: str = "media item") -> MediaError:
-    return MediaError(
-        f"{what} is too large: the limit is {max_bytes} bytes ({max_bytes / MiB:.1f} MiB)",
-        param=param,
-        code="media_too_large",
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,22 +202,11 @@ def _too_large(max_bytes: int, param: str, what: str = "media item") -> MediaErr
 def fetch_http(
     url: str, limits: MediaLimits, modality: Modality, fetcher: MediaFetcher | None = None
 ) -> bytes:
-    """GET `url` under the limits' URL policy, with its byte cap and one deadline for it all.
-
-    Every failure but size gives the same message, so the replies cannot map a network.
-    """
-    param, max_bytes = media_param(modality), limits.max_bytes(modality)
+    """GET `url` under the limits' URL policy, with its byte cap and one deadline for it all."""
     own = fetcher is None
     fetcher = fetcher or MediaFetcher(limits.url_policy, limits.http_timeout)
     try:
-        return fetcher.fetch(url, max_bytes)
-    except TooLarge:
-        raise _too_large(max_bytes, param) from None
-    except NotFetched as exc:
-        logger.info("media fetch of %s failed: %s", _short(url), exc)
-        raise MediaError(
-            "could not fetch the media URL", param=param, code="media_fetch_failed"
-        ) from None
+        return fetcher.fetch(url, limits.max_bytes(modality), media_param(modality))
     finally:
         if own:
             fetcher.close()
@@ -290,7 +239,7 @@ def read_local_file(path: str, limits: MediaLimits, modality: Modality) -> bytes
     except OSError as exc:
         raise MediaError(f"cannot read {path!r}", param=param, code="media_not_found") from exc
     if len(data) > max_bytes:
-        raise _too_large(max_bytes, param)
+        raise too_large(max_bytes, param)
     return data
 
 

@@ -36,6 +36,7 @@ import httpcore
 import httpx
 
 from runtime.logging_utils import get_logger
+from tokenizer_manager.media_types import MediaError, too_large
 
 logger = get_logger(__name__)
 
@@ -269,10 +270,6 @@ class PolicyTransport(httpx.BaseTransport):
         self._pool.close()
 
 
-class TooLarge(Exception):
-    """The body is larger than the caller's byte cap."""
-
-
 class NotFetched(Exception):
     """The URL gave no usable body; the reason is for the server log only."""
 
@@ -308,15 +305,21 @@ class MediaFetcher:
     def close(self) -> None:
         self.client.close()
 
-    def fetch(self, url: str, max_bytes: int) -> bytes:
-        """The body of `url`; raises TooLarge, or NotFetched for every other failure."""
+    def fetch(self, url: str, max_bytes: int, param: str) -> bytes:
+        """The body of `url`, or MediaError (the request field `param` to blame).
+
+        Every failure but size gives the client the same message, so that replies cannot map
+        a network; the reason goes to the server log."""
         with fetch_deadline(self.timeout):
             try:
-                return self._follow(httpx.URL(url), max_bytes)
-            except FETCH_ERRORS as exc:
-                raise NotFetched(str(exc) or type(exc).__name__) from exc
+                return self._follow(httpx.URL(url), max_bytes, param)
+            except (NotFetched, *FETCH_ERRORS) as exc:
+                logger.info("media fetch of %s failed: %s", url[:120], exc or type(exc).__name__)
+                raise MediaError(
+                    "could not fetch the media URL", param=param, code="media_fetch_failed"
+                ) from None
 
-    def _follow(self, url: httpx.URL, max_bytes: int) -> bytes:
+    def _follow(self, url: httpx.URL, max_bytes: int, param: str) -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
             self.policy.check_url(url)
             with self.client.stream("GET", url) as response:
@@ -327,8 +330,8 @@ class MediaFetcher:
                 if not response.is_success:
                     raise NotFetched(f"HTTP {response.status_code}")
                 if _declared_length(response) > max_bytes:
-                    raise TooLarge
-                return _read_body(response, max_bytes)
+                    raise too_large(max_bytes, param)
+                return _read_body(response, max_bytes, param)
         raise NotFetched(f"more than {MAX_REDIRECTS} redirects")
 
 
@@ -339,10 +342,10 @@ def _declared_length(response: httpx.Response) -> int:
         return 0
 
 
-def _read_body(response: httpx.Response, max_bytes: int) -> bytes:
+def _read_body(response: httpx.Response, max_bytes: int, param: str) -> bytes:
     body = bytearray()
     for chunk in response.iter_bytes():
         body += chunk
         if len(body) > max_bytes:
-            raise TooLarge
+            raise too_large(max_bytes, param)
     return bytes(body)

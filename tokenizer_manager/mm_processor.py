@@ -1,21 +1,16 @@
-"""AsyncMMDataProcessor: fetch, decode and preprocess a request's images and videos off the loop.
+"""AsyncMMDataProcessor: the request side of media (budgets, deadlines, fetch), off the loop.
 
 Three pools keep the asyncio loop free:
 - a fetch thread pool for http(s) URLs (at most `fetches_per_request` of them per request, so a
   request of stalling URLs cannot take every thread), and an I/O thread pool for data: URLs and
   allowed local files; both read image headers, so most bad media are refused before any CPU work;
-- a small pool of CPU worker processes (cpu_pool.WorkerPool, started with `spawn`) decodes and
-  preprocesses: images go through the checkpoint's HF image processor (built once per worker),
-  videos are identified from their bytes, probed, then opened with decord inside the worker and
-  only numpy arrays come back (invariant 8, docs/architecture.md).
+- a small pool of CPU worker processes (cpu_pool.WorkerPool, started with `spawn`) runs the
+  worker side (`media_worker`: decode, resize, patchify, digest); the values both sides share
+  live in `media_types`.
 
 Every item is fetched and header-checked before any is decoded: the images' tokens (the
 checkpoint's resize rule over the header size) must fit what the context leaves, and the decoded
 bytes of the request are reserved in a budget shared by all requests (`MemoryBudget`).
-
-The worker functions are plain module-level functions over picklable arguments; they return
-`ProcessedMedia` (numpy) which the parent turns into `PreparedMedia`. Content hashes are not
-computed here: `build_multimodal_inputs` does that once per item.
 
 Errors: a client's bad media raises `MediaError` (400, param image_url / video_url). When a
 request's media take longer than `per_request_timeout`, the error is blamed on the client
@@ -30,212 +25,34 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import hashlib
-import io
-import json
 import os
-import signal
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import numpy as np
-import torch
-
-from runtime.allocator import keep_freed_memory
 from runtime.logging_utils import get_logger
-from runtime.multimodal import Modality, item_tokens
-from runtime.transport import SharedTensor, new_media_path, remove_file, sweep_media_files
+from runtime.multimodal import Modality
+from runtime.transport import new_media_path, remove_file, sweep_media_files
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
-from tokenizer_manager.media import (
-    MediaError,
-    MediaLimits,
-    decode_image,
-    load_media_bytes,
-    media_param,
-    open_image,
-)
+from tokenizer_manager.media import MediaLimits, load_media_bytes, open_image
 from tokenizer_manager.media_fetch import MediaFetcher
+from tokenizer_manager.media_types import (
+    MediaError,
+    MediaFile,
+    MediaRef,
+    ProcessedMedia,
+    ProcessorSpec,
+    media_param,
+)
+from tokenizer_manager.media_worker import init_worker, process_image_bytes, process_video_bytes
 from tokenizer_manager.multimodal_inputs import PreparedMedia
-from tokenizer_manager.video_container import (
-    check_video_header,
-    check_video_length,
-    probe_video,
-    video_container,
-)
-from tokenizer_manager.video_processor import (
-    MAX_ASPECT_RATIO,
-    VIDEO_MAX_PIXELS,
-    VIDEO_MIN_PIXELS,
-    VideoProcessingConfig,
-    checkpoint_video_config,
-    clip_frames,
-    frame_timestamps,
-    frames_to_patches,
-    resize_frame,
-    sample_frame_indices,
-    second_per_grid_t,
-    smart_resize,
-)
-
-__all__ = [
-    "AsyncMMDataProcessor",
-    "MediaError",
-    "MediaLimits",
-    "MediaRef",
-    "ProcessedMedia",
-    "ProcessorSpec",
-    "process_image_bytes",
-    "process_video_bytes",
-]
+from tokenizer_manager.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 
 logger = get_logger(__name__)
 
-FRAME_CHUNK = 8  # video frames decoded at once before they are resized down
 INLINE_DATA_URL_CHARS = 8 << 20  # data: URLs up to this size are decoded on the event loop
-IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # HF's defaults for Qwen2-VL
-
-
-@dataclass(frozen=True)
-class MediaRef:
-    """One image or video part of a request, in prompt order."""
-
-    modality: Modality
-    url: str
-
-
-@dataclass(frozen=True)
-class ProcessorSpec:
-    """What a worker needs to preprocess media for one checkpoint (picklable)."""
-
-    model_path: str
-    video: VideoProcessingConfig
-    image: VideoProcessingConfig  # the image geometry: patch, merge and pixel bounds
-
-    @property
-    def factor(self) -> int:
-        return self.image.patch_size * self.image.merge_size
-
-    def image_cost(self, height: int, width: int) -> tuple[int, int]:
-        """(tokens, decoded bytes bound) of an image of this size, from its header alone.
-
-        Tokens follow the image processor's resize rule; the bytes count the decoded RGBA image
-        and the float32 patches (two temporal copies of each pixel).
-        """
-        image = self.image
-        try:
-            h, w = smart_resize(height, width, self.factor, image.min_pixels, image.max_pixels)
-        except ValueError as exc:
-            raise MediaError(str(exc), param="image_url", code="invalid_media_size") from exc
-        grid = (1, h // image.patch_size, w // image.patch_size)
-        return item_tokens(grid, image.merge_size), height * width * 4 + h * w * 3 * 2 * 4
-
-    def video_bytes_bound(self) -> int:
-        """Decoded bytes a video may take at most: its sampled frames as float32, twice."""
-        return self.video.max_frames * self.video.max_pixels * 3 * 4 * 2
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        model_path: str,
-        limits: MediaLimits,
-        *,
-        video_min_pixels: int = VIDEO_MIN_PIXELS,
-        video_max_pixels: int = VIDEO_MAX_PIXELS,
-    ) -> ProcessorSpec:
-        """Patch, merge, mean and std from preprocessor_config.json; video pixel bounds from the
-        arguments (the image bounds in that file are for images only), or every video setting
-        from a Qwen3-VL video_preprocessor_config.json; the frame cap from `limits`."""
-        config = _read_preprocessor_config(model_path)
-        video = checkpoint_video_config(
-            model_path, min_pixels=video_min_pixels, max_pixels=video_max_pixels
-        )
-        video = dataclasses.replace(video, max_frames=min(video.max_frames, limits.max_frames))
-        defaults = {} if "size" in config else {"min_pixels": IMAGE_MIN_PIXELS}
-        defaults |= {} if "size" in config else {"max_pixels": IMAGE_MAX_PIXELS}
-        image = VideoProcessingConfig.from_preprocessor_config({**defaults, **config})
-        return cls(str(model_path), video, image)
-
-
-def _read_preprocessor_config(model_path: str) -> dict[str, Any]:
-    path = Path(model_path) / "preprocessor_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-@dataclass
-class ProcessedMedia:
-    """A worker's result: the pixels in a shared-memory file (a handle that pickles as its name),
-    or, without shared memory, as numpy (plain bytes through the pipe)."""
-
-    modality: Modality
-    pixel_values: np.ndarray | SharedTensor  # float32 [t*h*w patches, patch_dim]
-    grid_thw: tuple[int, int, int]
-    second_per_grid_t: float | None = None
-    digest: int | None = None  # media_digest of the encoded bytes and the processor settings
-    frame_times: tuple[float, ...] | None = None  # video: seconds of each temporal patch
-
-    def to_prepared(self) -> PreparedMedia:
-        pixels = self.pixel_values
-        if isinstance(pixels, np.ndarray):
-            pixels = torch.from_numpy(pixels)
-        return PreparedMedia(
-            self.modality,
-            pixels,
-            self.grid_thw,
-            self.second_per_grid_t,
-            self.digest,
-            self.frame_times,
-        )
-
-
-def media_digest(modality: Modality, data: bytes, spec: ProcessorSpec) -> int:
-    """The item's identity: SHA-256 over the encoded bytes and every setting that shapes its
-    features (the checkpoint's processor, resize bounds, frame sampling). Hashing the encoded
-    bytes costs a fraction of hashing the float32 patches they decode to."""
-    digest = hashlib.sha256(f"{modality.value}|{spec!r}|".encode())
-    digest.update(data)
-    return int.from_bytes(digest.digest()[:8], "little")
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker side: run inside the CPU process pool (also callable in-process)
-# ---------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=4)
-def image_processor(model_path: str) -> Any:
-    """The checkpoint's HF image processor, built once per process and path."""
-    from transformers import AutoImageProcessor  # processing code only, no modeling code
-
-    return AutoImageProcessor.from_pretrained(model_path)
-
-
-def init_worker(model_path: str) -> None:
-    """Process-pool initializer: leave Ctrl-C to the parent and build the processor up front."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    keep_freed_memory()
-    image_processor(model_path)
-
-
-def worker_ready() -> bool:
-    return True
-
-
-@dataclass(frozen=True)
-class MediaFile:
-    """An item's encoded bytes in a shared-memory file, for a worker to read: one write in the
-    parent instead of pickling them through the worker's pipe (6.7 ms of the parent's CPU for
-    a 4-image request, 2.3 MB, in 64 kB pipe writes)."""
-
-    path: str
-
-    def read(self) -> bytes:
-        with open(self.path, "rb", buffering=0) as f:
-            return f.read()
 
 
 def share_input(data: bytes, shm_dir: str | None) -> bytes | MediaFile:
@@ -252,143 +69,6 @@ def share_input(data: bytes, shm_dir: str | None) -> bytes | MediaFile:
         remove_file(path)
         return data
     return MediaFile(path)
-
-
-def _input_bytes(data: bytes | MediaFile) -> bytes:
-    return data.read() if isinstance(data, MediaFile) else data
-
-
-def process_image_bytes(
-    data: bytes | MediaFile, spec: ProcessorSpec, limits: MediaLimits, out_path: str | None = None
-) -> ProcessedMedia:
-    """Decode image bytes and run the checkpoint's image processor; the pixels go to `out_path`
-    in shared memory when one is given (see `export_pixels`)."""
-    data = _input_bytes(data)
-    image = decode_image(data, limits)
-    _check_aspect_ratio(image.height, image.width, "image_url")
-    out = image_processor(spec.model_path)(images=[image], return_tensors="np")
-    pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-    grid = tuple(int(x) for x in out["image_grid_thw"][0])
-    digest = media_digest(Modality.IMAGE, data, spec)
-    return ProcessedMedia(Modality.IMAGE, export_pixels(pixels, out_path), grid, digest=digest)
-
-
-def export_pixels(pixels: np.ndarray, out_path: str | None) -> np.ndarray | SharedTensor:
-    """The pixels written to `out_path` (a shared-memory file, so only its name travels), or
-    the array itself without a path or when shared memory is full."""
-    if out_path is None:
-        return pixels
-    try:
-        return SharedTensor.write(pixels, out_path)
-    except OSError as exc:
-        logger.warning("media pixels through shared memory failed (%r); sending them inline", exc)
-        return pixels
-
-
-def _check_aspect_ratio(height: int, width: int, param: str) -> None:
-    ratio = max(height, width) / max(1, min(height, width))
-    if ratio > MAX_ASPECT_RATIO:
-        raise MediaError(
-            f"media is {width}x{height}: the aspect ratio must be at most {MAX_ASPECT_RATIO}",
-            param=param,
-            code="invalid_media_size",
-        )
-
-
-def process_video_bytes(
-    data: bytes | MediaFile, spec: ProcessorSpec, limits: MediaLimits, out_path: str | None = None
-) -> ProcessedMedia:
-    """The one video path: open the video with decord (here, inside the worker), sample frames,
-    resize them chunk by chunk (full-size frames never pile up in memory) and patchify."""
-    data = _input_bytes(data)
-    cfg = spec.video
-    frames, sampled_fps, times = read_resized_frames(data, cfg, limits)
-    patches, grid = frames_to_patches(frames, cfg)
-    seconds = second_per_grid_t(sampled_fps, cfg.temporal_patch_size)
-    digest = media_digest(Modality.VIDEO, data, spec)
-    pixels = export_pixels(patches, out_path)
-    return ProcessedMedia(Modality.VIDEO, pixels, grid, seconds, digest, times)
-
-
-def read_resized_frames(
-    data: bytes, cfg: VideoProcessingConfig, limits: MediaLimits
-) -> tuple[np.ndarray, float, tuple[float, ...]]:
-    """Sampled frames, already resized to the video's target size, their frame rate, and the
-    timestamp of each temporal patch."""
-    header = probe_video(data, video_container(data))
-    check_video_header(header, limits)
-    reader = open_video_reader(data)
-    try:
-        total, video_fps = len(reader), float(reader.get_avg_fps())
-        check_video_length(total, total / max(video_fps, 1e-3), limits)
-        indices = _sample(total, video_fps, cfg)
-        first = decode_frames(reader, indices[:1])
-        size = _video_target_size(first.shape[1], first.shape[2], len(indices), cfg, limits)
-        chunks = [_resize_all(first, size)]
-        for start in range(1, len(indices), FRAME_CHUNK):
-            batch = decode_frames(reader, indices[start : start + FRAME_CHUNK])
-            chunks.append(_resize_all(batch, size))
-    finally:
-        del reader
-    times = frame_timestamps(indices, video_fps, cfg.temporal_patch_size)
-    return np.concatenate(chunks), len(indices) / total * video_fps, times
-
-
-def open_video_reader(data: bytes) -> Any:
-    import decord  # only CPU workers decode videos
-
-    if not data:
-        raise _bad_video("the video data is empty")
-    try:
-        return decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0), num_threads=1)
-    except _video_errors() as exc:
-        raise _bad_video("cannot open the video: not a supported video file") from exc
-
-
-def _video_errors() -> tuple[type[Exception], ...]:
-    """What decord raises for bad data: its own DECORDError (not a RuntimeError) or I/O errors."""
-    import decord
-
-    return (decord.DECORDError, RuntimeError, OSError, ValueError)
-
-
-def _bad_video(message: str) -> MediaError:
-    return MediaError(message, param="video_url", code="invalid_video")
-
-
-def _sample(total: int, video_fps: float, cfg: VideoProcessingConfig) -> list[int]:
-    try:
-        return sample_frame_indices(total, video_fps, **cfg.sampling_kwargs())
-    except ValueError as exc:
-        raise _bad_video(f"cannot sample the video: {exc}") from exc
-
-
-def decode_frames(reader: Any, indices: list[int]) -> np.ndarray:
-    try:
-        frames = reader.get_batch(indices).asnumpy()
-    except _video_errors() as exc:
-        raise _bad_video("cannot decode the video frames: the data is corrupt") from exc
-    return np.ascontiguousarray(frames, dtype=np.uint8)
-
-
-def _video_target_size(
-    height: int, width: int, frames: int, cfg: VideoProcessingConfig, limits: MediaLimits
-) -> tuple[int, int]:
-    if height * width > limits.max_pixels or min(height, width) < max(1, limits.min_side):
-        raise _bad_video(f"video frames are {width}x{height}: outside the allowed frame size")
-    _check_aspect_ratio(height, width, "video_url")
-    factor = cfg.patch_size * cfg.merge_size
-    clip = clip_frames(frames, cfg.temporal_patch_size, cfg.clip_budget)
-    return smart_resize(height, width, factor, cfg.min_pixels, cfg.max_pixels, *clip)
-
-
-def _resize_all(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    return np.stack([resize_frame(frame, *size) for frame in frames])
-
-
-# ---------------------------------------------------------------------------------------------
-# Parent side: the asyncio front end
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -40,9 +40,9 @@ from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget
 from runtime.transport import SharedTensor, to_frames
-from tokenizer_manager.media import MediaError
+from tokenizer_manager.media_types import MediaError, MediaRef
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
-from tokenizer_manager.mm_processor import AsyncMMDataProcessor, MediaRef
+from tokenizer_manager.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.multimodal_inputs import (
     PLACEHOLDER_RE,
     PLACEHOLDERS,

@@ -22,7 +22,8 @@ import io
 import struct
 from dataclasses import dataclass
 
-from tokenizer_manager.media import MediaError, MediaLimits
+from tokenizer_manager.media import MediaLimits
+from tokenizer_manager.media_types import bad_video
 
 # Demuxer names FFmpeg knows these containers by.
 MP4, MATROSKA, AVI = "mov", "matroska", "avi"
@@ -31,10 +32,6 @@ _QUICKTIME_FIRST = {b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip", b"pnot
 # Boxes that hold other boxes on the way to a data reference; `meta` has 4 bytes of flags first.
 _CONTAINERS = {b"moov", b"trak", b"mdia", b"minf", b"dinf", b"meta", b"edts", b"udta"}
 _MAX_BOXES = 10_000
-
-
-def bad_video(message: str, code: str = "invalid_video") -> MediaError:
-    return MediaError(message, param="video_url", code=code)
 
 
 def video_container(data: bytes) -> str:

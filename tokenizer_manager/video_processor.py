@@ -2,7 +2,7 @@
 patchify.
 
 Everything here is pure: functions take frames and settings and return numpy arrays. Decoding
-lives in the media worker (`mm_processor.process_video_bytes`, the one video path): a video is
+lives in the media worker (`media_worker.process_video_bytes`, the one video path): a video is
 opened only inside that process and only frames leave it, never a reader object.
 
 The patch layout matches the image path, so the vision tower treats a video as a stack of
@@ -34,6 +34,13 @@ VIDEO_MAX_PIXELS = 768 * 28 * 28
 MAX_ASPECT_RATIO = 200
 
 
+def check_aspect_ratio(height: int, width: int) -> None:
+    """The one aspect-ratio rule of images and video frames (ValueError beyond it)."""
+    ratio = max(height, width) / max(1, min(height, width))
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(f"the aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio:g}")
+
+
 def smart_resize(
     height: int,
     width: int,
@@ -53,9 +60,7 @@ def smart_resize(
     if temporal_factor > 1 and min(height, width) < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        ratio = max(height, width) / min(height, width)
-        raise ValueError(f"absolute aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio}")
+    check_aspect_ratio(height, width)
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = max(temporal_factor, round(num_frames / temporal_factor) * temporal_factor)
     if t_bar * h_bar * w_bar > max_pixels:
@@ -249,18 +254,23 @@ class VideoProcessingConfig:
 CLIP_BUDGET_PROCESSORS = ("Qwen3VLVideoProcessor",)
 
 
-def checkpoint_video_config(model_path: str | Path, **fallback: Any) -> VideoProcessingConfig:
+def checkpoint_video_config(
+    model_path: str | Path, image_config: Mapping[str, Any] | None = None, **fallback: Any
+) -> VideoProcessingConfig:
     """A checkpoint's video settings: its own video_preprocessor_config.json when that names a
     processor with Qwen3-VL's rules (pixel bounds, fps and frame counts all from the file), else
-    preprocessor_config.json with `fallback` (e.g. video pixel bounds) winning over the file."""
-    video = _read_json(Path(model_path) / "video_preprocessor_config.json")
+    preprocessor_config.json (`image_config` when the caller has read it already) with
+    `fallback` (e.g. video pixel bounds) winning over the file."""
+    video = read_json(Path(model_path) / "video_preprocessor_config.json")
     if video.get("video_processor_type") in CLIP_BUDGET_PROCESSORS:
         return VideoProcessingConfig.from_preprocessor_config(video, clip_budget=True)
-    config = _read_json(Path(model_path) / "preprocessor_config.json")
-    return VideoProcessingConfig.from_preprocessor_config(config, **fallback)
+    if image_config is None:
+        image_config = read_json(Path(model_path) / "preprocessor_config.json")
+    return VideoProcessingConfig.from_preprocessor_config(image_config, **fallback)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A processor config file's keys ({} when the checkpoint has no such file)."""
     return json.loads(path.read_text()) if path.is_file() else {}
 
 

@@ -1,0 +1,204 @@
+"""The media worker processes' side: decode, resize, patchify, digest and export one item.
+
+These are plain module-level functions over picklable arguments (`cpu_pool.WorkerPool` jobs; also
+callable in-process). Images go through the checkpoint's HF image processor, built once per
+worker; videos are identified from their bytes, probed, then opened here, inside the worker, and
+only numpy arrays leave it (invariant 8, docs/architecture.md). A client's bad media raises
+`MediaError`, which pickles back to the parent as the request's 4xx.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import signal
+from typing import Any
+
+import numpy as np
+
+from runtime.allocator import keep_freed_memory
+from runtime.logging_utils import get_logger
+from runtime.multimodal import Modality
+from runtime.transport import SharedTensor
+from tokenizer_manager.media import MediaLimits, decode_image
+from tokenizer_manager.media_types import (
+    MediaFile,
+    ProcessedMedia,
+    ProcessorSpec,
+    bad_video,
+    check_media_shape,
+    input_bytes,
+)
+from tokenizer_manager.video_container import (
+    check_video_header,
+    check_video_length,
+    probe_video,
+    video_container,
+)
+from tokenizer_manager.video_processor import (
+    VideoProcessingConfig,
+    clip_frames,
+    frame_timestamps,
+    frames_to_patches,
+    resize_frame,
+    sample_frame_indices,
+    second_per_grid_t,
+    smart_resize,
+)
+
+logger = get_logger(__name__)
+
+FRAME_CHUNK = 8  # video frames decoded at once before they are resized down
+
+
+@functools.lru_cache(maxsize=4)
+def image_processor(model_path: str) -> Any:
+    """The checkpoint's HF image processor, built once per process and path."""
+    from transformers import AutoImageProcessor  # processing code only, no modeling code
+
+    return AutoImageProcessor.from_pretrained(model_path)
+
+
+def init_worker(model_path: str) -> None:
+    """Process-pool initializer: leave Ctrl-C to the parent and build the processor up front."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_freed_memory()
+    image_processor(model_path)
+
+
+def worker_ready() -> bool:
+    return True
+
+
+def media_digest(modality: Modality, data: bytes, spec: ProcessorSpec) -> int:
+    """The item's identity: SHA-256 over the encoded bytes and every setting that shapes its
+    features (the checkpoint's processor, resize bounds, frame sampling). Hashing the encoded
+    bytes costs a fraction of hashing the float32 patches they decode to."""
+    digest = hashlib.sha256(f"{modality.value}|{spec!r}|".encode())
+    digest.update(data)
+    return int.from_bytes(digest.digest()[:8], "little")
+
+
+def export_pixels(pixels: np.ndarray, out_path: str | None) -> np.ndarray | SharedTensor:
+    """The pixels written to `out_path` (a shared-memory file, so only its name travels), or
+    the array itself without a path or when shared memory is full."""
+    if out_path is None:
+        return pixels
+    try:
+        return SharedTensor.write(pixels, out_path)
+    except OSError as exc:
+        logger.warning("media pixels through shared memory failed (%r); sending them inline", exc)
+        return pixels
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+# ---------------------------------------------------------------------------------------------
+
+
+def process_image_bytes(
+    data: bytes | MediaFile, spec: ProcessorSpec, limits: MediaLimits, out_path: str | None = None
+) -> ProcessedMedia:
+    """Decode image bytes and run the checkpoint's image processor; the pixels go to `out_path`
+    in shared memory when one is given (see `export_pixels`)."""
+    data = input_bytes(data)
+    image = decode_image(data, limits)
+    check_media_shape(image.height, image.width, "image_url")
+    out = image_processor(spec.model_path)(images=[image], return_tensors="np")
+    pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+    grid = tuple(int(x) for x in out["image_grid_thw"][0])
+    digest = media_digest(Modality.IMAGE, data, spec)
+    return ProcessedMedia(Modality.IMAGE, export_pixels(pixels, out_path), grid, digest=digest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Videos
+# ---------------------------------------------------------------------------------------------
+
+
+def process_video_bytes(
+    data: bytes | MediaFile, spec: ProcessorSpec, limits: MediaLimits, out_path: str | None = None
+) -> ProcessedMedia:
+    """The one video path: open the video (here, inside the worker), sample frames, resize them
+    chunk by chunk (full-size frames never pile up in memory) and patchify."""
+    data = input_bytes(data)
+    cfg = spec.video
+    frames, sampled_fps, times = read_resized_frames(data, cfg, limits)
+    patches, grid = frames_to_patches(frames, cfg)
+    seconds = second_per_grid_t(sampled_fps, cfg.temporal_patch_size)
+    digest = media_digest(Modality.VIDEO, data, spec)
+    pixels = export_pixels(patches, out_path)
+    return ProcessedMedia(Modality.VIDEO, pixels, grid, seconds, digest, times)
+
+
+def read_resized_frames(
+    data: bytes, cfg: VideoProcessingConfig, limits: MediaLimits
+) -> tuple[np.ndarray, float, tuple[float, ...]]:
+    """Sampled frames, already resized to the video's target size, their frame rate, and the
+    timestamp of each temporal patch."""
+    header = probe_video(data, video_container(data))
+    check_video_header(header, limits)
+    reader = open_video_reader(data)
+    try:
+        total, video_fps = len(reader), float(reader.get_avg_fps())
+        check_video_length(total, total / max(video_fps, 1e-3), limits)
+        indices = _sample(total, video_fps, cfg)
+        first = decode_frames(reader, indices[:1])
+        size = _video_target_size(first.shape[1], first.shape[2], len(indices), cfg, limits)
+        chunks = [_resize_all(first, size)]
+        for start in range(1, len(indices), FRAME_CHUNK):
+            batch = decode_frames(reader, indices[start : start + FRAME_CHUNK])
+            chunks.append(_resize_all(batch, size))
+    finally:
+        del reader
+    times = frame_timestamps(indices, video_fps, cfg.temporal_patch_size)
+    return np.concatenate(chunks), len(indices) / total * video_fps, times
+
+
+def open_video_reader(data: bytes) -> Any:
+    import decord  # only CPU workers decode videos
+
+    if not data:
+        raise bad_video("the video data is empty")
+    try:
+        return decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0), num_threads=1)
+    except _video_errors() as exc:
+        raise bad_video("cannot open the video: not a supported video file") from exc
+
+
+def _video_errors() -> tuple[type[Exception], ...]:
+    """What decord raises for bad data: its own DECORDError (not a RuntimeError) or I/O errors."""
+    import decord
+
+    return (decord.DECORDError, RuntimeError, OSError, ValueError)
+
+
+def _sample(total: int, video_fps: float, cfg: VideoProcessingConfig) -> list[int]:
+    try:
+        return sample_frame_indices(total, video_fps, **cfg.sampling_kwargs())
+    except ValueError as exc:
+        raise bad_video(f"cannot sample the video: {exc}") from exc
+
+
+def decode_frames(reader: Any, indices: list[int]) -> np.ndarray:
+    try:
+        frames = reader.get_batch(indices).asnumpy()
+    except _video_errors() as exc:
+        raise bad_video("cannot decode the video frames: the data is corrupt") from exc
+    return np.ascontiguousarray(frames, dtype=np.uint8)
+
+
+def _video_target_size(
+    height: int, width: int, frames: int, cfg: VideoProcessingConfig, limits: MediaLimits
+) -> tuple[int, int]:
+    if height * width > limits.max_pixels or min(height, width) < max(1, limits.min_side):
+        raise bad_video(f"video frames are {width}x{height}: outside the allowed frame size")
+    check_media_shape(height, width, "video_url")
+    factor = cfg.patch_size * cfg.merge_size
+    clip = clip_frames(frames, cfg.temporal_patch_size, cfg.clip_budget)
+    return smart_resize(height, width, factor, cfg.min_pixels, cfg.max_pixels, *clip)
+
+
+def _resize_all(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    return np.stack([resize_frame(frame, *size) for frame in frames])
