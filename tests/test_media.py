@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
+import gzip
 import io
 import ipaddress
 import os
@@ -12,6 +14,7 @@ import socket
 import struct
 import threading
 import time
+import tracemalloc
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -248,6 +251,14 @@ class Handler(BaseHTTPRequestHandler):
             ),
             "/redirect-file": lambda: self._redirect("file:///etc/hostname"),
             "/redirect-loop": lambda: self._redirect("/redirect-loop"),
+            "/gzip-cat": lambda: self._send(gzip.compress(IMAGE_BODY), encoding="gzip"),
+            "/deflate-cat": lambda: self._send(zlib.compress(IMAGE_BODY), encoding="deflate"),
+            "/gzip-bomb": lambda: self._send(zeros_gzip(), encoding="gzip"),
+            "/gzip-gzip": lambda: self._send(gzip.compress(zeros_gzip()), encoding="gzip, gzip"),
+            "/gzip-header-twice": lambda: self._send(
+                gzip.compress(zeros_gzip()), encoding=("gzip", "gzip")
+            ),
+            "/br": lambda: self._send(IMAGE_BODY, encoding="br"),
         }
         try:
             routes.get(self.path, lambda: self.send_error(404))()
@@ -257,9 +268,11 @@ class Handler(BaseHTTPRequestHandler):
     def _port(self) -> int:
         return self.server.server_address[1]
 
-    def _send(self, body: bytes, sized: bool = True) -> None:
+    def _send(self, body: bytes, sized: bool = True, encoding: str | tuple[str, ...] = ()) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
+        for coding in (encoding,) if isinstance(encoding, str) else encoding:
+            self.send_header("Content-Encoding", coding)
         if sized:
             self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -290,6 +303,18 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+BOMB_BYTES = 256 << 20  # what the gzip bombs claim
+
+
+@functools.cache
+def zeros_gzip() -> bytes:
+    """A gzip stream of BOMB_BYTES zeros (about 250 KB), built a megabyte at a time."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    block = bytes(1 << 20)
+    body = b"".join(packer.compress(block) for _ in range(BOMB_BYTES >> 20))
+    return body + packer.flush()
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -304,6 +329,40 @@ def server() -> Iterator[str]:
 def test_http_image_and_redirect(server: str) -> None:
     assert load_media_bytes(f"{server}/cat.png", LOCAL, modality=IMAGE) == IMAGE_BODY
     assert load_media_bytes(f"{server}/redirect", LOCAL, modality=IMAGE) == IMAGE_BODY
+
+
+def test_an_origin_may_compress_with_gzip_or_deflate(server: str) -> None:
+    for path in ("/gzip-cat", "/deflate-cat"):
+        assert load_media_bytes(f"{server}{path}", LOCAL, modality=IMAGE) == IMAGE_BODY
+
+
+@pytest.mark.parametrize(
+    "path,code",
+    [
+        ("/gzip-bomb", "media_too_large"),  # 250 KB of gzip claiming 256 MB
+        ("/gzip-gzip", "media_fetch_failed"),  # double gzip (a few KB), stacked in one header
+        ("/gzip-header-twice", "media_fetch_failed"),  # the same in two headers
+    ],
+)
+def test_compression_bombs_cost_no_more_than_the_byte_limit(
+    server: str, path: str, code: str
+) -> None:
+    """The byte limit counts decoded bytes while they are decoded, stacked codings are refused,
+    and no memory grows with what the body claims."""
+    limits = dataclasses.replace(LOCAL, max_image_bytes=1 << 20)
+    tracemalloc.start()
+    try:
+        with expect_error("image_url", code):
+            load_media_bytes(f"{server}{path}", limits, modality=IMAGE)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak / 2**20:.0f} MiB held for a {BOMB_BYTES >> 20} MiB claim"
+
+
+def test_unknown_encodings_are_refused(server: str) -> None:
+    with expect_error("image_url", "media_fetch_failed"):
+        load_media_bytes(f"{server}/br", LOCAL, modality=IMAGE)
 
 
 def test_http_errors_do_not_reveal_the_network(server: str) -> None:

@@ -16,6 +16,10 @@ One wall-clock deadline covers a whole fetch: connect, TLS, request, headers, bo
 It is held in a context variable of the fetching thread, and every socket operation's timeout is
 cut to what is left of it, so a server that sends its headers one byte at a time is cut off too.
 
+A body is read under the caller's byte cap, counted in decoded bytes: an origin that compresses
+anyway (gzip or deflate; any other or a stack of codings is refused) has its body inflated as it
+arrives, never more than the cap at once (`Inflater`).
+
 Environment proxies, `.netrc` and `SSL_CERT_FILE` are ignored unless `trust_env` is set; a proxy
 taken from the environment does its own name resolution, so the address rule then applies to the
 proxy, not to the media host.
@@ -28,6 +32,7 @@ import contextvars
 import ipaddress
 import socket
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -285,6 +290,7 @@ FETCH_ERRORS = (
     httpcore.UnsupportedProtocol,
     httpcore.ProxyError,
     UnicodeError,
+    zlib.error,
 )
 
 
@@ -343,9 +349,60 @@ def _declared_length(response: httpx.Response) -> int:
 
 
 def _read_body(response: httpx.Response, max_bytes: int, param: str) -> bytes:
-    body = bytearray()
-    for chunk in response.iter_bytes():
-        body += chunk
-        if len(body) > max_bytes:
+    """The body, decoded, and never more than `max_bytes` of it (encoded or decoded) held."""
+    inflater = Inflater.for_response(response)
+    body, received = bytearray(), 0
+    for raw in response.iter_raw():
+        received += len(raw)
+        body += inflater.feed(raw, max_bytes - len(body)) if inflater else raw
+        if len(body) > max_bytes or received > max_bytes:
             raise too_large(max_bytes, param)
+    if inflater is not None and not inflater.finished:
+        raise NotFetched("the compressed body is truncated")
     return bytes(body)
+
+
+# Content codings an origin may answer with although we ask for none (one at most): zlib's
+# window bits for each.
+GZIP_WBITS = 16 + zlib.MAX_WBITS
+CONTENT_CODINGS = {"gzip": GZIP_WBITS, "x-gzip": GZIP_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+class Inflater:
+    """A gzip or deflate body decoded as it arrives, under a running cap: each step inflates at
+    most one byte past the room the caller has left, so a few KB that claim gigabytes cost
+    what the cap allows and no more."""
+
+    def __init__(self, wbits: int):
+        self.wbits = wbits
+        self._zlib = zlib.decompressobj(wbits)
+
+    @classmethod
+    def for_response(cls, response: httpx.Response) -> Inflater | None:
+        """None for an unencoded body; NotFetched for unknown or stacked codings."""
+        codings = [
+            coding.strip().lower()
+            for header in response.headers.get_list("content-encoding")
+            for coding in header.split(",")
+            if coding.strip().lower() not in ("", "identity")
+        ]
+        if not codings:
+            return None
+        if len(codings) > 1 or codings[0] not in CONTENT_CODINGS:
+            raise NotFetched(f"content encoding {', '.join(codings)!r} is not accepted")
+        return cls(CONTENT_CODINGS[codings[0]])
+
+    @property
+    def finished(self) -> bool:
+        return self._zlib.eof
+
+    def feed(self, data: bytes, room: int) -> bytes:
+        """What `data` decodes to, cut at `room` + 1 bytes (more than that: the caller refuses).
+        Gzip members that follow one another are decoded one after the other."""
+        out = bytearray()
+        while data and len(out) <= room:
+            if self._zlib.eof:
+                self._zlib = zlib.decompressobj(self.wbits)
+            out += self._zlib.decompress(data, room + 1 - len(out))
+            data = self._zlib.unconsumed_tail or self._zlib.unused_data
+        return bytes(out)
