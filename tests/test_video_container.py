@@ -1,4 +1,5 @@
-"""Video bytes that could make FFmpeg open other files or URLs are refused before decord sees them.
+"""Video bytes that could make FFmpeg open other files or URLs are refused, and a video is
+decoded only through the demuxer allowlist, so no bytes can make FFmpeg open anything.
 
 Every listener here is on 127.0.0.1 and counts the connections it gets: none may arrive.
 """
@@ -7,7 +8,13 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import pickle
+import shutil
 import socket
+import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,3 +173,86 @@ def test_header_limits_apply_before_decoding(spec: ProcessorSpec, mp4: bytes) ->
         with pytest.raises(MediaError, match=match) as info:
             process_video_bytes(mp4, spec, limits)
         assert info.value.param == "video_url"
+
+
+# ------------------------------------------------------------------------------ demuxer allowlist
+
+CHILD = """
+import os, pickle, sys
+from tokenizer_manager.media import MediaLimits
+from tokenizer_manager.media_types import MediaError
+from tokenizer_manager.media_worker import process_video_bytes
+
+spec = pickle.load(open(sys.argv[1], "rb"))
+good, hostile = (open(path, "rb").read() for path in sys.argv[2:4])
+process_video_bytes(good, spec, MediaLimits())  # every import and lazy load happens here
+os.access("/tessera-decode-start", os.F_OK)
+try:
+    process_video_bytes(hostile, spec, MediaLimits())
+    outcome = "decoded"
+except MediaError as exc:
+    outcome = exc.code
+os.access("/tessera-decode-end", os.F_OK)
+print(outcome)
+"""
+
+
+def sdp_inside_mp4(mp4: bytes, port: int) -> bytes:
+    """A real MP4 whose first box (`ftyp`, brand `jp2 `, 16 MB with no NUL byte) carries an SDP
+    description. It sniffs as MP4 and opens as MP4 when the demuxer is named, but FFmpeg's own
+    probe scores it as SDP (a jp2 brand scores 5 for MP4, a `c=IN IP4` line 50 for SDP), whose
+    demuxer binds RTP sockets on the port it names."""
+    size = 0x01010101  # the smallest box size without a NUL byte: SDP's probe stops at one
+    sdp = (
+        f"\nv=0\no=- 0 0 IN IP4 127.0.0.1\ns=x\nc=IN IP4 127.0.0.1\nt=0 0\n"
+        f"m=video {port} RTP/AVP 96\na=rtpmap:96 H264/90000\n"
+    ).encode()
+    head = (b"\x01\x01\x01\x01ftypjp2 " + sdp).ljust(size, b"\n")
+    skip = struct.unpack_from(">I", mp4)[0]  # the original ftyp box
+    rest = bytearray(mp4[skip:])
+    at = rest.index(b"stco")  # chunk offsets are absolute: move them with the data
+    for k in range(struct.unpack_from(">I", rest, at + 8)[0]):
+        pos = at + 12 + 4 * k
+        struct.pack_into(">I", rest, pos, struct.unpack_from(">I", rest, pos)[0] + size - skip)
+    return head + bytes(rest)
+
+
+def traced_calls(log: str) -> list[str]:
+    """The network and open calls strace logged between the child's two markers."""
+    lines = open(log).read().splitlines()
+    start = next(i for i, line in enumerate(lines) if "tessera-decode-start" in line)
+    end = next(i for i, line in enumerate(lines) if "tessera-decode-end" in line)
+    calls = ("socket(", "bind(", "connect(", "sendto(", "open(", "openat(", "creat(")
+    return [line for line in lines[start:end] if any(call in line for call in calls)]
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_decoding_opens_no_socket_and_no_file(
+    spec: ProcessorSpec, mp4: bytes, tmp_path: Path
+) -> None:
+    hostile = sdp_inside_mp4(mp4, port=socket_free_udp_port())
+    assert video_container(hostile) == MP4
+    paths = [tmp_path / name for name in ("spec.pkl", "good.mp4", "hostile.mp4")]
+    for path, data in zip(paths, (pickle.dumps(spec), mp4, hostile)):
+        path.write_bytes(data)
+    log = tmp_path / "strace.log"
+    command = ["strace", "-f", "-qq", "-e", "trace=%network,%file", "-o", str(log)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(
+        [*command, sys.executable, "-c", CHILD, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    if run.returncode != 0 and "ptrace" in run.stderr:
+        pytest.skip(f"strace cannot trace here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    assert traced_calls(str(log)) == []
+    assert run.stdout.strip() == "decoded"  # it is a real MP4 when opened as one
+
+
+def socket_free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

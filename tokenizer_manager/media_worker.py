@@ -2,17 +2,20 @@
 
 These are plain module-level functions over picklable arguments (`cpu_pool.WorkerPool` jobs; also
 callable in-process). Images go through the checkpoint's HF image processor, built once per
-worker; videos are identified from their bytes, probed, then opened here, inside the worker, and
-only numpy arrays leave it (invariant 8, docs/architecture.md). A client's bad media raises
-`MediaError`, which pickles back to the parent as the request's 4xx.
+worker. Videos are identified from their bytes and opened here, inside the worker, only through
+the demuxer allowlist (`video_container.open_container`); only numpy arrays leave the worker
+(invariant 8, docs/architecture.md). A client's bad media raises `MediaError`, which pickles back
+to the parent as the request's 4xx.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
-import io
+import itertools
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,8 +36,10 @@ from tokenizer_manager.media_types import (
 from tokenizer_manager.video_container import (
     check_video_header,
     check_video_length,
-    probe_video,
+    open_container,
+    read_header,
     video_container,
+    video_errors,
 )
 from tokenizer_manager.video_processor import (
     VideoProcessingConfig,
@@ -136,42 +141,29 @@ def read_resized_frames(
     data: bytes, cfg: VideoProcessingConfig, limits: MediaLimits
 ) -> tuple[np.ndarray, float, tuple[float, ...]]:
     """Sampled frames, already resized to the video's target size, their frame rate, and the
-    timestamp of each temporal patch."""
-    header = probe_video(data, video_container(data))
-    check_video_header(header, limits)
-    reader = open_video_reader(data)
-    try:
-        total, video_fps = len(reader), float(reader.get_avg_fps())
+    timestamp of each temporal patch. The container is opened once, through the allowlist
+    (`video_container.open_container`), and its header checked before any frame is decoded."""
+    if not data:
+        raise bad_video("the video data is empty")
+    with open_container(data, video_container(data)) as container:
+        check_video_header(read_header(container), limits)
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1
+        video_fps = float(stream.average_rate or 0)
+        total = _frame_count(stream, container, video_fps)
         check_video_length(total, total / max(video_fps, 1e-3), limits)
         indices = _sample(total, video_fps, cfg)
-        first = decode_frames(reader, indices[:1])
-        size = _video_target_size(first.shape[1], first.shape[2], len(indices), cfg, limits)
-        chunks = [_resize_all(first, size)]
-        for start in range(1, len(indices), FRAME_CHUNK):
-            batch = decode_frames(reader, indices[start : start + FRAME_CHUNK])
-            chunks.append(_resize_all(batch, size))
-    finally:
-        del reader
+        frames = _wanted_frames(container, stream, indices)
+        chunks = _resized_chunks(frames, len(indices), cfg, limits)
     times = frame_timestamps(indices, video_fps, cfg.temporal_patch_size)
     return np.concatenate(chunks), len(indices) / total * video_fps, times
 
 
-def open_video_reader(data: bytes) -> Any:
-    import decord  # only CPU workers decode videos
-
-    if not data:
-        raise bad_video("the video data is empty")
-    try:
-        return decord.VideoReader(io.BytesIO(data), ctx=decord.cpu(0), num_threads=1)
-    except _video_errors() as exc:
-        raise bad_video("cannot open the video: not a supported video file") from exc
-
-
-def _video_errors() -> tuple[type[Exception], ...]:
-    """What decord raises for bad data: its own DECORDError (not a RuntimeError) or I/O errors."""
-    import decord
-
-    return (decord.DECORDError, RuntimeError, OSError, ValueError)
+def _frame_count(stream: Any, container: Any, video_fps: float) -> int:
+    """The declared frame count, else the duration times the frame rate."""
+    if stream.frames:
+        return int(stream.frames)
+    return int(video_fps * (container.duration or 0) / 1_000_000)
 
 
 def _sample(total: int, video_fps: float, cfg: VideoProcessingConfig) -> list[int]:
@@ -181,12 +173,36 @@ def _sample(total: int, video_fps: float, cfg: VideoProcessingConfig) -> list[in
         raise bad_video(f"cannot sample the video: {exc}") from exc
 
 
-def decode_frames(reader: Any, indices: list[int]) -> np.ndarray:
+def _wanted_frames(container: Any, stream: Any, indices: list[int]) -> Iterator[np.ndarray]:
+    """The frames at `indices` (ascending, repeats allowed) as RGB arrays, decoded in order and
+    stopped after the last one; a video shorter than declared repeats its last frame."""
+    wanted = collections.Counter(indices)
+    frame, sent = None, 0
     try:
-        frames = reader.get_batch(indices).asnumpy()
-    except _video_errors() as exc:
+        for index, decoded in enumerate(container.decode(stream)):
+            if index in wanted:
+                frame = decoded.to_ndarray(format="rgb24")
+                yield from itertools.repeat(frame, wanted[index])
+                sent += wanted[index]
+            if sent == len(indices):
+                return
+    except video_errors() as exc:
         raise bad_video("cannot decode the video frames: the data is corrupt") from exc
-    return np.ascontiguousarray(frames, dtype=np.uint8)
+    if frame is None:
+        raise bad_video("cannot decode the video frames: no frame at the sampled positions")
+    yield from itertools.repeat(frame, len(indices) - sent)
+
+
+def _resized_chunks(
+    frames: Iterator[np.ndarray], count: int, cfg: VideoProcessingConfig, limits: MediaLimits
+) -> list[np.ndarray]:
+    """The frames resized FRAME_CHUNK at a time to the size the first frame sets."""
+    first = next(frames)
+    size = _video_target_size(first.shape[0], first.shape[1], count, cfg, limits)
+    chunks = [_resize_all([first], size)]
+    while batch := list(itertools.islice(frames, FRAME_CHUNK)):
+        chunks.append(_resize_all(batch, size))
+    return chunks
 
 
 def _video_target_size(
@@ -200,5 +216,5 @@ def _video_target_size(
     return smart_resize(height, width, factor, cfg.min_pixels, cfg.max_pixels, *clip)
 
 
-def _resize_all(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+def _resize_all(frames: list[np.ndarray], size: tuple[int, int]) -> np.ndarray:
     return np.stack([resize_frame(frame, *size) for frame in frames])

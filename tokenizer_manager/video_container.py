@@ -1,6 +1,6 @@
 """Which video bytes may reach a decoder: real containers that cannot name other resources.
 
-FFmpeg (under decord) picks its demuxer from the bytes, and some of its demuxers open whatever
+FFmpeg, left to itself, picks its demuxer from the bytes, and some of its demuxers open whatever
 the data names: an HLS or DASH playlist fetches its segments, an ffconcat list opens files, an SDP
 description opens network streams, and a QuickTime movie may point at external media through
 data references. So the container is identified here from its magic number first, and only
@@ -11,9 +11,12 @@ these pass:
 - Matroska / WebM (EBML header);
 - AVI (`RIFF....AVI `).
 
-Everything else (playlists, concat lists, SDP, raw streams, unknown data) is a 400. The header is
-then probed with PyAV, with the demuxer named explicitly and external references left disabled,
-so that frame count, duration and frame size are checked before decord decodes any frame.
+Everything else (playlists, concat lists, SDP, raw streams, unknown data) is a 400. Then the
+video is opened only through `open_container`, for the header probe (frame count, duration and
+frame size are checked before any frame is decoded) and for decoding alike: the demuxer named
+explicitly, so FFmpeg never probes the bytes (a file that sniffs as MP4 here can score higher as
+an SDP description in FFmpeg's own probe, whose demuxer binds RTP sockets), the in-memory buffer
+as the only input, and no protocol for anything the file names.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import io
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from tokenizer_manager.media import MediaLimits
 from tokenizer_manager.media_types import bad_video
@@ -114,20 +118,50 @@ class VideoHeader:
     seconds: float  # duration (0.0: not declared)
 
 
+# A list no FFmpeg protocol is on: whatever a file names (a segment, a data reference, an RTP
+# stream) cannot be opened, only the in-memory buffer the container reads from.
+NO_PROTOCOLS = "none"
+DEMUXER_OPTIONS = {MP4: {"enable_drefs": "0", "use_absolute_path": "0"}, MATROSKA: {}, AVI: {}}
+
+
+def open_container(data: bytes, demuxer: str) -> Any:
+    """The one way a client's video reaches FFmpeg: an allowlisted demuxer named explicitly (no
+    probing, so no other demuxer can claim the bytes), reading the in-memory buffer, with no
+    protocol for anything the file names. Raises the client's MediaError."""
+    import av  # only CPU workers open videos
+
+    if demuxer not in DEMUXER_OPTIONS:
+        raise bad_video(f"demuxer {demuxer!r} is not allowed", code="unsupported_video_format")
+    options = {"protocol_whitelist": NO_PROTOCOLS, **DEMUXER_OPTIONS[demuxer]}
+    try:
+        return av.open(io.BytesIO(data), mode="r", format=demuxer, options=options)
+    except (av.FFmpegError, ValueError, OSError) as exc:
+        raise bad_video("cannot open the video: not a supported video file") from exc
+
+
+def video_errors() -> tuple[type[Exception], ...]:
+    """What FFmpeg (through PyAV) raises for bad data."""
+    import av
+
+    return (av.FFmpegError, ValueError, OSError)
+
+
 def probe_video(data: bytes, demuxer: str) -> VideoHeader:
     """Frame size, frame count and duration from the container header; no frame is decoded."""
-    import av  # only CPU workers probe videos
+    with open_container(data, demuxer) as container:
+        return read_header(container)
 
-    options = {"enable_drefs": "0"} if demuxer == MP4 else {}
+
+def read_header(container: Any) -> VideoHeader:
+    """The header of an open container's first video stream (see `probe_video`)."""
     try:
-        with av.open(io.BytesIO(data), format=demuxer, options=options) as container:
-            if not container.streams.video:
-                raise bad_video("the file has no video stream")
-            stream = container.streams.video[0]
-            seconds = _seconds(stream, container)
-            ctx = stream.codec_context
-            return VideoHeader(int(ctx.width), int(ctx.height), int(stream.frames or 0), seconds)
-    except (av.FFmpegError, ValueError, OSError) as exc:
+        if not container.streams.video:
+            raise bad_video("the file has no video stream")
+        stream = container.streams.video[0]
+        seconds = _seconds(stream, container)
+        ctx = stream.codec_context
+        return VideoHeader(int(ctx.width), int(ctx.height), int(stream.frames or 0), seconds)
+    except video_errors() as exc:
         raise bad_video("cannot open the video: not a supported video file") from exc
 
 
