@@ -10,6 +10,10 @@ from typing import Any
 import torch
 
 MM_PAD_SHIFT_VALUE = 1_000_000
+# Bits of an item's hash its pad_value keeps: two different items share a prefix-cache key only
+# if their 128-bit digests agree on these (SGLang keeps 30, which real traffic can hit by chance).
+# The largest pad_value still fits an int64 input id; the embedding lookup never sees one.
+PAD_VALUE_BITS = 62
 
 
 class Modality(str, enum.Enum):
@@ -47,7 +51,7 @@ class MultimodalDataItem:
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def set_pad_value(self) -> None:
-        self.pad_value = MM_PAD_SHIFT_VALUE + self.hash % 2**30
+        self.pad_value = MM_PAD_SHIFT_VALUE + self.hash % 2**PAD_VALUE_BITS
 
     @property
     def grid_thw(self) -> tuple[int, int, int]:

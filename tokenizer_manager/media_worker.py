@@ -33,6 +33,7 @@ from tokenizer_manager.media_types import (
     check_media_shape,
     input_bytes,
 )
+from tokenizer_manager.multimodal_inputs import digest_int
 from tokenizer_manager.video_container import (
     check_video_header,
     check_video_length,
@@ -78,11 +79,12 @@ def worker_ready() -> bool:
 
 def media_digest(modality: Modality, data: bytes, spec: ProcessorSpec) -> int:
     """The item's identity: SHA-256 over the encoded bytes and every setting that shapes its
-    features (the checkpoint's processor, resize bounds, frame sampling). Hashing the encoded
-    bytes costs a fraction of hashing the float32 patches they decode to."""
+    features (the checkpoint's processor, resize bounds, frame sampling), kept to 128 bits (the
+    encoder cache's key). Hashing the encoded bytes costs a fraction of hashing the float32
+    patches they decode to."""
     digest = hashlib.sha256(f"{modality.value}|{spec!r}|".encode())
     digest.update(data)
-    return int.from_bytes(digest.digest()[:8], "little")
+    return digest_int(digest)
 
 
 def export_pixels(pixels: np.ndarray, out_path: str | None) -> np.ndarray | SharedTensor:

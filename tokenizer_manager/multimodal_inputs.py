@@ -41,7 +41,7 @@ class PreparedMedia:
     pixel_values: torch.Tensor | SharedTensor  # [t*h*w patches, patch_dim]
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None
-    digest: int | None = None  # from the encoded bytes (mm_processor.media_digest), when known
+    digest: int | None = None  # from the encoded bytes (media_worker.media_digest), when known
     frame_times: tuple[float, ...] | None = None  # video: seconds of each temporal patch
 
 
@@ -118,7 +118,15 @@ def content_hash(media: PreparedMedia) -> int:
     digest.update(media.pixel_values.detach().to(torch.float32).contiguous().numpy().tobytes())
     if media.second_per_grid_t is not None:
         digest.update(repr(float(media.second_per_grid_t)).encode())
-    return int.from_bytes(digest.digest()[:8], "little")
+    return digest_int(digest)
+
+
+DIGEST_BYTES = 16  # an item's hash: 128 bits of its SHA-256
+
+
+def digest_int(digest: hashlib._Hash) -> int:
+    """An item hash from a SHA-256 object: its first DIGEST_BYTES bytes, little-endian."""
+    return int.from_bytes(digest.digest()[:DIGEST_BYTES], "little")
 
 
 def _grid_key(modality: Modality) -> str:
