@@ -89,6 +89,11 @@ class ServerArgs:
         "let media fetches use proxies, .netrc and SSL_CERT_FILE from the environment",
         default=False,
     )
+    media_cpu_seconds: float = _opt(
+        "CPU seconds one image or video may take to decode and preprocess (beyond: a 400, and "
+        "its media worker is replaced)",
+        default=10.0,
+    )
     media_fetch_timeout: float = _opt(
         "seconds for one media URL fetch: connect, headers, body and redirects", default=10.0
     )

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
+from tokenizer_manager.cpu_pool import CpuTimeExceeded, JobTimeout, WorkerDied, WorkerPool
 
 
 @pytest.fixture()
@@ -43,6 +43,31 @@ def test_overrunning_job_is_killed_and_replaced(pool: WorkerPool) -> None:
     assert len(after) == 2 and len(before & after) == 1
     assert all(gone(pid) for pid in before - after)
     assert pool.submit(divmod, 9, 4).result(30) == (2, 1)
+
+
+def spin(cpu_seconds: float | None = None) -> float:
+    """Burn CPU time in this process (forever with None); returns what it used."""
+    start = time.process_time()
+    while cpu_seconds is None or time.process_time() - start < cpu_seconds:
+        pass
+    return time.process_time() - start
+
+
+def test_a_job_past_its_cpu_time_fails_and_its_worker_is_replaced() -> None:
+    """The CPU-time deadline holds per job (three jobs of 0.6 s each pass a 1 s limit), and a
+    job that spins past it dies of SIGXCPU: only that job fails, the pool keeps serving."""
+    pool = WorkerPool(1, job_timeout=120.0, cpu_seconds=1.0)
+    try:
+        assert pool.wait_ready(60)
+        assert all(pool.submit(spin, 0.6).result(60) >= 0.6 for _ in range(3))
+        (before,) = pool.pids()
+        with pytest.raises(CpuTimeExceeded, match="CPU time"):
+            pool.submit(spin).result(120)
+        assert gone(before)
+        assert pool.submit(divmod, 7, 2).result(60) == (3, 1)
+        assert pool.pids() != [before]
+    finally:
+        pool.shutdown()
 
 
 def test_a_worker_that_dies_fails_only_its_job(pool: WorkerPool) -> None:

@@ -517,9 +517,36 @@ def test_high_bit_depth_images_keep_their_tones() -> None:
     row = np.asarray(image)[0, :, 0]
     assert image.mode == "RGB" and row[0] == 0 and row[-1] == 255
     assert abs(int(row[32]) - 130) <= 2  # mid-grey stays mid-grey (PIL alone gives 255)
-    floats = np.tile(np.linspace(0.0, 1.0, 64, dtype=np.float32), (8, 1))
-    image = decode_image(saved(Image.fromarray(floats), "TIFF"), MediaLimits())
-    assert np.asarray(image)[0, -1, 0] == 255 and np.asarray(image)[0, 32, 0] in range(125, 135)
+
+
+def rle8_bmp(width: int = 4, height: int = 2) -> bytes:
+    """A palette BMP whose rows are run-length coded (BI_RLE8): each row one run of one index."""
+    rows = b"".join(bytes([width, row % 2, 0, 0]) for row in range(height - 1))
+    pixels = rows + bytes([width, 1, 0, 1])  # the last row, then end of bitmap
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 8, 1, len(pixels), 2835, 2835, 2, 0)
+    palette = bytes([0, 0, 0, 0, 255, 255, 255, 0])
+    offset = 14 + len(info) + len(palette)
+    header = b"BM" + struct.pack("<IHHI", offset + len(pixels), 0, 0, offset)
+    return header + info + palette + pixels
+
+
+def test_the_formats_users_send_are_decoded() -> None:
+    pixels = np.random.default_rng(1).integers(0, 256, (6, 10, 3), dtype=np.uint8)
+    for fmt, exact in (("PNG", True), ("BMP", True), ("WEBP", False), ("JPEG", False)):
+        image = decode_image(saved(Image.fromarray(pixels), fmt), MediaLimits())
+        assert image.size == (10, 6) and image.mode == "RGB", fmt
+        assert not exact or np.array_equal(np.asarray(image), pixels), fmt
+    gif = decode_image(saved(Image.fromarray(pixels).convert("P"), "GIF"), MediaLimits())
+    assert gif.size == (10, 6) and gif.mode == "RGB"
+
+
+def test_other_formats_and_run_length_bmp_are_refused() -> None:
+    image = Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8))
+    for fmt in ("TIFF", "PPM", "TGA", "ICO", "PCX"):
+        with expect_error("image_url", "invalid_image"):
+            decode_image(saved(image, fmt), MediaLimits())
+    with expect_error("image_url", "unsupported_image_format"):
+        open_image(rle8_bmp(), MediaLimits())  # refused from the header alone
 
 
 def test_cmyk_palette_transparency_and_grey_alpha() -> None:

@@ -7,6 +7,10 @@ Here each worker process has its own pipe and its own feeder thread in the paren
 - the feeder takes the next job, sends it, and waits at most `job_timeout` seconds for the result;
 - a job that overruns gets its process killed and a fresh one started in its place (the pool keeps
   its size), and only that job fails, with `JobTimeout`;
+- with `cpu_seconds`, a job also has a CPU-time deadline, which the kernel holds: before each job
+  the worker sets its RLIMIT_CPU soft limit that many seconds past what it has used, so a job
+  spinning in native code (a decoder on a hostile image) gets SIGXCPU and dies; only that job
+  fails, with `CpuTimeExceeded`, and the worker is replaced;
 - a worker that dies during a job fails only that job (`WorkerDied`) and is replaced; one found
   dead while idle is replaced before the next job is sent to it.
 
@@ -15,9 +19,13 @@ Jobs are plain module-level functions over picklable arguments, as with ProcessP
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import queue
+import resource
+import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -36,13 +44,24 @@ class JobTimeout(Exception):
     """A job ran past the pool's job timeout; its worker was killed and replaced."""
 
 
+class CpuTimeExceeded(JobTimeout):
+    """A job used more CPU time than the pool allows; its worker died of SIGXCPU and was
+    replaced."""
+
+
 class WorkerDied(Exception):
     """The worker process running a job died (a crash in native code, a kill)."""
 
 
-def _worker_main(conn: Connection, initializer: Callable[..., Any] | None, args: tuple) -> None:
+def _worker_main(
+    conn: Connection,
+    initializer: Callable[..., Any] | None,
+    args: tuple,
+    cpu_seconds: float | None = None,
+) -> None:
     if initializer is not None:
         initializer(*args)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would otherwise dump a core
     conn.send("ready")
     while True:
         try:
@@ -52,11 +71,24 @@ def _worker_main(conn: Connection, initializer: Callable[..., Any] | None, args:
         if job is None:
             return
         fn, fn_args = job
+        arm_cpu_deadline(cpu_seconds)
         try:
             reply = (True, fn(*fn_args))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             reply = (False, exc)
         _send_reply(conn, reply)
+
+
+def arm_cpu_deadline(seconds: float | None) -> None:
+    """Let this process use `seconds` more CPU time (whole seconds, rounded up) before the
+    kernel sends it SIGXCPU, whose default action ends it."""
+    if seconds is None:
+        return
+    soft = math.ceil(time.process_time() + seconds)
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
 
 
 def _send_reply(conn: Connection, reply: tuple[bool, Any]) -> None:
@@ -86,7 +118,7 @@ class _Worker:
         parent, child = self.pool.ctx.Pipe()
         self.process = self.pool.ctx.Process(
             target=_worker_main,
-            args=(child, self.pool.initializer, self.pool.initargs),
+            args=(child, self.pool.initializer, self.pool.initargs, self.pool.cpu_seconds),
             daemon=True,
             name="tessera-media-cpu",
         )
@@ -140,7 +172,7 @@ class _Worker:
             ready = self.conn.poll(self.pool.job_timeout)
             ok, value = self.conn.recv() if ready else (None, None)
         except (EOFError, OSError):
-            ok, value = None, WorkerDied("a media worker process died while preprocessing")
+            ok, value = None, self._death()
         if ok is None:
             self._replace(job, value)
         elif ok:
@@ -148,10 +180,20 @@ class _Worker:
         else:
             job.future.set_exception(value)
 
+    def _death(self) -> Exception:
+        """Why the worker's pipe closed during a job: its CPU-time limit, or a crash."""
+        self.process.join(STOP_TIMEOUT)
+        if self.process.exitcode == -signal.SIGXCPU:
+            return CpuTimeExceeded(f"took more than {self.pool.cpu_seconds:g} s of CPU time")
+        return WorkerDied("a media worker process died while preprocessing")
+
     def _replace(self, job: _Job, died: Exception | None) -> None:
         if died is None:
             logger.warning("a media job ran past %g s; killing its worker", self.pool.job_timeout)
-            error: Exception = JobTimeout(self.pool.job_timeout)
+            error: Exception = JobTimeout(f"took longer than {self.pool.job_timeout:g} s")
+        elif isinstance(died, CpuTimeExceeded):
+            logger.warning("a media job %s; replacing its worker", died)
+            error = died
         else:
             logger.error("media worker %s died during a job; replacing it", self.process.pid)
             error = died
@@ -169,11 +211,13 @@ class WorkerPool:
         size: int,
         *,
         job_timeout: float,
+        cpu_seconds: float | None = None,
         initializer: Callable[..., Any] | None = None,
         initargs: tuple = (),
     ):
         self.ctx = multiprocessing.get_context("spawn")
         self.job_timeout = job_timeout
+        self.cpu_seconds = cpu_seconds
         self.initializer, self.initargs = initializer, initargs
         self.closed = False
         self._jobs: queue.Queue[_Job | None] = queue.Queue()

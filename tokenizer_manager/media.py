@@ -38,9 +38,11 @@ from tokenizer_manager.media_types import MediaError, media_param, too_large
 logger = get_logger(__name__)
 
 MiB = 1 << 20
-# Formats PIL may open. Others (EPS, PSD, ...) are refused: some call external programs or are
-# rarely used and poorly tested against hostile input.
-IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG covers MPO
+# Formats PIL may open: what users send. Others (TIFF, EPS, PSD, ...) are refused: some call
+# external programs, some have pathological decode costs, all are rarely sent and poorly tested
+# against hostile input. BMP only uncompressed (`check_decoder`): its run-length codings are not.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")  # JPEG covers MPO
+PLAIN_BMP_CODECS = ("raw",)  # PIL's decoders for BMP without run-length coding
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _BASE64_RE = re.compile(r"[A-Za-z0-9+/]*={0,2}")
@@ -61,6 +63,7 @@ class MediaLimits:
     max_frames: int = 64  # sampled frames of one video
     max_video_frames: int = 108_000  # frames a video may declare (an hour at 30 fps)
     max_video_seconds: float = 3600.0  # duration a video may declare
+    max_cpu_seconds: float | None = 10.0  # CPU time to decode and preprocess one item
     http_timeout: float = 10.0  # seconds for one whole fetch: connect, headers, body, redirects
     allowed_local_media_path: str | None = None  # None: local files are refused
     url_policy: MediaUrlPolicy = MediaUrlPolicy()  # which http(s) URLs may be fetched
@@ -76,6 +79,7 @@ class MediaLimits:
             trust_env=args.media_trust_env,
         )
         return cls(
+            max_cpu_seconds=args.media_cpu_seconds,
             http_timeout=args.media_fetch_timeout,
             allowed_local_media_path=args.allowed_local_media_path,
             url_policy=policy,
@@ -280,8 +284,21 @@ def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
             param="image_url",
             code="invalid_image",
         ) from exc
+    check_decoder(image)
     check_image_size(image.size, limits)
     return image
+
+
+def check_decoder(image: Image.Image) -> None:
+    """Refuse a BMP whose pixels are run-length coded (from its header, before decoding)."""
+    codecs = {tile[0] for tile in image.tile}
+    if image.format == "BMP" and not codecs <= set(PLAIN_BMP_CODECS):
+        raise MediaError(
+            "run-length coded BMP images are not supported: send PNG, JPEG, WebP, GIF or an "
+            "uncompressed BMP",
+            param="image_url",
+            code="unsupported_image_format",
+        )
 
 
 def check_image_size(size: tuple[int, int], limits: MediaLimits) -> None:

@@ -16,8 +16,9 @@ Errors: a client's bad media raises `MediaError` (400, param image_url / video_u
 request's media take longer than `per_request_timeout`, the error is blamed on the client
 (400, code "media_timeout") if one of its items was still being fetched, since a slow or stalled
 URL is the usual cause; if everything was already fetched and the time went into waiting for or
-running our CPU workers, it is a 503 with the same code. A job that runs past the job timeout has
-its worker killed and replaced, and only its request fails (400, "media_processing_timeout"). A
+running our CPU workers, it is a 503 with the same code. A job that runs past the job timeout, or
+uses more than `MediaLimits.max_cpu_seconds` of CPU time (a decoder CPU bomb), has its worker
+killed and replaced, and only its request fails (400, "media_processing_timeout"). A
 worker that dies in a job is our own failure: it is replaced and a RuntimeError (a 500) is raised.
 """
 
@@ -177,6 +178,7 @@ class AsyncMMDataProcessor:
         self._cpu = WorkerPool(
             cpu_workers,
             job_timeout=job_timeout or per_request_timeout,
+            cpu_seconds=limits.max_cpu_seconds,
             initializer=init_worker,
             initargs=(self.spec.model_path,),
         )
@@ -307,10 +309,9 @@ class AsyncMMDataProcessor:
                 result = await asyncio.wrap_future(future)
                 done = True
                 return result
-            except JobTimeout:
+            except JobTimeout as exc:  # wall clock or CPU time (CpuTimeExceeded)
                 raise MediaError(
-                    f"preprocessing this {item.modality.value} took longer than "
-                    f"{self._cpu.job_timeout:g} s and was stopped",
+                    f"preprocessing this {item.modality.value} {exc} and was stopped",
                     param=media_param(item.modality),
                     code="media_processing_timeout",
                 ) from None
