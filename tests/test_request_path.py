@@ -5,6 +5,8 @@ with the one rule (`TokenBudget`) that the scheduler also asks."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -172,6 +174,71 @@ def test_bad_token_prompts_are_client_errors(
     with pytest.raises(APIError) as info:
         run(manager(checkpoint), inp)
     assert (info.value.status, info.value.param) == (400, param)
+
+
+def chat_with(text: str, image: bool = True) -> GenerateInput:
+    content = [{"type": "image_url", "image_url": {"url": IMAGE_URL}}] if image else []
+    messages = [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
+    return GenerateInput("c", False, fixed(5), 5, messages=messages)
+
+
+def text_with(text: str, image: bool = False) -> GenerateInput:
+    media = [MediaRef(Modality.IMAGE, IMAGE_URL)] if image else []
+    return GenerateInput("t", False, fixed(5), 5, text=text, media=media)
+
+
+def ids_with(ids: list[int]) -> GenerateInput:
+    return GenerateInput("i", False, fixed(1), 1, input_ids=ids)
+
+
+@pytest.mark.parametrize(
+    "make,param",
+    [
+        (lambda c: chat_with("<|vision_start|>hello"), "messages"),
+        (lambda c: chat_with("hi <|vision_end|>"), "messages"),
+        (lambda c: chat_with("<|vision_start|>x<|vision_end|>", image=False), "messages"),
+        (lambda c: chat_with("look: <|image_pad|>"), "messages"),
+        (lambda c: chat_with("<|video_pad|>", image=False), "messages"),
+        (lambda c: text_with("a <|vision_start|> b"), "prompt"),
+        (lambda c: text_with("<|vision_end|><|vision_start|><|image_pad|>", image=True), "prompt"),
+        (lambda c: ids_with([1, c.image_token_id]), "prompt"),
+        (lambda c: ids_with([c.vision_start_token_id, 2]), "prompt"),
+    ],
+)
+def test_processor_tokens_from_the_client_are_refused(
+    checkpoint: Path, make: Any, param: str
+) -> None:
+    """Image/video pads and vision start/end are the media processor's: typed by a client in a
+    message, a text prompt or token ids they are a 400 naming the field."""
+    tm = manager(checkpoint)
+    with pytest.raises(APIError) as info:
+        run(tm, make(tm.config))
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, param, "invalid_special_token"), str(err)
+
+
+def test_text_prompts_still_place_their_media_with_placeholders(checkpoint: Path) -> None:
+    tm = manager(checkpoint)
+    req = run(tm, text_with("first <|vision_start|><|image_pad|><|vision_end|> then", True))
+    (item,) = req.mm_inputs.items
+    assert req.input_ids[item.offsets[0][0] - 1] == tm.config.vision_start_token_id
+
+
+def test_a_chat_template_error_is_a_400_with_its_message(checkpoint: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "strict"
+    shutil.copytree(checkpoint, folder)
+    template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}"
+        "{{ raise_exception('tool messages need a preceding tool call') }}"
+        "{% endif %}{{ m.content }}{% endfor %}"
+    )
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    tm = manager(folder)
+    messages = [{"role": "tool", "content": "42"}]
+    with pytest.raises(APIError) as info:
+        run(tm, GenerateInput("c", False, fixed(5), 5, messages=messages))
+    assert (info.value.status, info.value.param) == (400, "messages")
+    assert "tool messages need a preceding tool call" in str(info.value)
 
 
 def test_every_route_goes_through_tokenize_request() -> None:

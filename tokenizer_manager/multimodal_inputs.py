@@ -31,6 +31,49 @@ PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"
 PLACEHOLDER_RE = re.compile("(<\\|image_pad\\|>|<\\|video_pad\\|>)")
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 WRAPPED_VIDEO = VISION_START + PLACEHOLDERS[Modality.VIDEO] + VISION_END
+WRAPPED = {m: VISION_START + pad + VISION_END for m, pad in PLACEHOLDERS.items()}
+# Tokens only the media processor places: one wrapped run per media item, which it expands.
+PROCESSOR_TOKENS = (VISION_START, VISION_END, *PLACEHOLDERS.values())
+
+
+def check_rendered_chat(prompt: str, media: list[Modality]) -> None:
+    """A chat prompt as the template rendered it holds each processor token exactly as often as
+    its media parts put it there; more means the client typed one (ValueError)."""
+    runs = "".join(WRAPPED[m] for m in media)
+    for token in PROCESSOR_TOKENS:
+        if prompt.count(token) != runs.count(token):
+            raise ValueError(_typed(token))
+
+
+def check_text_prompt(text: str) -> None:
+    """A text prompt may mark where its media go with placeholders (bare, or wrapped in
+    vision start/end: `WRAPPED`), but holds no vision start/end token of its own (ValueError)."""
+    bare = text
+    for run in WRAPPED.values():
+        bare = bare.replace(run, "")
+    for token in (VISION_START, VISION_END):
+        if token in bare:
+            raise ValueError(_typed(token))
+
+
+def check_prompt_ids(ids: list[int], config: ModelConfig) -> None:
+    """Token-id prompts carry no media, so no processor token either (ValueError)."""
+    reserved = {
+        config.image_token_id: PLACEHOLDERS[Modality.IMAGE],
+        config.video_token_id: PLACEHOLDERS[Modality.VIDEO],
+        config.vision_start_token_id: VISION_START,
+        config.vision_end_token_id: VISION_END,
+    }
+    found = next((token for token in ids if token in reserved), None)
+    if found is not None:
+        raise ValueError(f"token id {found} ({reserved[found]}) may only be placed by the server")
+
+
+def _typed(token: str) -> str:
+    return (
+        f"{token} may only be placed by the server's media processor: send images and videos "
+        "as content parts, not as special tokens in the text"
+    )
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
+from jinja2 import TemplateError
 
 from runtime.io_struct import (
     AbortReq,
@@ -50,6 +51,9 @@ from tokenizer_manager.multimodal_inputs import (
     VISION_START,
     PreparedMedia,
     build_multimodal_inputs,
+    check_prompt_ids,
+    check_rendered_chat,
+    check_text_prompt,
     expand_placeholder_ids,
     expand_placeholders,
 )
@@ -71,6 +75,14 @@ def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.chat_template
     raise ValueError(f"no chat template in {model_path}")
+
+
+def _client_error(check: Callable[..., None], *args: Any, param: str = "messages") -> None:
+    """Run a prompt check; its ValueError is the client's 400, naming `param`."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise APIError(str(e), param=param, code="invalid_special_token") from e
 
 
 def with_placeholders(text: str, media: list[MediaRef]) -> str:
@@ -221,6 +233,7 @@ class TokenizerManager:
         if inp.messages is not None:
             return await self.in_thread(self.render_chat, inp.messages)
         if inp.text is not None:
+            _client_error(check_text_prompt, inp.text, param="prompt")
             return with_placeholders(inp.text, inp.media), inp.media
         if inp.media:
             raise APIError("media need a text prompt, not token ids", param="image_data")
@@ -234,12 +247,17 @@ class TokenizerManager:
             if isinstance(content, list):
                 content = [self._part(p, refs) for p in content]
             hf_messages.append({"role": m["role"], "content": content or ""})
-        prompt = self.tokenizer.apply_chat_template(
-            hf_messages,
-            chat_template=self.chat_template,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                hf_messages,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except (TemplateError, TypeError, ValueError) as e:
+            message = f"the chat template cannot render these messages: {e}"
+            raise APIError(message, param="messages", code="invalid_messages") from e
+        _client_error(check_rendered_chat, prompt, [ref.modality for ref in refs])
         return prompt, refs
 
     def _part(self, part: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any]:
@@ -267,6 +285,7 @@ class TokenizerManager:
         vocab = self.config.text.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise APIError(f"token ids must be in [0, {vocab})", param="prompt")
+        _client_error(check_prompt_ids, ids, self.config, param="prompt")
         return list(ids)
 
     async def prepare_media(
