@@ -493,6 +493,37 @@ def test_dribbling_urls_cannot_starve_other_requests(checkpoint: str, dribble_se
     }
 
 
+def gradient_jpeg(side: int) -> bytes:
+    ramp = np.tile(np.linspace(0, 255, side, dtype=np.uint8), (side, 1))
+    buffer = io.BytesIO()
+    Image.fromarray(np.stack([ramp] * 3, axis=-1)).save(buffer, "JPEG", quality=85)
+    return buffer.getvalue()
+
+
+def test_an_image_past_its_cpu_time_fails_alone_and_its_worker_is_replaced(
+    checkpoint: str,
+) -> None:
+    """A 49-megapixel JPEG (under 1 MB; about 1.2 s of CPU here) against a 0.2 s CPU deadline:
+    its request gets a 400, the worker is replaced, a small image right after is served."""
+    big = MediaRef(IMAGE, data_url(gradient_jpeg(7000), "image/jpeg"))
+    small = MediaRef(IMAGE, data_url(png_bytes(noise_image((32, 32), 1)), "image/png"))
+    limits = MediaLimits(max_cpu_seconds=0.2)
+
+    async def run() -> tuple[MediaError, list[int], list[int], list[PreparedMedia]]:
+        async with AsyncMMDataProcessor(checkpoint, limits, per_request_timeout=120.0) as mm:
+            await mm.warmup()
+            before = mm.worker_pids()
+            err = await _error_of(mm.process([big]))
+            served = await mm.process([small])
+            return err, before, mm.worker_pids(), served
+
+    err, before, after, served = asyncio.run(run())
+    assert (err.status, err.param, err.code) == (400, "image_url", "media_processing_timeout")
+    assert "CPU time" in str(err)
+    assert len(after) == 1 and after != before
+    assert served[0].grid_thw[0] == 1
+
+
 def test_an_overrunning_job_fails_its_request_and_says_so(checkpoint: str, video: bytes) -> None:
     ref = MediaRef(VIDEO, data_url(video, "video/mp4"))
 

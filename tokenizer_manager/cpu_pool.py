@@ -7,10 +7,11 @@ Here each worker process has its own pipe and its own feeder thread in the paren
 - the feeder takes the next job, sends it, and waits at most `job_timeout` seconds for the result;
 - a job that overruns gets its process killed and a fresh one started in its place (the pool keeps
   its size), and only that job fails, with `JobTimeout`;
-- with `cpu_seconds`, a job also has a CPU-time deadline, which the kernel holds: before each job
-  the worker sets its RLIMIT_CPU soft limit that many seconds past what it has used, so a job
-  spinning in native code (a decoder on a hostile image) gets SIGXCPU and dies; only that job
-  fails, with `CpuTimeExceeded`, and the worker is replaced;
+- with `cpu_seconds`, a job also has a CPU-time deadline, which the kernel holds: the worker arms
+  a CPU-time interval timer (ITIMER_PROF, counting every thread of the process) before each job
+  and disarms it after, so a job spinning in native code (a decoder on a hostile image) gets
+  SIGPROF, whose default action ends the process; only that job fails, with `CpuTimeExceeded`,
+  and the worker is replaced;
 - a worker that dies during a job fails only that job (`WorkerDied`) and is replaced; one found
   dead while idle is replaced before the next job is sent to it.
 
@@ -19,13 +20,10 @@ Jobs are plain module-level functions over picklable arguments, as with ProcessP
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import queue
-import resource
 import signal
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -45,7 +43,7 @@ class JobTimeout(Exception):
 
 
 class CpuTimeExceeded(JobTimeout):
-    """A job used more CPU time than the pool allows; its worker died of SIGXCPU and was
+    """A job used more CPU time than the pool allows; its worker died of SIGPROF and was
     replaced."""
 
 
@@ -61,7 +59,7 @@ def _worker_main(
 ) -> None:
     if initializer is not None:
         initializer(*args)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would otherwise dump a core
+    signal.signal(signal.SIGPROF, signal.SIG_DFL)  # the CPU deadline ends the process
     conn.send("ready")
     while True:
         try:
@@ -71,24 +69,19 @@ def _worker_main(
         if job is None:
             return
         fn, fn_args = job
-        arm_cpu_deadline(cpu_seconds)
+        cpu_deadline(cpu_seconds)
         try:
             reply = (True, fn(*fn_args))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             reply = (False, exc)
+        cpu_deadline(None)
         _send_reply(conn, reply)
 
 
-def arm_cpu_deadline(seconds: float | None) -> None:
-    """Let this process use `seconds` more CPU time (whole seconds, rounded up) before the
-    kernel sends it SIGXCPU, whose default action ends it."""
-    if seconds is None:
-        return
-    soft = math.ceil(time.process_time() + seconds)
-    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-    if hard != resource.RLIM_INFINITY:
-        soft = min(soft, hard)
-    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+def cpu_deadline(seconds: float | None) -> None:
+    """SIGPROF (which ends the process) once it has used `seconds` more CPU time; None
+    disarms."""
+    signal.setitimer(signal.ITIMER_PROF, seconds or 0.0)
 
 
 def _send_reply(conn: Connection, reply: tuple[bool, Any]) -> None:
@@ -183,7 +176,7 @@ class _Worker:
     def _death(self) -> Exception:
         """Why the worker's pipe closed during a job: its CPU-time limit, or a crash."""
         self.process.join(STOP_TIMEOUT)
-        if self.process.exitcode == -signal.SIGXCPU:
+        if self.process.exitcode == -signal.SIGPROF:
             return CpuTimeExceeded(f"took more than {self.pool.cpu_seconds:g} s of CPU time")
         return WorkerDied("a media worker process died while preprocessing")
 
