@@ -226,6 +226,16 @@ def traced_calls(log: str) -> list[str]:
     return [line for line in lines[start:end] if any(call in line for call in calls)]
 
 
+def test_the_sniffed_demuxer_decodes_what_ffmpeg_would_probe_as_sdp(
+    spec: ProcessorSpec, mp4: bytes
+) -> None:
+    """No strace needed: the movie decodes as the MP4 it sniffs as (left to probe the bytes,
+    FFmpeg opens it as SDP and finds no video it can decode)."""
+    hostile = sdp_inside_mp4(mp4, port=socket_free_udp_port())
+    out = process_video_bytes(hostile, spec, MediaLimits())
+    assert out.grid_thw == process_video_bytes(mp4, spec, MediaLimits()).grid_thw
+
+
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
 def test_decoding_opens_no_socket_and_no_file(
     spec: ProcessorSpec, mp4: bytes, tmp_path: Path
