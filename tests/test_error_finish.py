@@ -37,7 +37,8 @@ async def drain(body: AsyncIterator[bytes]) -> list[str]:
 
 
 def test_stream_gets_an_error_event_before_done() -> None:
-    writer = ChatStream(Envelope("r1", "m", "chat.completion", "chat.completion.chunk"), True)
+    envelope = Envelope("r1", "m", "chat.completion", "chat.completion.chunk")
+    writer = ChatStream(envelope, (True, False))
     body = sse(writer, out("a"), outputs(out("b"), out("", FAULT)), UsageRecorder(ApiCounters()))
     events = asyncio.run(drain(body))
     assert events[-1] == "data: [DONE]\n\n"

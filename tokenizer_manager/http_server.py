@@ -16,7 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from runtime.logging_utils import get_logger
-from tokenizer_manager.api.base import Serving, model_name
+from runtime.model_config import GenerationDefaults
+from tokenizer_manager.api.base import ApiContext, Serving, model_name
 from tokenizer_manager.api.body import parse_body, validation_error
 from tokenizer_manager.api.chat import ChatServing
 from tokenizer_manager.api.completions import CompletionServing
@@ -42,12 +43,14 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     app = FastAPI(title="tessera", docs_url=None, redoc_url=None, dependencies=auth)
     app.state.tm = tm
     app.state.counters = ApiCounters()
-    usage = UsageRecorder(app.state.counters)
+    defaults = GenerationDefaults.load(tm.args.model_path, tm.args.generation_config)
+    logger.info("sampling defaults in force: %s", defaults.in_force() or "tessera's own")
+    ctx = ApiContext(UsageRecorder(app.state.counters), defaults)
     install_error_handlers(app)
     add_info_routes(app, tm)
-    add_api_route(app, "/v1/chat/completions", ChatCompletionRequest, ChatServing(tm, usage))
-    add_api_route(app, "/v1/completions", CompletionRequest, CompletionServing(tm, usage))
-    add_api_route(app, "/generate", GenerateRequest, GenerateServing(tm, usage))
+    add_api_route(app, "/v1/chat/completions", ChatCompletionRequest, ChatServing(tm, ctx))
+    add_api_route(app, "/v1/completions", CompletionRequest, CompletionServing(tm, ctx))
+    add_api_route(app, "/generate", GenerateRequest, GenerateServing(tm, ctx))
     return app
 
 

@@ -6,13 +6,16 @@ its response."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.io_struct import StrOutput
+from runtime.model_config import GenerationDefaults
 from runtime.sampler import SamplingParams
+from tokenizer_manager.api.fields import UnknownFields
 from tokenizer_manager.api.outputs import collect_until_done, first_output
 from tokenizer_manager.api.sse import StreamWriter, sse
 from tokenizer_manager.api.usage import UsageRecorder
@@ -44,12 +47,23 @@ def checked(params: SamplingParams) -> SamplingParams:
     return params
 
 
+@dataclass
+class ApiContext:
+    """What every API shares: the usage recorder, the checkpoint's sampling defaults and the
+    record of unknown fields already warned about."""
+
+    usage: UsageRecorder
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    unknown: UnknownFields = field(default_factory=UnknownFields)
+
+
 class Serving(ABC, Generic[R]):
     """One API: request `R` in, a JSON response or an SSE stream out."""
 
-    def __init__(self, tm: TokenizerManager, usage: UsageRecorder) -> None:
+    def __init__(self, tm: TokenizerManager, ctx: ApiContext) -> None:
         self.tm = tm
-        self.usage = usage
+        self.ctx = ctx
+        self.usage = ctx.usage
 
     async def handle(self, req: R, arrival: float) -> Response:
         inp = self.to_input(req)
