@@ -24,15 +24,18 @@ from tokenizer_manager.tokenizer_manager import GenerateInput
 
 
 class FakeManager(SimpleNamespace):
-    """Takes every request, records its GenerateInput and answers "ok" then "!" (2 tokens)."""
+    """Takes every request, records its GenerateInput and answers "ok" then "!" (2 tokens), or
+    the pieces of `reply`, one token each."""
 
-    def __init__(self, **args: Any) -> None:
+    def __init__(self, reply: tuple[str, ...] = ("ok", "!"), **args: Any) -> None:
         super().__init__(
             args=ServerArgs(model_path="/models/demo", **args),
             context_length=128,
             stalled=lambda: False,
+            chat_template="{{ messages }} {{ tools }}",
             seen=[],
             params=[],
+            reply=reply,
         )
 
     async def tokenize_request(self, inp: GenerateInput) -> TokenizedGenerateReq:
@@ -44,8 +47,10 @@ class FakeManager(SimpleNamespace):
     async def generate(
         self, req: TokenizedGenerateReq, arrival: float | None = None
     ) -> AsyncIterator[StrOutput]:
-        yield StrOutput(req.rid, "ok", [7], 3, 1, 0)
-        yield StrOutput(req.rid, "!", [8], 3, 2, 1, Finish(FinishKind.STOP))
+        for i, text in enumerate(self.reply):
+            last = i == len(self.reply) - 1
+            finish = Finish(FinishKind.STOP) if last else None
+            yield StrOutput(req.rid, text, [7 + i], 3, i + 1, int(last), finish)
 
 
 @pytest.fixture
@@ -199,9 +204,7 @@ def test_an_assistant_turn_may_leave_content_null(fake: FakeManager, http: TestC
     assert sent[2]["tool_call_id"] == "c1"
 
 
-def test_template_options_and_request_ids_are_honoured(
-    fake: FakeManager, http: TestClient
-) -> None:
+def test_template_options_and_request_ids_are_honoured(fake: FakeManager, http: TestClient) -> None:
     body = {
         **CHAT,
         "add_generation_prompt": False,

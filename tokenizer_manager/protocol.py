@@ -92,6 +92,18 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
     """A conversation turn. Only an assistant turn may leave `content` null (with tool calls)."""
 
@@ -166,8 +178,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # "none" or "auto"; "required" and a named tool are refused
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -257,8 +269,7 @@ CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     **COMMON_REFUSED,
     "logprobs": ((), LOGPROBS),
     "top_logprobs": ((0,), LOGPROBS),
-    "tools": ((), "tools are not supported yet"),
-    "tool_choice": (("none", "auto"), "tool_choice needs constrained decoding"),
+    "tool_choice": (("none", "auto"), "only none and auto: the others need constrained decoding"),
     "functions": ((), "functions are not supported; send tools"),
     "function_call": (("none", "auto"), "functions are not supported; send tools"),
     "echo": ((), "chat echo is not supported"),
