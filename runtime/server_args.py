@@ -107,6 +107,11 @@ class ServerArgs:
         default="auto",
         choices=["auto", "vllm"],
     )
+    reasoning_parser: str | None = _opt(
+        "split the thinking section of chat replies into reasoning_content: qwen3 (a reply "
+        "that opens <think>), deepseek_r1 (the template opened <think> in the prompt)",
+        choices=["qwen3", "deepseek_r1"],
+    )
     log_level: str = _opt("log level", default="info")
     random_seed: int = _opt("seed for sampling without a per-request seed", default=0)
     nnodes: int = _opt("nodes", default=1)

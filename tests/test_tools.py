@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from make_tiny_checkpoint import make_checkpoint
 from openai import OpenAI
-from test_api_layer import FakeManager
+from test_api_layer import FakeManager, sse_events
 
 from runtime.server_args import ServerArgs
 from tokenizer_manager.api.base import ApiContext
@@ -160,3 +160,39 @@ def test_prompt_tokens_equal_hf_apply_chat_template(tools_checkpoint: Path, kwar
     assert tm.encode(prompt) == list(expected)
     assert "<tools>" in prompt and '"arguments": {"city": "Paris"}' in prompt
     asyncio.run(tm.close())
+
+
+# ---------------------------------------------------------------------- reasoning
+
+THOUGHT = ("<think>\nParis is ", "in France.\n</th", "ink>\n\n", "It is sunny.")
+
+
+def thinking_server(**args: object) -> TestClient:
+    return TestClient(create_app(FakeManager(THOUGHT, **args)))
+
+
+def test_the_reasoning_parser_splits_the_thinking_section() -> None:
+    http = thinking_server(reasoning_parser="qwen3")
+    message = http.post("/v1/chat/completions", json={"messages": ASK}).json()["choices"][0]
+    assert message["message"]["reasoning_content"] == "\nParis is in France.\n"
+    assert message["message"]["content"] == "\n\nIt is sunny."
+    body = {"messages": ASK, "include_reasoning": False}
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert "reasoning_content" not in message and message["content"] == "\n\nIt is sunny."
+
+
+def test_streamed_reasoning_comes_as_reasoning_deltas() -> None:
+    http = thinking_server(reasoning_parser="qwen3")
+    resp = http.post("/v1/chat/completions", json={"messages": ASK, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in sse_events(resp)]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nParis is in France.\n"
+    assert "".join(d.get("content", "") for d in deltas) == "\n\nIt is sunny."
+
+
+def test_without_a_parser_thinking_stays_content_and_cannot_be_dropped() -> None:
+    http = thinking_server()
+    message = http.post("/v1/chat/completions", json={"messages": ASK}).json()["choices"][0]
+    assert message["message"]["content"] == "".join(THOUGHT)
+    body = {"messages": ASK, "include_reasoning": False}
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "include_reasoning"

@@ -45,7 +45,9 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     app.state.counters = ApiCounters()
     defaults = GenerationDefaults.load(tm.args.model_path, tm.args.generation_config)
     logger.info("sampling defaults in force: %s", defaults.in_force() or "tessera's own")
-    ctx = ApiContext(UsageRecorder(app.state.counters), defaults)
+    ctx = ApiContext(
+        UsageRecorder(app.state.counters), defaults, reasoning_parser=tm.args.reasoning_parser
+    )
     install_error_handlers(app)
     add_info_routes(app, tm)
     add_api_route(app, "/v1/chat/completions", ChatCompletionRequest, ChatServing(tm, ctx))

@@ -186,6 +186,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
+    include_reasoning: bool = True  # vLLM; with --reasoning-parser
+    separate_reasoning: bool = True  # SGLang; with --reasoning-parser
 
 
 class CompletionRequest(SamplingFields):
@@ -276,9 +278,7 @@ CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template": ((), "the server's chat template is used"),
     "reasoning_effort": ((), "the served chat templates take no reasoning effort"),
     "reasoning": ((), "the served chat templates take no reasoning effort"),
-    "include_reasoning": ((True,), "no reasoning parser is configured"),
-    "separate_reasoning": ((True,), "no reasoning parser is configured"),
-    "stream_reasoning": ((True,), "no reasoning parser is configured"),
+    "stream_reasoning": ((True,), "reasoning is streamed as it comes"),
     "audio": ((), "audio output is not supported"),
     "modalities": ((["text"],), "only text output is supported"),
     "prediction": ((), "predicted outputs are not supported"),

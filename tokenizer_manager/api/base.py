@@ -55,6 +55,7 @@ class ApiContext:
     usage: UsageRecorder
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     unknown: UnknownFields = field(default_factory=UnknownFields)
+    reasoning_parser: str | None = None  # --reasoning-parser
 
 
 class Serving(ABC, Generic[R]):

@@ -9,7 +9,7 @@ from typing import Any
 from runtime.io_struct import StrOutput
 from runtime.sampler import SamplingParams
 from tokenizer_manager.api.base import check_model
-from tokenizer_manager.api.fields import refuse_fields
+from tokenizer_manager.api.fields import refuse_fields, unsupported
 from tokenizer_manager.api.openai_common import (
     Envelope,
     OpenAIServing,
@@ -18,6 +18,7 @@ from tokenizer_manager.api.openai_common import (
     stream_usage,
 )
 from tokenizer_manager.api.outputs import finish_reason
+from tokenizer_manager.api.reasoning_parser import ReasoningStream, split_reasoning
 from tokenizer_manager.api.tool_parser import ParsedToolCall, ToolCallStream, parse_tool_calls
 from tokenizer_manager.protocol import (
     CHAT_REFUSED,
@@ -90,9 +91,24 @@ def check_unknown_message_fields(serving: ChatServing, req: ChatCompletionReques
             serving.ctx.unknown.check(part, (), "messages.content.")
 
 
-def parses_tool_calls(req: ChatCompletionRequest) -> bool:
-    """tool_choice "auto" (the default when tools are given): calls in the output are parsed."""
-    return bool(req.tools) and req.tool_choice in (None, "auto")
+@dataclass(frozen=True)
+class ReplyShape:
+    """How a reply's text is split: its thinking section (a --reasoning-parser rule, when the
+    request separates reasoning) and its tool calls (tools with tool_choice "auto")."""
+
+    reasoning: str | None = None
+    include_reasoning: bool = True
+    tools: bool = False
+    parallel: bool = True  # parallel_tool_calls: false keeps the first call only
+
+
+def reply_shape(req: ChatCompletionRequest, rule: str | None) -> ReplyShape:
+    return ReplyShape(
+        reasoning=rule if req.separate_reasoning else None,
+        include_reasoning=req.include_reasoning,
+        tools=bool(req.tools) and req.tool_choice in (None, "auto"),
+        parallel=req.parallel_tool_calls is not False,
+    )
 
 
 def tool_call_json(call: ParsedToolCall, index: int | None = None) -> dict[str, Any]:
@@ -104,17 +120,58 @@ def tool_call_json(call: ParsedToolCall, index: int | None = None) -> dict[str, 
     return body if index is None else {"index": index, **body}
 
 
+class ReplySplitter:
+    """One streamed reply's deltas: thinking, content and whole tool calls as they close."""
+
+    def __init__(self, shape: ReplyShape) -> None:
+        self.shape = shape
+        self.thinking = ReasoningStream(shape.reasoning) if shape.reasoning else None
+        self.tools = ToolCallStream() if shape.tools else None
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and bool(self.tools.calls)
+
+    def delta(self, text: str, last: bool) -> dict[str, Any]:
+        reasoning, content = "", text
+        if self.thinking is not None:
+            reasoning, content = pair_sum(self.thinking.feed(text), self.thinking, last)
+        out: dict[str, Any] = {}
+        if reasoning and self.shape.include_reasoning:
+            out["reasoning_content"] = reasoning
+        if self.tools is not None:
+            content = self.tools.feed(content) + (self.tools.finish() if last else "")
+            out |= self.call_deltas()
+        return ({"content": content} if content else {}) | out
+
+    def call_deltas(self) -> dict[str, Any]:
+        fresh = self.tools.new_calls()
+        first = len(self.tools.calls) - len(fresh)
+        calls = [
+            tool_call_json(c, first + k)
+            for k, c in enumerate(fresh)
+            if self.shape.parallel or first + k == 0
+        ]
+        return {"tool_calls": calls} if calls else {}
+
+
+def pair_sum(got: tuple[str, str], stream: ReasoningStream, last: bool) -> tuple[str, str]:
+    if not last:
+        return got
+    rest = stream.finish()
+    return got[0] + rest[0], got[1] + rest[1]
+
+
 class ChatStream:
-    """A chat request's chunks: the role first, then content (and tool-call) deltas, then usage
-    if asked. With tool parsing, each call goes out whole in one delta once its block closes."""
+    """A chat request's chunks: the role first, then content, reasoning and tool-call deltas,
+    then usage if asked. Each tool call goes out whole in one delta once its block closes."""
 
     def __init__(
-        self, envelope: Envelope, usage: tuple[bool, bool], tools: ToolUse | None = None
+        self, envelope: Envelope, usage: tuple[bool, bool], shape: ReplyShape = ReplyShape()
     ) -> None:
         self.envelope = envelope
         self.include_usage, self.continuous_usage = usage
-        self.tools = tools
-        self.parser = ToolCallStream() if tools else None
+        self.splitter = ReplySplitter(shape)
 
     def opening(self) -> list[dict[str, Any]]:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -122,8 +179,8 @@ class ChatStream:
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
         reason = finish_reason(out)
-        delta = self.delta(out.text, reason is not None)
-        if reason is not None and self.parser is not None and self.parser.calls:
+        delta = self.splitter.delta(out.text, reason is not None)
+        if reason is not None and self.splitter.called:
             reason = "tool_calls"
         if not delta and reason is None:
             return []
@@ -131,53 +188,30 @@ class ChatStream:
         usage = [out] if self.continuous_usage else None
         return [self.envelope.wrap([choice], usage, chunk=True)]
 
-    def delta(self, text: str, last: bool) -> dict[str, Any]:
-        if self.parser is None:
-            return {"content": text} if text else {}
-        content = self.parser.feed(text) + (self.parser.finish() if last else "")
-        fresh = self.parser.new_calls()
-        first = len(self.parser.calls) - len(fresh)
-        calls = [
-            tool_call_json(c, first + k)
-            for k, c in enumerate(fresh)
-            if self.tools.parallel or first + k == 0
-        ]
-        out: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            out["tool_calls"] = calls
-        return out
-
     def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
         return [self.envelope.wrap([], lasts, chunk=True)] if self.include_usage else []
 
 
-@dataclass(frozen=True)
-class ToolUse:
-    """How a request's output is searched for tool calls."""
-
-    parallel: bool = True  # parallel_tool_calls: false keeps the first call only
-
-
-def chat_choice(index: int, outputs: list[StrOutput], tools: ToolUse | None) -> dict[str, Any]:
-    text = "".join(o.text for o in outputs)
-    reason = finish_reason(outputs[-1])
-    content, calls = parse_tool_calls(text) if tools else (text, [])
-    calls = calls if tools is None or tools.parallel else calls[:1]
+def chat_message(shape: ReplyShape, text: str) -> tuple[dict[str, Any], bool]:
+    """The assistant message of a whole reply, and whether it called tools."""
+    reasoning = None
+    if shape.reasoning:
+        reasoning, text = split_reasoning(shape.reasoning, text)
+    content, calls = parse_tool_calls(text) if shape.tools else (text, [])
+    calls = calls if shape.parallel else calls[:1]
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
-        message = {
-            "role": "assistant",
-            "content": content or None,
-            "tool_calls": [tool_call_json(c) for c in calls],
-        }
-        reason = "tool_calls"
+        message["content"] = content or None
+        message["tool_calls"] = [tool_call_json(c) for c in calls]
+    if reasoning is not None and shape.include_reasoning:
+        message["reasoning_content"] = reasoning
+    return message, bool(calls)
+
+
+def chat_choice(index: int, outputs: list[StrOutput], shape: ReplyShape) -> dict[str, Any]:
+    message, called = chat_message(shape, "".join(o.text for o in outputs))
+    reason = "tool_calls" if called else finish_reason(outputs[-1])
     return {"index": index, "message": message, "finish_reason": reason}
-
-
-def tool_use(req: ChatCompletionRequest) -> ToolUse | None:
-    if not parses_tool_calls(req):
-        return None
-    return ToolUse(parallel=req.parallel_tool_calls is not False)
 
 
 class ChatServing(OpenAIServing[ChatCompletionRequest]):
@@ -190,6 +224,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         check_unknown_message_fields(self, req)
         refuse_fields(req, CHAT_REFUSED)
         self.check_tools(req)
+        self.check_reasoning(req)
         engine = engine_values(req, self.ctx.defaults)
         cap = req.max_completion_tokens or req.max_tokens
         return GenerateInput(
@@ -200,6 +235,14 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
             messages=[hf_message(i, m) for i, m in enumerate(req.messages)],
             template_kwargs=template_kwargs(req),
         )
+
+    def shape(self, req: ChatCompletionRequest) -> ReplyShape:
+        return reply_shape(req, self.ctx.reasoning_parser)
+
+    def check_reasoning(self, req: ChatCompletionRequest) -> None:
+        """Without a reasoning parser the thinking stays in the content: it cannot be left out."""
+        if not req.include_reasoning and self.ctx.reasoning_parser is None:
+            raise unsupported("include_reasoning", "no --reasoning-parser is configured")
 
     def check_tools(self, req: ChatCompletionRequest) -> None:
         """Tools the chat template would drop are a 400, not ignored."""
@@ -213,10 +256,10 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         return openai_sampling(req, cap, room, self.ctx.defaults, engine)
 
     def stream_writer(self, rid: str, req: ChatCompletionRequest) -> ChatStream:
-        return ChatStream(self.envelope(rid), stream_usage(req), tool_use(req))
+        return ChatStream(self.envelope(rid), stream_usage(req), self.shape(req))
 
     def response(
         self, rid: str, req: ChatCompletionRequest, choices: list[list[StrOutput]]
     ) -> dict[str, Any]:
-        built = [chat_choice(i, outputs, tool_use(req)) for i, outputs in enumerate(choices)]
+        built = [chat_choice(i, outputs, self.shape(req)) for i, outputs in enumerate(choices)]
         return self.envelope(rid).wrap(built, [c[-1] for c in choices], chunk=False)
