@@ -85,12 +85,13 @@ def test_without_auto_or_tools_the_text_is_content(choice: str | None) -> None:
     assert out.choices[0].finish_reason == "stop"
 
 
-def test_tools_the_template_would_drop_are_refused() -> None:
+def test_tools_and_documents_the_template_would_drop_are_refused() -> None:
     fake = FakeManager()
     fake.chat_template = "{{ messages }}"
-    body = {"messages": ASK, "tools": [WEATHER]}
-    resp = TestClient(create_app(fake)).post("/v1/chat/completions", json=body)
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools"
+    http = TestClient(create_app(fake))
+    for name, value in (("tools", [WEATHER]), ("documents", [{"title": "a", "text": "b"}])):
+        resp = http.post("/v1/chat/completions", json={"messages": ASK, name: value})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == name
 
 
 # ---------------------------------------------------------------------- the template, as HF

@@ -152,8 +152,9 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    n: int = 1  # more than 1: refused (COMMON_REFUSED) until choices fork in the engine
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     min_tokens: int | None = Field(default=None, ge=0)
     logit_bias: dict[str, float] | None = None
@@ -194,6 +195,27 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize in vLLM's shape: a prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
 
 
 class GenerateRequest(BaseModel):
@@ -291,10 +313,13 @@ CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 COMPLETION_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     **COMMON_REFUSED,
     "logprobs": ((), LOGPROBS),
-    "echo": ((), "echo is not supported yet"),
     "suffix": ((), "suffix (fill-in-the-middle) is not supported"),
     "prompt_embeds": ((), "prompt embeddings are not accepted"),
 }
+
+TOKENIZE_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    name: COMMON_REFUSED[name] for name in ("add_special_tokens", "mm_processor_kwargs")
+} | {"chat_template": CHAT_REFUSED["chat_template"]}
 
 # Fields that describe the caller, not the answer: accepted, with nothing to do.
 INFORMATIONAL = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
@@ -309,3 +334,13 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage object."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

@@ -207,16 +207,20 @@ class TokenizerManager:
     async def tokenize_request(self, inp: GenerateInput) -> TokenizedGenerateReq:
         """The one path from a parsed request to what the scheduler receives: the prompt, the
         media count and budgets, media preparation, placeholder expansion, the context check."""
+        ids, media = await self.prompt_ids(inp)
+        params = inp.sampling(max(1, self.budget.room(len(ids))))
+        return await self.in_thread(self.build_request, inp.rid, ids, media, params, inp.stream)
+
+    async def prompt_ids(self, inp: GenerateInput) -> tuple[list[int], list[PreparedMedia]]:
+        """The prompt's token ids, every media item expanded to its tokens (what /tokenize
+        counts), and the prepared media."""
         prompt, refs = await self.prompt_of(inp)
         self.check_media_count(refs)
         if prompt is None:
-            ids, media = self.checked_ids(inp.input_ids or []), []
-        else:
-            ids = await self.in_thread(self.encode, prompt)
-            media = await self.prepare_media(refs, ids, inp.max_tokens)
-            ids = await self.expand_ids(prompt, ids, media)
-        params = inp.sampling(max(1, self.budget.room(len(ids))))
-        return await self.in_thread(self.build_request, inp.rid, ids, media, params, inp.stream)
+            return self.checked_ids(inp.input_ids or []), []
+        ids = await self.in_thread(self.encode, prompt)
+        media = await self.prepare_media(refs, ids, inp.max_tokens)
+        return await self.expand_ids(prompt, ids, media), media
 
     async def prompt_of(self, inp: GenerateInput) -> tuple[str | None, list[MediaRef]]:
         """The prompt text (None for token ids) and its media, placeholders in place."""

@@ -16,7 +16,7 @@ from runtime.io_struct import StrOutput
 from runtime.model_config import GenerationDefaults
 from runtime.sampler import SamplingParams
 from tokenizer_manager.api.fields import UnknownFields
-from tokenizer_manager.api.outputs import collect_until_done, first_output
+from tokenizer_manager.api.outputs import collect_all, first_outputs
 from tokenizer_manager.api.sse import StreamWriter, sse
 from tokenizer_manager.api.usage import UsageRecorder
 from tokenizer_manager.protocol import APIError
@@ -67,20 +67,26 @@ class Serving(ABC, Generic[R]):
         self.usage = ctx.usage
 
     async def handle(self, req: R, arrival: float) -> Response:
-        inp = self.to_input(req)
-        tokenized = await self.tm.tokenize_request(inp)
-        stream = self.tm.generate(tokenized, arrival)
-        first = await first_output(stream)
-        if inp.stream:
-            body = sse(self.stream_writer(tokenized.rid, req), first, stream, self.usage)
+        rid, inputs = self.to_inputs(req)
+        tokenized = [await self.tm.tokenize_request(inp) for inp in inputs]  # all checked first
+        streams = [self.tm.generate(t, arrival) for t in tokenized]
+        firsts = await first_outputs(streams)
+        if inputs[0].stream:
+            body = sse(self.stream_writer(rid, req), firsts, streams, self.usage)
             return StreamingResponse(body, media_type="text/event-stream")
-        outputs = await collect_until_done(first, stream)
-        self.usage.record([outputs[-1]])
-        return JSONResponse(self.response(tokenized.rid, req, [outputs]))
+        choices = await collect_all(firsts, streams)
+        self.usage.record([outputs[-1] for outputs in choices])
+        return JSONResponse(self.response(rid, req, choices))
 
-    @abstractmethod
+    def to_inputs(self, req: R) -> tuple[str, list[GenerateInput]]:
+        """The response's id and one internal request per prompt (or choice)."""
+        inp = self.to_input(req)
+        return inp.rid, [inp]
+
     def to_input(self, req: R) -> GenerateInput:
-        """Validate the request and convert it to the internal request (400s name the field)."""
+        """Validate the request and convert it to the internal request (400s name the field);
+        an API that makes several overrides `to_inputs` instead."""
+        raise NotImplementedError
 
     @abstractmethod
     def stream_writer(self, rid: str, req: R) -> StreamWriter:

@@ -25,9 +25,11 @@ from tokenizer_manager.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatMessage,
+    TokenizeRequest,
+    Tool,
     new_id,
 )
-from tokenizer_manager.tokenizer_manager import GenerateInput
+from tokenizer_manager.tokenizer_manager import GenerateInput, TokenizerManager
 
 # apply_chat_template's own parameters: not for the template's kwargs
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -47,7 +49,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
     """What the chat template is rendered with besides the messages (vLLM's merge order: the
     request's fields, then its chat_template_kwargs)."""
     extra = req.chat_template_kwargs or {}
@@ -69,6 +71,15 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
             param="continue_final_message",
         )
     return kwargs
+
+
+def check_template_inputs(
+    tm: TokenizerManager, tools: list[Tool] | None, documents: list | None
+) -> None:
+    """Tools or documents the chat template would drop are a 400, not ignored."""
+    for name, value in (("tools", tools), ("documents", documents)):
+        if value and name not in tm.chat_template:
+            raise APIError(f"this model's chat template does not render {name}", param=name)
 
 
 def hf_message(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -171,7 +182,8 @@ class ChatStream:
     ) -> None:
         self.envelope = envelope
         self.include_usage, self.continuous_usage = usage
-        self.splitter = ReplySplitter(shape)
+        self.shape = shape
+        self.splitters: dict[int, ReplySplitter] = {}  # one per choice
 
     def opening(self) -> list[dict[str, Any]]:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -179,8 +191,9 @@ class ChatStream:
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
         reason = finish_reason(out)
-        delta = self.splitter.delta(out.text, reason is not None)
-        if reason is not None and self.splitter.called:
+        splitter = self.splitters.setdefault(index, ReplySplitter(self.shape))
+        delta = splitter.delta(out.text, reason is not None)
+        if reason is not None and splitter.called:
             reason = "tool_calls"
         if not delta and reason is None:
             return []
@@ -223,7 +236,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         self.ctx.unknown.check(req, CHAT_REFUSED)
         check_unknown_message_fields(self, req)
         refuse_fields(req, CHAT_REFUSED)
-        self.check_tools(req)
+        check_template_inputs(self.tm, req.tools, req.documents)
         self.check_reasoning(req)
         engine = engine_values(req, self.ctx.defaults)
         cap = req.max_completion_tokens or req.max_tokens
@@ -243,11 +256,6 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         """Without a reasoning parser the thinking stays in the content: it cannot be left out."""
         if not req.include_reasoning and self.ctx.reasoning_parser is None:
             raise unsupported("include_reasoning", "no --reasoning-parser is configured")
-
-    def check_tools(self, req: ChatCompletionRequest) -> None:
-        """Tools the chat template would drop are a 400, not ignored."""
-        if req.tools and "tools" not in self.tm.chat_template:
-            raise APIError("this model's chat template does not render tools", param="tools")
 
     def sampling(
         self, req: ChatCompletionRequest, cap: int | None, room: int, engine: dict[str, Any]

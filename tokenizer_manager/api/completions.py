@@ -19,14 +19,20 @@ from tokenizer_manager.api.outputs import finish_reason
 from tokenizer_manager.protocol import COMPLETION_REFUSED, APIError, CompletionRequest
 from tokenizer_manager.tokenizer_manager import GenerateInput
 
+MAX_PROMPTS = 64  # prompts in one request
 
-def prompt_form(prompt: Any) -> tuple[list[int] | None, str | None]:
-    """(token ids, text): exactly one is set."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError("only one prompt per request is supported", param="prompt")
-        prompt = prompt[0]
-    return (list(prompt), None) if isinstance(prompt, list) else (None, prompt)
+
+def prompt_list(prompt: Any) -> list[str | list[int]]:
+    """The request's prompts: one text, one token-id list, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    return list(prompt)
 
 
 def completion_choice(index: int, text: str, reason: str | None) -> dict[str, Any]:
@@ -34,14 +40,21 @@ def completion_choice(index: int, text: str, reason: str | None) -> dict[str, An
 
 
 class CompletionStream:
-    """A completions request's chunks: text deltas, then usage if asked."""
+    """A completions request's chunks: each prompt first when echoed, then text deltas (each
+    choice's `index` is its prompt's), then usage if asked."""
 
-    def __init__(self, envelope: Envelope, usage: tuple[bool, bool]) -> None:
+    def __init__(
+        self, envelope: Envelope, usage: tuple[bool, bool], echoes: list[str] | None = None
+    ) -> None:
         self.envelope = envelope
         self.include_usage, self.continuous_usage = usage
+        self.echoes = echoes or []
 
     def opening(self) -> list[dict[str, Any]]:
-        return []
+        return [
+            self.envelope.wrap([completion_choice(i, text, None)], None, chunk=True)
+            for i, text in enumerate(self.echoes)
+        ]
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
         reason = finish_reason(out)
@@ -59,14 +72,23 @@ class CompletionServing(OpenAIServing[CompletionRequest]):
     objects = ("text_completion", "text_completion")
     id_prefix = "cmpl"
 
-    def to_input(self, req: CompletionRequest) -> GenerateInput:
+    def to_inputs(self, req: CompletionRequest) -> tuple[str, list[GenerateInput]]:
+        """One internal request per prompt; the response carries one choice per prompt."""
         check_model(self.tm, req.model)
         self.ctx.unknown.check(req, COMPLETION_REFUSED)
         refuse_fields(req, COMPLETION_REFUSED)
         engine = engine_values(req, self.ctx.defaults)
-        ids, text = prompt_form(req.prompt)
+        prompts = prompt_list(req.prompt)
+        rid = self.request_id(req)
+        rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        return rid, [self.one_input(r, p, req, engine) for r, p in zip(rids, prompts)]
+
+    def one_input(
+        self, rid: str, prompt: str | list[int], req: CompletionRequest, engine: dict[str, Any]
+    ) -> GenerateInput:
+        ids, text = (None, prompt) if isinstance(prompt, str) else (prompt, None)
         return GenerateInput(
-            self.request_id(req),
+            rid,
             req.stream,
             lambda room: self.sampling(req, room, engine),
             req.max_tokens,
@@ -74,18 +96,30 @@ class CompletionServing(OpenAIServing[CompletionRequest]):
             input_ids=ids,
         )
 
+    def echoes(self, req: CompletionRequest) -> list[str]:
+        """echo: each prompt as text (token ids decoded), else nothing."""
+        if not req.echo:
+            return []
+        return [
+            p if isinstance(p, str) else self.tm.tokenizer.decode(p)
+            for p in prompt_list(req.prompt)
+        ]
+
     def sampling(self, req: CompletionRequest, room: int, engine: dict[str, Any]) -> SamplingParams:
         """A completions request's sampling fields as SamplingParams."""
         return openai_sampling(req, req.max_tokens, room, self.ctx.defaults, engine)
 
     def stream_writer(self, rid: str, req: CompletionRequest) -> CompletionStream:
-        return CompletionStream(self.envelope(rid), stream_usage(req))
+        return CompletionStream(self.envelope(rid), stream_usage(req), self.echoes(req))
 
     def response(
         self, rid: str, req: CompletionRequest, choices: list[list[StrOutput]]
     ) -> dict[str, Any]:
+        echoes = self.echoes(req) or [""] * len(choices)
         built = [
-            completion_choice(i, "".join(o.text for o in outputs), finish_reason(outputs[-1]))
-            for i, outputs in enumerate(choices)
+            completion_choice(
+                i, echo + "".join(o.text for o in outputs), finish_reason(outputs[-1])
+            )
+            for i, (echo, outputs) in enumerate(zip(echoes, choices))
         ]
         return self.envelope(rid).wrap(built, [c[-1] for c in choices], chunk=False)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from runtime.io_struct import StrOutput
-from tokenizer_manager.api.outputs import finish_error
+from tokenizer_manager.api.outputs import finish_error, merged
 from tokenizer_manager.api.usage import UsageRecorder
 from tokenizer_manager.protocol import APIError
 
@@ -35,28 +35,33 @@ def error_event(err: APIError) -> bytes:
 
 async def sse(
     writer: StreamWriter,
-    first: StrOutput,
-    stream: AsyncIterator[StrOutput],
+    firsts: list[StrOutput],
+    streams: list[AsyncIterator[StrOutput]],
     usage: UsageRecorder,
 ) -> AsyncIterator[bytes]:
-    """Events for one request's outputs; an error finish becomes an error event before
-    `[DONE]` (no usage then); the stream is closed (which aborts the request) however it ends."""
+    """Events for the outputs of one request's streams (one per prompt or choice, `index` in
+    the chunks); an error finish becomes an error event before `[DONE]` (no usage then); every
+    stream is closed (which aborts its request) however it ends."""
+    lasts = list(firsts)
     try:
-        for payload in writer.opening() + writer.chunks(first):
+        for payload in writer.opening():
             yield event(payload)
-        last = first
-        async for out in stream:
-            last = out
+        for index, first in enumerate(firsts):
+            for payload in writer.chunks(first, index):
+                yield event(payload)
+        async for index, out in merged(streams):
+            lasts[index] = out
             err = finish_error(out)
             if err is not None:
                 yield error_event(err)
                 yield DONE
                 return
-            for payload in writer.chunks(out):
+            for payload in writer.chunks(out, index):
                 yield event(payload)
-        usage.record([last])
-        for payload in writer.closing([last]):
+        usage.record(lasts)
+        for payload in writer.closing(lasts):
             yield event(payload)
         yield DONE
     finally:
-        await stream.aclose()
+        for stream in streams:
+            await stream.aclose()
