@@ -68,3 +68,23 @@ def test_bad_requests_are_400s_naming_the_field(
     resp = http.post(path, json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+def test_chat_template_kwargs_reach_the_template_as_in_hf(http: TestClient) -> None:
+    """Qwen2-VL's add_vision_id numbers the pictures: the count is HF's apply_chat_template's
+    with the same kwarg (and differs from the count without it)."""
+    tm = http.app.state.tm
+    body = {**CHAT, "chat_template_kwargs": {"add_vision_id": True}}
+    with_ids = http.post("/tokenize", json=body).json()["count"]
+    without = http.post("/tokenize", json=CHAT).json()["count"]
+    hf = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+
+    def hf_count(**kw: object) -> int:
+        ids = tm.tokenizer.apply_chat_template(
+            hf, chat_template=tm.chat_template, add_generation_prompt=True, return_dict=False, **kw
+        )
+        return len(ids) - 1 + 6  # the one <|image_pad|> stands for the stand-in's 6 tokens
+
+    assert (with_ids, without) == (hf_count(add_vision_id=True), hf_count())
+    assert with_ids > without
+    asyncio.run(tm.close())
