@@ -153,13 +153,16 @@ def test_engine_fields_reach_sampling_params_or_are_refused(
 def test_unknown_fields_are_ignored_with_one_warning_per_name(
     http: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    body = {**CHAT, "frobnicate": 1, "messages": [{"role": "user", "content": "hi", "mood": 2}]}
+    part = {"type": "image_url", "image_url": {"url": "data:,", "max_dynamic_patch": 4}}
+    messages = [{"role": "user", "content": [part], "mood": 2}]
+    body = {**CHAT, "frobnicate": 1, "messages": messages}
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             assert http.post("/v1/chat/completions", json=body).status_code == 200
     warned = [r.getMessage() for r in caplog.records if "unknown request field" in r.getMessage()]
-    assert len(warned) == 2
+    assert len(warned) == 3
     assert "'frobnicate'" in warned[0] and "'messages.mood'" in warned[1]
+    assert "'messages.content.image_url.max_dynamic_patch'" in warned[2]
 
 
 USER = {"role": "user", "content": "x"}

@@ -53,11 +53,13 @@ class APIError(Exception):
 
 
 class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="allow")
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
 class VideoURL(BaseModel):
+    model_config = ConfigDict(extra="allow")
     url: str
 
 

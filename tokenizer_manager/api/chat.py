@@ -100,6 +100,9 @@ def check_unknown_message_fields(serving: ChatServing, req: ChatCompletionReques
         serving.ctx.unknown.check(message, (), "messages.")
         for part in message.content if isinstance(message.content, list) else []:
             serving.ctx.unknown.check(part, (), "messages.content.")
+            for url in (part.image_url, part.video_url):
+                if url is not None:
+                    serving.ctx.unknown.check(url, (), f"messages.content.{part.type}.")
 
 
 @dataclass(frozen=True)
