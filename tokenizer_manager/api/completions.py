@@ -1,0 +1,125 @@
+"""POST /v1/completions: a prompt (text or token ids) in, text_completion objects out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.io_struct import StrOutput
+from runtime.sampler import SamplingParams
+from tokenizer_manager.api.base import check_model
+from tokenizer_manager.api.fields import refuse_fields
+from tokenizer_manager.api.openai_common import (
+    Envelope,
+    OpenAIServing,
+    engine_values,
+    openai_sampling,
+    stream_usage,
+)
+from tokenizer_manager.api.outputs import finish_reason
+from tokenizer_manager.protocol import COMPLETION_REFUSED, APIError, CompletionRequest
+from tokenizer_manager.tokenizer_manager import GenerateInput
+
+MAX_PROMPTS = 64  # prompts in one request
+
+
+def prompt_list(prompt: Any) -> list[str | list[int]]:
+    """The request's prompts: one text, one token-id list, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    return list(prompt)
+
+
+def completion_choice(index: int, text: str, reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+class CompletionStream:
+    """A completions request's chunks: each prompt first when echoed, then text deltas (each
+    choice's `index` is its prompt's), then usage if asked."""
+
+    def __init__(
+        self, envelope: Envelope, usage: tuple[bool, bool], echoes: list[str] | None = None
+    ) -> None:
+        self.envelope = envelope
+        self.include_usage, self.continuous_usage = usage
+        self.echoes = echoes or []
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [
+            self.envelope.wrap([completion_choice(i, text, None)], None, chunk=True)
+            for i, text in enumerate(self.echoes)
+        ]
+
+    def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
+        reason = finish_reason(out)
+        if not out.text and reason is None:
+            return []
+        choice = completion_choice(index, out.text, reason)
+        usage = [out] if self.continuous_usage else None
+        return [self.envelope.wrap([choice], usage, chunk=True)]
+
+    def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
+        return [self.envelope.wrap([], lasts, chunk=True)] if self.include_usage else []
+
+
+class CompletionServing(OpenAIServing[CompletionRequest]):
+    objects = ("text_completion", "text_completion")
+    id_prefix = "cmpl"
+
+    def to_inputs(self, req: CompletionRequest) -> tuple[str, list[GenerateInput]]:
+        """One internal request per prompt; the response carries one choice per prompt."""
+        check_model(self.tm, req.model)
+        self.ctx.unknown.check(req, COMPLETION_REFUSED)
+        refuse_fields(req, COMPLETION_REFUSED)
+        engine = engine_values(req, self.ctx.defaults)
+        prompts = prompt_list(req.prompt)
+        rid = self.request_id(req)
+        rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        return rid, [self.one_input(r, p, req, engine) for r, p in zip(rids, prompts)]
+
+    def one_input(
+        self, rid: str, prompt: str | list[int], req: CompletionRequest, engine: dict[str, Any]
+    ) -> GenerateInput:
+        ids, text = (None, prompt) if isinstance(prompt, str) else (prompt, None)
+        return GenerateInput(
+            rid,
+            req.stream,
+            lambda room: self.sampling(req, room, engine),
+            req.max_tokens,
+            text=text,
+            input_ids=ids,
+        )
+
+    def echoes(self, req: CompletionRequest) -> list[str]:
+        """echo: each prompt as text (token ids decoded), else nothing."""
+        if not req.echo:
+            return []
+        return [
+            p if isinstance(p, str) else self.tm.tokenizer.decode(p)
+            for p in prompt_list(req.prompt)
+        ]
+
+    def sampling(self, req: CompletionRequest, room: int, engine: dict[str, Any]) -> SamplingParams:
+        """A completions request's sampling fields as SamplingParams."""
+        return openai_sampling(req, req.max_tokens, room, self.ctx.defaults, engine)
+
+    def stream_writer(self, rid: str, req: CompletionRequest) -> CompletionStream:
+        return CompletionStream(self.envelope(rid), stream_usage(req), self.echoes(req))
+
+    def response(
+        self, rid: str, req: CompletionRequest, choices: list[list[StrOutput]]
+    ) -> dict[str, Any]:
+        echoes = self.echoes(req) or [""] * len(choices)
+        built = [
+            completion_choice(
+                i, echo + "".join(o.text for o in outputs), finish_reason(outputs[-1])
+            )
+            for i, (echo, outputs) in enumerate(zip(echoes, choices))
+        ]
+        return self.envelope(rid).wrap(built, [c[-1] for c in choices], chunk=False)

@@ -1,0 +1,136 @@
+"""POST /generate, tessera's native API (SGLang's shape): text or input_ids, optional images and
+raw sampling params in; text, output ids and meta_info out (streamed: cumulative objects)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.io_struct import StrOutput
+from runtime.model_config import GenerationDefaults
+from runtime.multimodal import Modality
+from runtime.sampler import SamplingParams
+from tokenizer_manager.api.base import Serving, checked
+from tokenizer_manager.api.fields import (
+    Refusals,
+    asks_nothing,
+    engine_value,
+    sampler_has,
+    unsupported,
+)
+from tokenizer_manager.api.openai_common import ENGINE_FIELDS
+from tokenizer_manager.mm_processor import MediaRef
+from tokenizer_manager.protocol import APIError, GenerateRequest, new_id
+from tokenizer_manager.tokenizer_manager import GenerateInput
+
+NATIVE_SAMPLING = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+}
+RENAMED = {"sampling_seed": "seed"}  # SGLang's name -> tessera's
+# SGLang's engine fields: the OpenAI names, and min_new_tokens for min_tokens
+NATIVE_ENGINE = {
+    **{name: ENGINE_FIELDS[name] for name in ("presence_penalty", "frequency_penalty")},
+    **{name: ENGINE_FIELDS[name] for name in ("repetition_penalty", "logit_bias", "no_stop_trim")},
+    "min_new_tokens": ENGINE_FIELDS["min_tokens"],
+}
+NATIVE_REFUSED: Refusals = {
+    "n": ((1,), "only n=1 is supported"),
+    "regex": ((), "structured outputs are not built yet"),
+    "json_schema": ((), "structured outputs are not built yet"),
+    "ebnf": ((), "structured outputs are not built yet"),
+    "structural_tag": ((), "structured outputs are not built yet"),
+    "custom_params": ((), "custom logits processors are not supported"),
+    "stream_interval": ((1,), "every output is streamed as it comes"),
+    "spaces_between_special_tokens": ((True,), "special tokens are decoded as they are"),
+}
+
+
+def native_sampling(raw: dict[str, Any], room: int, defaults: GenerationDefaults) -> SamplingParams:
+    """`sampling_params` as SamplingParams; a name tessera does not know is a 400."""
+    values = {RENAMED.get(k, k): v for k, v in raw.items()}
+    known = NATIVE_SAMPLING | NATIVE_ENGINE.keys() | NATIVE_REFUSED.keys()
+    unknown = set(values) - known
+    if unknown:
+        raise APIError(f"unknown sampling params {sorted(unknown)}", param="sampling_params")
+    for name, (inert, reason) in NATIVE_REFUSED.items():
+        if not asks_nothing(values.pop(name, None), inert):
+            raise unsupported(f"sampling_params.{name}", reason)
+    for name, (attribute, inert) in NATIVE_ENGINE.items():
+        value = values.pop(name, None)
+        if value is not None and value != inert:
+            values |= engine_value(f"sampling_params.{name}", attribute, value)
+    for name, default in defaults.in_force().items():
+        if name != "repetition_penalty" or sampler_has(name):
+            values.setdefault(name, min(default, room) if name == "max_new_tokens" else default)
+    values.setdefault("max_new_tokens", min(128, room))
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
+    try:
+        return checked(SamplingParams(**values))
+    except TypeError as e:
+        raise APIError(str(e), param="sampling_params") from e
+
+
+def native_body(rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
+    last = outputs[-1]
+    return {
+        "text": "".join(o.text for o in outputs),
+        "output_ids": [t for o in outputs for t in o.token_ids],
+        "meta_info": {
+            "id": rid,
+            "prompt_tokens": last.prompt_tokens,
+            "completion_tokens": last.completion_tokens,
+            "cached_tokens": last.cached_tokens,
+            "finish_reason": last.finish_reason and last.finish_reason.to_json(),
+        },
+    }
+
+
+class NativeStream:
+    """Each event is the whole response so far (SGLang's /generate stream)."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.outputs: list[StrOutput] = []
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
+        self.outputs.append(out)
+        return [native_body(self.rid, self.outputs)]
+
+    def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
+        return []
+
+
+class GenerateServing(Serving[GenerateRequest]):
+    def to_input(self, req: GenerateRequest) -> GenerateInput:
+        if (req.text is None) == (req.input_ids is None):
+            raise APIError("give exactly one of text and input_ids", param="text")
+        images = [req.image_data] if isinstance(req.image_data, str) else req.image_data or []
+        return GenerateInput(
+            req.rid or new_id("gen"),
+            req.stream,
+            lambda room: native_sampling(req.sampling_params, room, self.ctx.defaults),
+            req.sampling_params.get("max_new_tokens"),
+            text=req.text,
+            input_ids=req.input_ids,
+            media=[MediaRef(Modality.IMAGE, url) for url in images],
+        )
+
+    def stream_writer(self, rid: str, req: GenerateRequest) -> NativeStream:
+        return NativeStream(rid)
+
+    def response(
+        self, rid: str, req: GenerateRequest, choices: list[list[StrOutput]]
+    ) -> dict[str, Any]:
+        return native_body(rid, choices[0])

@@ -1,0 +1,67 @@
+"""The one server-sent-events writer: every streaming route hands it a `StreamWriter` that turns
+outputs into payloads; the writer adds the framing, the error event, usage and `[DONE]`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from runtime.io_struct import StrOutput
+from tokenizer_manager.api.outputs import finish_error, merged
+from tokenizer_manager.api.usage import UsageRecorder
+from tokenizer_manager.protocol import APIError
+
+DONE = b"data: [DONE]\n\n"
+
+
+class StreamWriter(Protocol):
+    """An API's stream shape: payloads to send first, per output of choice `index`, and last."""
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]: ...
+
+    def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]: ...
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def error_event(err: APIError) -> bytes:
+    return event(err.body())
+
+
+async def sse(
+    writer: StreamWriter,
+    firsts: list[StrOutput],
+    streams: list[AsyncIterator[StrOutput]],
+    usage: UsageRecorder,
+) -> AsyncIterator[bytes]:
+    """Events for the outputs of one request's streams (one per prompt or choice, `index` in
+    the chunks); an error finish becomes an error event before `[DONE]` (no usage then); every
+    stream is closed (which aborts its request) however it ends."""
+    lasts = list(firsts)
+    try:
+        for payload in writer.opening():
+            yield event(payload)
+        for index, first in enumerate(firsts):
+            for payload in writer.chunks(first, index):
+                yield event(payload)
+        async for index, out in merged(streams):
+            lasts[index] = out
+            err = finish_error(out)
+            if err is not None:
+                yield error_event(err)
+                yield DONE
+                return
+            for payload in writer.chunks(out, index):
+                yield event(payload)
+        usage.record(lasts)
+        for payload in writer.closing(lasts):
+            yield event(payload)
+        yield DONE
+    finally:
+        for stream in streams:
+            await stream.aclose()
