@@ -14,7 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention import LOG2E, NEG_BIG, online_softmax_block
+from kernels.triton.attention import (
+    LOG2E,
+    NEG_BIG,
+    dot_precision,
+    head_block,
+    online_softmax_block,
+)
 
 
 @triton.jit
@@ -96,7 +102,7 @@ def varlen_attention(
         q, k, v, out, bounds,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E, head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
+        PRECISION=dot_precision(q.dtype),
     )
     return out
