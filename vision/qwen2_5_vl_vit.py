@@ -127,9 +127,9 @@ class Qwen2_5_VisionTransformer(VisionTower):
         `shard`: run this call tensor-parallel over that group on full weights (see vit_common)."""
         merge = self.spatial_merge_size
         units, cu_windows = window_index(grid_thw, self.cfg.window_size, self.cfg.patch_size, merge)
-        patches = units_to_patches(units, merge).to(self.device)
-        x = self.patch_embed(pixel_values)[patches]
-        cos, sin = self.rotary(vision_position_ids(grid_thw, merge)[patches.cpu()])
+        patches = units_to_patches(units, merge)  # host order; indexes device rows as a copy
+        x = self.patch_embed(pixel_values)[patches.to(self.device, non_blocking=True)]
+        cos, sin = self.rotary(vision_position_ids(grid_thw, merge)[patches])
         x = self._run_blocks(x, frame_cu_seqlens(grid_thw), cu_windows, (cos, sin), shard)
         return self.merger(x, shard)[torch.argsort(units).to(self.device)]
 
