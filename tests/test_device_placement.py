@@ -19,6 +19,7 @@ from kernels.attention.torch_backend import TorchAttentionBackend
 from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.memory_pool import KVPool, ReqToTokenPool
+from runtime.sampler import Sampler, SamplingParams, filtered_probs
 from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner
 from scheduler.req import Req
@@ -110,3 +111,20 @@ def test_model_runner_steps_keep_devices_apart(
         first.token_ids.append(6)
         runner.mixed([second], [7], [first])
     assert len(cache) == 1 and first.kv_len == len(first.token_ids)
+
+
+def test_sampler_filters_on_the_device() -> None:
+    """Temperature, top-k, top-p and min-p work on the logits' device with host-side settings
+    (each becomes a device column); a greedy batch stays on the device until its tokens are read.
+    (The draw itself needs a device generator, which the meta device has not.)"""
+    logits = torch.zeros(3, 50, device=META)
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=1.3, top_k=-1),
+    ]
+    with DeviceRules():
+        probs, order = filtered_probs(logits, params)
+        tokens = Sampler(0).sample(logits, [SamplingParams(temperature=0.0)] * 3, [0, 1, 2])
+    assert probs.device == order.device == tokens.device == META
+    assert probs.shape == order.shape == (3, 50)
