@@ -50,7 +50,7 @@ class Segments:
 
     @cached_property
     def uniform(self) -> int:
-        """The one length of every segment, when they share it and tile the tokens; else 0."""
+        """The one length of every segment when they all share it, else 0."""
         lengths = self.lengths
         if not lengths.numel() or not bool((lengths == lengths[0]).all()):
             return 0
