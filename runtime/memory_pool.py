@@ -57,6 +57,12 @@ class ReqToTokenPool:
         self.req_to_token[rows, cols] = _on(slots, self.device)
 
 
+    def write_tokens(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], cols[i]] = slots[i] for every token of a step at once (all
+        three on the table's device, as ModelRunner stages them)."""
+        self.req_to_token[rows, cols] = slots
+
+
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` on `device`; a host-to-device copy does not block the host."""
     return t.to(device, non_blocking=True)

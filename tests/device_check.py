@@ -42,8 +42,25 @@ def operands(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and not _is_scalar_on_cpu(t)]
 
 
+def moves_host_data(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the op copies a host tensor (more than a scalar) to another device."""
+    packet = func.overloadpacket
+    if packet is aten._to_copy:
+        src, device = args[0], kwargs.get("device")
+        return device is not None and device.type != "cpu" and src.device.type == "cpu"
+    if packet is aten.copy_:
+        dst, src = args[0], args[1]
+        return dst.device.type != "cpu" and src.device.type == "cpu" and src.dim() > 0
+    return False
+
+
 class DeviceRules(TorchDispatchMode):
-    """Raise DeviceMixError on the first op whose operands sit on two devices."""
+    """Raise DeviceMixError on the first op whose operands sit on two devices; count the
+    host-to-device copies (`copies`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -53,4 +70,5 @@ class DeviceRules(TorchDispatchMode):
         if len(devices) > 1:
             names = sorted(str(d) for d in devices)
             raise DeviceMixError(f"{func} mixes devices {names}")
+        self.copies += moves_host_data(func, args, kwargs)
         return func(*args, **kwargs)

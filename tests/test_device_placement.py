@@ -7,6 +7,7 @@ on the host (a synchronisation) where the code should have used what the host al
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from vlm_cases import ARCHS, Checkpoint, noise_image
 
 from kernels.attention.torch_backend import TorchAttentionBackend
 from runtime.distributed import TPGroup
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode, HostStager
 from runtime.memory_pool import KVPool, ReqToTokenPool
 from runtime.sampler import Sampler, SamplingParams, filtered_probs
 from scheduler.encoder_cache import EncoderCache
@@ -128,3 +129,44 @@ def test_sampler_filters_on_the_device() -> None:
         tokens = Sampler(0).sample(logits, [SamplingParams(temperature=0.0)] * 3, [0, 1, 2])
     assert probs.device == order.device == tokens.device == META
     assert probs.shape == order.shape == (3, 50)
+
+
+def copies_per_step(runner: ModelRunner, step: Callable[[list[Req]], object], n: int) -> int:
+    """Host-to-device copies of one step over n text requests of 6 tokens."""
+    reqs = [Req(list(range(10, 16)), None) for _ in range(n)]
+    for req in reqs:
+        runner.admit(req)
+    with DeviceRules() as rules:
+        step(reqs)
+    for req in reqs:  # the request rows back (KV slots stay taken: the pool is large enough)
+        runner.req_pool.free(req.req_pool_index)
+    return rules.copies
+
+
+def test_step_inputs_reach_the_device_in_one_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Token ids, positions, KV slots and the request-table entries of a step go to the device
+    as one staged copy: a step's copies do not grow with its number of requests."""
+    import vision.vlm
+
+    folder = make_checkpoint("qwen2_vl", tmp_path / "ck")
+    monkeypatch.setattr(vision.vlm, "load_checkpoint", lambda *args: None)  # no data on meta
+    model = vision.vlm.build_model(str(folder), TPGroup(), dtype="float32", device="meta")
+    runner = ModelRunner(
+        model, max_total_tokens=256, max_running_requests=4, max_context_len=64, device="meta"
+    )
+
+    def extend(reqs: list[Req]) -> None:
+        runner.extend(reqs, [6] * len(reqs))
+
+    def decode(reqs: list[Req]) -> None:
+        runner.extend(reqs, [5] * len(reqs))
+        runner.decode(reqs)
+
+    one, three = copies_per_step(runner, extend, 1), copies_per_step(runner, extend, 3)
+    assert one == three
+    assert copies_per_step(runner, decode, 1) == copies_per_step(runner, decode, 3)
+    staged = HostStager(META).stage([torch.arange(4), torch.ones(3, 2, dtype=torch.int32)])
+    assert [tuple(t.shape) for t in staged] == [(4,), (3, 2)]
+    assert all(t.device == META and t.dtype == torch.int64 for t in staged)
