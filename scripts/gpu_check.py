@@ -5,8 +5,8 @@
     python scripts/gpu_check.py --checks gpu_tests,parity_tiny --json report.json
 
 Checks (each timed, each caught: one failing check does not stop the others):
-- gpu_tests: the `@pytest.mark.gpu` tests, the Triton kernel and model tests natively, and the
-  sm_80/sm_90 compile check (pytest in a subprocess);
+- gpu_tests: every `@pytest.mark.gpu` test, then the Triton kernel and model tests natively and
+  the sm_80/sm_90 compile check (pytest in subprocesses);
 - parity_tiny: greedy tokens of two image prompts through the real scheduler with the torch
   attention backend and with the Triton one, on each tiny checkpoint (float32): all equal;
 - parity_7b: the same on a 7B-shaped random Qwen2.5-VL checkpoint in bfloat16 (written to a
@@ -42,8 +42,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 CHECKS = ("gpu_tests", "parity_tiny", "parity_7b", "serve")
 TINY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-GPU_TESTS = ["tests/test_triton_kernels.py", "tests/test_triton_model.py",
-             "tests/test_triton_compile.py", "tests/test_device_placement.py"]
+# every @pytest.mark.gpu test, then the Triton tests that run natively on a GPU
+PYTEST_RUNS = (
+    ["-m", "gpu", "tests"],
+    ["tests/test_triton_kernels.py", "tests/test_triton_model.py", "tests/test_triton_compile.py"],
+)
 
 
 @dataclass
@@ -68,12 +71,15 @@ def run_check(name: str, fn: Callable[[], str]) -> CheckResult:
 
 
 def check_gpu_tests(opts: argparse.Namespace) -> str:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=opts.timeout)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-30:]
-    if proc.returncode != 0:
-        raise RuntimeError("pytest failed:\n" + "\n".join(tail))
-    return tail[-1] if tail else "no output"
+    summaries = []
+    for args in PYTEST_RUNS:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=opts.timeout)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-30:]
+        if proc.returncode != 0:
+            raise RuntimeError(f"pytest {' '.join(args)} failed:\n" + "\n".join(tail))
+        summaries.append(tail[-1] if tail else "no output")
+    return "; ".join(summaries)
 
 
 def greedy_tokens(model_path: str, backend: str, opts: argparse.Namespace) -> list[list[int]]:
