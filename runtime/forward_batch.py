@@ -66,3 +66,38 @@ class ForwardBatch:
     def last_token_indices(self) -> torch.Tensor:
         ends = torch.tensor(self.extend_lens_list, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.input_ids.device)
+
+
+class HostStager:
+    """A step's host-built integer inputs reach the device in one copy.
+
+    `stage` packs the parts (any shapes, integer dtypes, on the host) into one int64 buffer,
+    copies it once with `non_blocking` and returns device views in the parts' shapes. On CUDA
+    the buffer is page-locked (so the copy is truly asynchronous) and reused: before it is
+    written again, the event recorded after its last copy is waited on. Elsewhere the views are
+    of a fresh host buffer (no copy at all on CPU)."""
+
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+        self._pinned: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def stage(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        sizes = [p.numel() for p in parts]
+        host = self._host_buffer(sum(sizes))
+        torch.cat([p.reshape(-1).to(torch.int64) for p in parts], out=host)
+        staged = host.to(self.device, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return [v.view(p.shape) for v, p in zip(staged.split(sizes), parts)]
+
+    def _host_buffer(self, n: int) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.empty(n, dtype=torch.int64)
+        if self._pinned is None or self._pinned.numel() < n:
+            size = max(n, 2 * (0 if self._pinned is None else self._pinned.numel()), 4096)
+            self._pinned = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        elif self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy out of this buffer is done
+        return self._pinned[:n]

@@ -13,6 +13,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.logging_utils import get_logger
+
+logger = get_logger(__name__)
+
 
 def _opt(help: str, **kw) -> dataclasses.Field:  # noqa: A002 - mirrors argparse
     return field(default=kw.pop("default", None), metadata={"help": help, **kw})
@@ -183,11 +187,7 @@ class ServerArgs:
 
     def resolve(self) -> ServerArgs:
         """Fill "auto" values and check the settings; returns a new frozen object."""
-        device = self.device
-        if device == "auto":
-            device = "cuda" if _cuda_count() >= self.tp_size else "cpu"
-        if device == "cuda" and _cuda_count() < self.tp_size:
-            raise ValueError(f"--tp {self.tp_size} needs {self.tp_size} GPUs")
+        device = resolve_device(self.device, self.tp_size, _cuda_count())
         backend = self.attention_backend
         if backend == "auto":
             backend = "torch" if device == "cpu" else _best_gpu_backend()
@@ -252,6 +252,27 @@ def _private_dir(path: str | None) -> str:
     if os.stat(path).st_mode & 0o077:
         raise ValueError(f"--ipc-dir {path} must be private to this user (chmod 700)")
     return path
+
+
+def resolve_device(requested: str, tp_size: int, visible_gpus: int) -> str:
+    """"cuda" or "cpu" for --device `requested` with `visible_gpus` CUDA devices.
+
+    Every rank needs a GPU of its own: --device cuda with fewer is an error; --device auto takes
+    the GPUs when there are enough, runs on CPU when there are none, and says so with a warning
+    when there are some but fewer than --tp (CPU is then surely not what was meant)."""
+    if requested == "cpu":
+        return "cpu"
+    if visible_gpus >= tp_size:
+        return "cuda"
+    shortfall = f"--tp {tp_size} needs {tp_size} GPUs but {visible_gpus} are visible"
+    if requested == "cuda":
+        raise ValueError(f"--device cuda: {shortfall} (CUDA_VISIBLE_DEVICES, --tp)")
+    if visible_gpus:
+        logger.warning(
+            "--device auto: %s; running on CPU. Give --tp %d or less, make more GPUs visible, "
+            "or --device cpu to mean it.", shortfall, visible_gpus
+        )
+    return "cpu"
 
 
 def _cuda_count() -> int:

@@ -6,12 +6,13 @@ Every rank builds the same batches from the same decisions, so each rank's colle
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode, HostStager
 from runtime.memory_pool import KVLayout, ReqToTokenPool
 from runtime.multimodal import ItemEncoder
 from scheduler.req import Req
@@ -60,6 +61,11 @@ class ModelRunner:
         self.macs_per_token = sum(p.numel() for p in model.language_model.parameters())
         heads = model.language_model.model.layers[0].self_attn.layer.num_heads
         self.macs_per_context = 2 * layout.num_layers * heads * layout.head_dim
+
+    @functools.cached_property
+    def stager(self) -> HostStager:
+        """Stages each step's inputs in one copy to this runner's device."""
+        return HostStager(self.device)
 
     def admit(self, seq: Req) -> None:
         index = self.req_pool.alloc()
@@ -119,29 +125,17 @@ class ModelRunner:
         decode_tail: int = 0,
     ) -> torch.Tensor:
         slots = self._alloc(sum(lens))
-        # Extends one by one; the decoding tail (all of a decode batch) in one go: one token
-        # each, past its prompt, so its position is its index plus the request's MRoPE delta.
         tail = len(seqs) if mode is ForwardMode.DECODE else decode_tail
-        head = len(seqs) - tail
-        ids, positions, offset = [], [], 0
-        for seq, n in zip(seqs[:head], lens[:head]):
-            start = seq.kv_len
-            self.req_pool.write(seq.req_pool_index, start, slots[offset : offset + n])
-            ids.extend(seq.token_ids[start : start + n])
-            positions.append(seq.positions(start, start + n))
-            offset += n
-        if tail:
-            decoding = seqs[head:]
-            indices = [seq.kv_len for seq in decoding]
-            self.req_pool.write_each([s.req_pool_index for s in decoding], indices, slots[offset:])
-            ids.extend(seq.token_ids[i] for seq, i in zip(decoding, indices))
-            values = [i + seq.mrope_delta for seq, i in zip(decoding, indices)]
-            positions.append(torch.tensor(values, dtype=torch.long).expand(3, -1))
+        ids, positions, rows, cols = step_inputs(seqs, lens, tail)
+        input_ids, device_positions, out_cache_loc, row_t, col_t = self.stager.stage(
+            [ids, positions, slots, rows, cols]
+        )  # one host-to-device copy for the step's inputs and its request-table entries
+        self.req_pool.write_tokens(row_t, col_t, out_cache_loc)
         batch = ForwardBatch(
             mode=mode,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.cat(positions, dim=1).to(self.device),
-            out_cache_loc=slots.to(self.device),
+            input_ids=input_ids,
+            positions=device_positions,
+            out_cache_loc=out_cache_loc,
             req_pool_indices_list=[s.req_pool_index for s in seqs],
             prefix_lens_list=[s.kv_len for s in seqs],
             extend_lens_list=list(lens),
@@ -155,3 +149,28 @@ class ModelRunner:
         for seq, n in zip(seqs, lens):
             seq.kv_len += n
         return logits
+
+
+def step_inputs(
+    seqs: list[Req], lens: list[int], tail: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host tensors of one step: token ids, [3, tokens] positions, and the request-table row and
+    column of every new token. The first requests extend by lens[i] tokens; the last `tail`
+    decode one token each, past its prompt, at its index plus the request's MRoPE delta."""
+    head = len(seqs) - tail
+    ids, positions, rows, cols = [], [], [], []
+    for seq, n in zip(seqs[:head], lens[:head]):
+        start = seq.kv_len
+        ids.extend(seq.token_ids[start : start + n])
+        positions.append(seq.positions(start, start + n))
+        rows.extend([seq.req_pool_index] * n)
+        cols.extend(range(start, start + n))
+    decoding = seqs[head:]
+    indices = [seq.kv_len for seq in decoding]
+    ids.extend(seq.token_ids[i] for seq, i in zip(decoding, indices))
+    values = [i + seq.mrope_delta for seq, i in zip(decoding, indices)]
+    positions.append(torch.tensor(values, dtype=torch.long).expand(3, -1))
+    rows.extend(seq.req_pool_index for seq in decoding)
+    cols.extend(indices)
+    as_long = [torch.tensor(x, dtype=torch.long) for x in (ids, rows, cols)]
+    return as_long[0], torch.cat(positions, dim=1), as_long[1], as_long[2]

@@ -11,6 +11,8 @@ import pytest
 import torch
 from make_tiny_checkpoint import make_checkpoint
 
+from kernels.attention.varlen import as_segments
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
@@ -65,7 +67,7 @@ def test_json_written(results: dict) -> None:
 def matmul_varlen_attention(q, k, v, cu_seqlens, scale):
     """Segment attention written as plain matmuls, so FlopCounterMode sees its FLOPs."""
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()
+    bounds = as_segments(cu_seqlens, q.device).host_bounds.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, len, dim]
         weights = torch.softmax(torch.bmm(qs, ks.transpose(1, 2)) * scale, dim=-1)

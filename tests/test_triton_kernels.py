@@ -85,7 +85,8 @@ def make_case(
     gen = torch.Generator().manual_seed(seed)
     total = sum(prefix_lens) + sum(extend_lens)
     layer = AttentionLayer(1, heads, kv_heads, head_dim, head_dim**-0.5)
-    req_pool = ReqToTokenPool(len(prefix_lens) + 2, 128, device=DEVICE)
+    longest = max(p + e for p, e in zip(prefix_lens, extend_lens))
+    req_pool = ReqToTokenPool(len(prefix_lens) + 2, max(128, longest), device=DEVICE)
     kv_pool = KVPool(total + 16, 2, kv_heads, head_dim, dtype, device=DEVICE)
     kv_pool._free = kv_pool._free[torch.randperm(kv_pool.size, generator=gen)]
     req_pool.alloc()  # leave row 0 unused so pool rows differ from batch positions

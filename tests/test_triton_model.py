@@ -23,17 +23,24 @@ from scheduler.model_runner import ModelRunner  # noqa: E402
 from scheduler.req import Req  # noqa: E402
 from vision.vlm import build_model  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # native kernels need device tensors
+
 
 def run(folder: str, backend: str, ids: list[int], mm) -> tuple[torch.Tensor, list[int]]:
-    model = build_model(folder, TPGroup(), attention_backend=backend, dtype="float32")
+    model = build_model(
+        folder, TPGroup(), attention_backend=backend, dtype="float32", device=DEVICE
+    )
     # the decoder's norms and rotary and the vision tower follow the backend too
     assert model.visual.blocks[0].attn.ops.name == backend
     assert model.language_model.model.norm.ops.name == backend
-    runner = ModelRunner(model, max_total_tokens=512, max_running_requests=2, max_context_len=256)
+    runner = ModelRunner(
+        model, max_total_tokens=512, max_running_requests=2, max_context_len=256, device=DEVICE
+    )
     seq = Req(list(ids), mm)
     runner.admit(seq)
-    logits = torch.cat([runner.extend([seq], [20], True), runner.extend([seq], [len(ids) - 20],
-                                                                         True)])
+    logits = torch.cat(
+        [runner.extend([seq], [20], True), runner.extend([seq], [len(ids) - 20], True)]
+    )
     release(runner, seq)
     return logits, greedy_generate(runner, Req(list(ids), mm), 6)
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import get_activation
+from kernels.attention.varlen import Segments
 from kernels.ops import TORCH_OPS, KernelOps
 from runtime.distributed import TPGroup
 from runtime.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -33,7 +34,7 @@ from vision.vit_common import (
     VisionRotary,
     VisionTower,
     check_heads,
-    frame_cu_seqlens,
+    frame_segments,
     load_weights,
     vision_position_ids,
 )
@@ -127,24 +128,26 @@ class Qwen2_5_VisionTransformer(VisionTower):
         `shard`: run this call tensor-parallel over that group on full weights (see vit_common)."""
         merge = self.spatial_merge_size
         units, cu_windows = window_index(grid_thw, self.cfg.window_size, self.cfg.patch_size, merge)
-        patches = units_to_patches(units, merge).to(self.device)
-        x = self.patch_embed(pixel_values)[patches]
-        cos, sin = self.rotary(vision_position_ids(grid_thw, merge)[patches.cpu()])
-        x = self._run_blocks(x, frame_cu_seqlens(grid_thw), cu_windows, (cos, sin), shard)
+        patches = units_to_patches(units, merge)  # host order; indexes device rows as a copy
+        x = self.patch_embed(pixel_values)[patches.to(self.device, non_blocking=True)]
+        cos, sin = self.rotary(vision_position_ids(grid_thw, merge)[patches])
+        # rotary tables and both segmentations: built once per call, shared by every block
+        frames, windows = frame_segments(grid_thw, x.device), Segments.build(cu_windows, x.device)
+        x = self._run_blocks(x, frames, windows, (cos, sin), shard)
         return self.merger(x, shard)[torch.argsort(units).to(self.device)]
 
     def _run_blocks(
         self,
         x: torch.Tensor,
-        cu_frames: torch.Tensor,
-        cu_windows: torch.Tensor,
+        frames: Segments,
+        windows: Segments,
         rotary: tuple[torch.Tensor, torch.Tensor],
         shard: TPGroup | None,
     ) -> torch.Tensor:
         # Window reordering keeps every frame contiguous, so frame boundaries still hold.
         for i, block in enumerate(self.blocks):
-            cu_seqlens = cu_frames if i in self.full_attention_blocks else cu_windows
-            x = block(x, cu_seqlens, rotary, shard)
+            segments = frames if i in self.full_attention_blocks else windows
+            x = block(x, segments, rotary, shard)
         return x
 
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight | torch.Tensor]]) -> set[str]:

@@ -27,7 +27,7 @@ from vision.vit_common import (
     VisionRotary,
     VisionTower,
     check_heads,
-    frame_cu_seqlens,
+    frame_segments,
     load_weights,
     vision_position_ids,
 )
@@ -65,9 +65,9 @@ class Qwen2VisionTransformer(VisionTower):
         `shard`: run this call tensor-parallel over that group on full weights (see vit_common)."""
         x = self.patch_embed(pixel_values)
         rotary = self.rotary(vision_position_ids(grid_thw, self.spatial_merge_size))
-        cu_seqlens = frame_cu_seqlens(grid_thw)
+        segments = frame_segments(grid_thw, x.device)  # rotary and segments: once per call
         for block in self.blocks:
-            x = block(x, cu_seqlens, rotary, shard)
+            x = block(x, segments, rotary, shard)
         return self.merger(x, shard)
 
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight | torch.Tensor]]) -> set[str]:

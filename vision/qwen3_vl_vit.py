@@ -40,7 +40,7 @@ from vision.vit_common import (
     VisionRotary,
     VisionTower,
     check_heads,
-    frame_cu_seqlens,
+    frame_segments,
     load_weights,
     vision_position_ids,
 )
@@ -134,10 +134,10 @@ class Qwen3VisionTransformer(VisionTower):
         `shard`: run this call tensor-parallel over that group on full weights (see vit_common)."""
         x = self.patch_embed(pixel_values) + self.positions(grid_thw)
         rotary = self.rotary(vision_position_ids(grid_thw, self.spatial_merge_size))
-        cu_seqlens = frame_cu_seqlens(grid_thw)
+        segments = frame_segments(grid_thw, x.device)  # rotary and segments: once per call
         levels: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cu_seqlens, rotary, shard)
+            x = block(x, segments, rotary, shard)
             if i in self.deepstack_levels:
                 merger = self.deepstack_merger_list[self.deepstack_levels[i]]
                 levels.append(merger(x, shard))

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import get_activation
+from kernels.attention.varlen import Segments
 from kernels.ops import TORCH_OPS, KernelOps
 from runtime.distributed import TPGroup
 from runtime.layers.linear import (
@@ -54,6 +55,11 @@ def frame_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
     grid = grid_thw.long().cpu()
     lengths = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
     return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def frame_segments(grid_thw: torch.Tensor, device: torch.device) -> Segments:
+    """The frames as attention segments, prepared once per tower call for all its blocks."""
+    return Segments.build(frame_cu_seqlens(grid_thw), device)
 
 
 def vision_position_ids(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
@@ -165,7 +171,7 @@ class VisionAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cu_seqlens: torch.Tensor,
+        segments: Segments,
         rotary: tuple[torch.Tensor, torch.Tensor],
         shard: TPGroup | None = None,
     ) -> torch.Tensor:
@@ -173,7 +179,7 @@ class VisionAttention(nn.Module):
         q, k, v = qkv.view(x.shape[0], 3, -1, self.head_dim).unbind(1)
         cos, sin = rotary
         q, k = self.ops.apply_rotary_qk(q, k, cos, sin)
-        out = self.ops.varlen_attention(q, k, v, cu_seqlens, self.scale)
+        out = self.ops.varlen_attention(q, k, v, segments, self.scale)
         return self.proj(out.reshape(x.shape[0], -1), shard)
 
 
@@ -277,9 +283,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp, ops)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, rotary: Rotary,
+    def forward(self, x: torch.Tensor, segments: Segments, rotary: Rotary,
                 shard: TPGroup | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, rotary, shard)
+        x = x + self.attn(self.norm1(x), segments, rotary, shard)
         return x + self.mlp(self.norm2(x), shard)
 
 

@@ -71,9 +71,10 @@ class TorchAttentionBackend:
         if self._decode_index is None or self._decode_batch is not batch:
             first = 0 if batch.is_decode else batch.extend_count
             device = batch.req_to_token.device
-            lens = torch.tensor(batch.seq_lens_list[first:], device=device)
+            host_lens = batch.seq_lens_list[first:]  # the longest from the host: no device sync
+            lens = torch.tensor(host_lens, device=device)
             rows = torch.tensor(batch.req_pool_indices_list[first:], device=device)
-            slots = batch.req_to_token[rows, : int(lens.max())]
+            slots = batch.req_to_token[rows, : max(host_lens)]
             valid = torch.arange(slots.shape[1], device=lens.device)[None, :] < lens[:, None]
             slots = torch.where(valid, slots, slots[:, :1])
             self._decode_index = (slots, valid[:, None, None, :])

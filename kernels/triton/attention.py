@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from runtime.forward_batch import ForwardBatch
 
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # start value of the running max: finite, so a fully masked block gives no NaN
+# Start value of the running max: finite, so a fully masked block gives no NaN. A tl.constexpr,
+# because compiled (not interpreted) @triton.jit code may read no other kind of global.
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @dataclass(frozen=True)
@@ -184,11 +186,16 @@ def _decode_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
-def _block_d(head_dim: int) -> int:
+def head_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
 
 
-def _precision(kv_dtype: torch.dtype) -> str:
+def group_block(group: int) -> int:
+    """Rows of the decode kernel's q tile: the q heads of one kv head, padded for tl.dot."""
+    return max(16, triton.next_power_of_2(group))
+
+
+def dot_precision(kv_dtype: torch.dtype) -> str:
     """Exact float32 dots for a float32 pool; tf32 otherwise (bf16/fp16 values fit in tf32)."""
     return "ieee" if kv_dtype == torch.float32 else "tf32"
 
@@ -226,7 +233,7 @@ def extend_attention(
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), scaling * LOG2E, head_dim,
         GROUP=heads // k_buf.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=_block_d(head_dim), PRECISION=_precision(k_buf.dtype),
+        BLOCK_D=head_block(head_dim), PRECISION=dot_precision(k_buf.dtype),
     )
     return out
 
@@ -255,8 +262,8 @@ def decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), scaling * LOG2E, head_dim,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=_block_d(head_dim), PRECISION=_precision(k_buf.dtype),
+        GROUP=group, BLOCK_H=group_block(group), BLOCK_N=block_n,
+        BLOCK_D=head_block(head_dim), PRECISION=dot_precision(k_buf.dtype),
     )
     return out
 

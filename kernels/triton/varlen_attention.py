@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.attention import LOG2E, NEG_BIG, online_softmax_block
+from kernels.attention.varlen import Segments, as_segments
+from kernels.triton.attention import (
+    LOG2E,
+    NEG_BIG,
+    dot_precision,
+    head_block,
+    online_softmax_block,
+)
 
 
 @triton.jit
@@ -66,7 +73,7 @@ def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | Segments,
     scale: float,
     block_m: int = 32,
     block_n: int = 32,
@@ -74,7 +81,8 @@ def varlen_attention(
     """Bidirectional attention inside each segment of `cu_seqlens`; q/k/v: [N, heads, head_dim].
 
     q, k and v may be strided views (for example the three parts of a merged QKV output); only
-    the last dimension must be contiguous.
+    the last dimension must be contiguous. Given `Segments` (prepared once per encoder call), a
+    launch reads nothing from the device and copies nothing to it.
     """
     if q.shape != k.shape or q.shape != v.shape:
         shapes = [tuple(x.shape) for x in (q, k, v)]
@@ -83,20 +91,17 @@ def varlen_attention(
         raise ValueError("q, k and v need a contiguous last dimension")
     tokens, heads, head_dim = q.shape
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
-    host_bounds = cu_seqlens.cpu()  # the towers build cu_seqlens on the host: no device sync
-    num_segments = host_bounds.numel() - 1
-    if tokens == 0 or num_segments <= 0:
+    segments = as_segments(cu_seqlens, q.device)
+    if tokens == 0 or segments.count <= 0:
         return out
-    if int(host_bounds[-1]) != tokens:
-        raise ValueError(f"cu_seqlens ends at {int(host_bounds[-1])} but there are {tokens} tokens")
-    max_len = int((host_bounds[1:] - host_bounds[:-1]).max())
-    bounds = host_bounds.to(device=q.device, dtype=torch.int32)
-    grid = (num_segments, heads, triton.cdiv(max(max_len, 1), block_m))
+    if segments.tokens != tokens:
+        raise ValueError(f"cu_seqlens ends at {segments.tokens} but there are {tokens} tokens")
+    grid = (segments.count, heads, triton.cdiv(max(segments.max_len, 1), block_m))
     _varlen_kernel[grid](
-        q, k, v, out, bounds,
+        q, k, v, out, segments.device_bounds,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), scale * LOG2E, head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
+        PRECISION=dot_precision(q.dtype),
     )
     return out

@@ -1,0 +1,84 @@
+"""scripts/gpu_check.py on a machine without CUDA: its arguments, report and table, and the clear
+exit when there is no device (its GPU checks themselves run only on a GPU node)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gpu_check
+import pytest
+import torch
+from gpu_check import CheckResult, format_table, parse_args, run_check, write_report
+
+
+def test_arguments() -> None:
+    opts = parse_args([])
+    assert opts.checks == list(gpu_check.CHECKS) and opts.tp is None
+    opts = parse_args(["--checks", "serve, parity_tiny", "--tp", "2", "--json", "r.json"])
+    assert opts.checks == ["serve", "parity_tiny"] and opts.tp == 2 and opts.json == "r.json"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--checks", "serve,warp"], "unknown ['warp']"), (["--checks", ","], "--checks"),
+     (["--tp", "0"], "at least 1")],
+)
+def test_bad_arguments_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and message in err
+
+
+def test_a_failing_check_is_a_row_not_a_crash() -> None:
+    def broken() -> str:
+        raise RuntimeError("kernel exploded")
+
+    good = run_check("parity_tiny", lambda: "tokens agreed [16, 16]")
+    bad = run_check("serve", broken)
+    assert good.ok and good.detail == "tokens agreed [16, 16]"
+    assert not bad.ok and "kernel exploded" in bad.detail and "Traceback" in bad.detail
+
+
+def test_report_and_table(tmp_path: Path) -> None:
+    results = [CheckResult("gpu_tests", True, 12.345, "41 passed"),
+               CheckResult("serve", False, 3.0, "AssertionError('no completion')\ntrace...")]
+    path = tmp_path / "report.json"
+    write_report(path, {"torch": "x", "gpus": ["H100"]}, results, "1 GPU(s): H100")
+    report = json.loads(path.read_text())
+    assert report["ok"] is False and report["environment"]["gpus"] == ["H100"]
+    assert [c["name"] for c in report["checks"]] == ["gpu_tests", "serve"]
+    assert report["checks"][1]["detail"].startswith("AssertionError")
+    lines = format_table(results).splitlines()
+    assert lines[0].split()[:3] == ["check", "result", "seconds"]
+    assert lines[1].split()[:4] == ["gpu_tests", "PASS", "12.3", "41"]
+    assert lines[2].split()[:3] == ["serve", "FAIL", "3.0"] and "trace" not in lines[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_without_cuda_exits_clearly(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "report.json"
+    assert gpu_check.main(["--json", str(path)]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+    report = json.loads(path.read_text())
+    assert report["ok"] is False and report["checks"] == [] and report["environment"]["gpus"] == []
+    assert report["environment"]["torch"] == torch.__version__
+
+
+def test_parity_and_serve_checks_run_on_cpu(tmp_path: Path) -> None:
+    """The parity and serve checks' own code on CPU (Triton in the interpreter, one rank), so a
+    GPU node's time is not spent finding a slip in them."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels were not set up for the interpreter in this process")
+    from make_tiny_checkpoint import make_checkpoint
+
+    opts = parse_args(["--new-tokens", "2", "--tp", "1", "--timeout", "240", "--image-size", "56"])
+    opts.device = "cpu"
+    folder = str(make_checkpoint("qwen2_vl", tmp_path / "ck"))
+    assert gpu_check.compare_backends(folder, None, opts) == "tokens agreed [2, 2] of 2"
+    assert gpu_check.check_serve(opts).startswith("--tp 1: ")
