@@ -7,12 +7,16 @@ Spawns --tp ranks (Gloo on CPU, NCCL on CUDA). Every rank builds the tower twice
 the group (TP mode: per-layer all-reduce) and as a full replica, which runs DP mode (greedy
 balance by patch count, one all-gather) and auto mode (a plan per call: DP, TP on slices of the
 full weights, or a hybrid, from a cost model calibrated here at start-up or given with
---encoder-costs). Workloads are lists of batches: `random` (--random-images / --image-sizes),
-`one-large`, `many-small`, `one-large-many-small`, `video`, and `mixed` (the four named shapes
-one after another, as a server sees them). Modes are timed interleaved (tp, dp, auto, tp, ...) so
-load on a shared machine hits them alike. The table reports, per workload and mode, the median
-and p90 time per batch, items/s, patches per rank, imbalance (max/mean), the payload bytes one
-rank hands to collectives per batch, and for auto the plans taken.
+--encoder-costs, then learned from its calls). Workloads are lists of batches: `random`
+(--random-images / --image-sizes), `one-large`, `many-small`, `one-large-many-small`, `video`,
+and `mixed` (the four named shapes one after another, as a server sees them). Modes are timed
+interleaved, each round in a rotated order (tp dp auto, dp auto tp, auto tp dp, ...), so load
+on a shared machine hits them alike. One AutoEncoder serves every workload in turn, as in a
+server. The table reports, per workload and mode, the median and p90 time per batch, items/s,
+patches per rank, imbalance (max/mean), the payload bytes one rank hands to collectives per
+batch, and for auto the plans taken, in total and per round (warm-up rounds included: auto
+learns from every call). --plot draws the medians, auto's plan per call (explorations marked)
+and its learned ratios of measured over modeled time per kind of plan across the whole run.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,7 +47,13 @@ from runtime.model_loader import iterate_weights  # noqa: E402
 from tokenizer_manager.video_processor import smart_resize  # noqa: E402
 from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
 from vision.encoder_calibration import calibrate_encoder_costs  # noqa: E402
-from vision.encoder_plan import AutoEncoder, EncoderCosts, TowerShape, frame_units  # noqa: E402
+from vision.encoder_plan import (  # noqa: E402
+    AutoEncoder,
+    CallRecord,
+    EncoderCosts,
+    TowerShape,
+    frame_units,
+)
 from vision.vlm import VISION_TOWERS, normalize_checkpoint_name  # noqa: E402
 
 
@@ -85,6 +96,7 @@ class ModeResult:
     imbalance: float
     collective_bytes_per_rank: int
     plans: dict[str, int]
+    plans_per_round: list[dict[str, int]]  # auto only: its plans in each round, warm-up first
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -181,7 +193,7 @@ class Runner:
         self.tp_tower, self.full_tower, self.base = tp_tower, full_tower, base
         self.groups = {m: CountingGroup(base) for m in MODES}
         shape = TowerShape.of(full_tower.cfg, full_tower.dtype.itemsize)
-        self.auto = AutoEncoder(full_tower, self.groups["auto"], shape, costs)
+        self.auto = AutoEncoder(full_tower, self.groups["auto"], shape, costs, keep_history=True)
 
     def run(self, mode: str, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         group = self.groups[mode]
@@ -195,9 +207,13 @@ class Runner:
         return self.auto(pixels, grids)
 
 
-def time_interleaved(runner: Runner, batches: list, args: argparse.Namespace, device: str) -> dict:
-    """Seconds per batch for every mode, the modes taking turns (in a rotating order)."""
+def time_interleaved(
+    runner: Runner, batches: list, args: argparse.Namespace, device: str
+) -> tuple[dict[str, list[float]], list[int]]:
+    """Seconds per batch for every mode, the modes taking turns (in a rotating order), and
+    where each round ends in auto's history."""
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    ends = []
     for i in range(args.warmup + args.repeat):
         for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:
             if runner.base.size > 1:
@@ -211,7 +227,19 @@ def time_interleaved(runner: Runner, batches: list, args: argparse.Namespace, de
                 torch.cuda.synchronize()
             if i >= args.warmup:
                 times[mode].append((time.perf_counter() - start) / len(batches))
-    return times
+        ends.append(len(runner.auto.history or []))
+    return times, ends
+
+
+def rounds_of(history: list[CallRecord], start: int, ends: list[int]) -> list[dict[str, int]]:
+    """Auto's plan counts per round (an explored plan counts also under "explored")."""
+    out = []
+    for end in ends:
+        calls = history[start:end]
+        counts = Counter(c.kind for c in calls) + Counter("explored" for c in calls if c.explored)
+        out.append(dict(sorted(counts.items())))
+        start = end
+    return out
 
 
 def mode_loads(mode: str, runner: Runner, grids_list: list[list[list[int]]]) -> list[int]:
@@ -236,7 +264,7 @@ def mode_loads(mode: str, runner: Runner, grids_list: list[list[list[int]]]) -> 
 
 def summarize(
     workload: str, mode: str, times: list[float], n_items: float, loads: list[int],
-    nbytes: int, plans: dict[str, int],
+    nbytes: int, plans: dict[str, int], rounds: list[dict[str, int]],
 ) -> ModeResult:
     times_ms = sorted(t * 1e3 for t in times)
     p90 = times_ms[min(len(times_ms) - 1, int(round(0.9 * (len(times_ms) - 1))))]
@@ -252,6 +280,7 @@ def summarize(
         max(loads) / mean_load if mean_load else 1.0,
         nbytes,
         plans,
+        rounds,
     )
 
 
@@ -283,12 +312,13 @@ def run_rank(args: argparse.Namespace, model_path: str, base: TPGroup, device: s
         else:
             costs = calibrate_encoder_costs(full, base, TowerShape.of(full.cfg, dtype.itemsize))
         runner = Runner(tp_tower, full, base, costs)
-        results = [
-            asdict(r)
-            for name in args.workloads
-            for r in run_workload(name, runner, cfg, args, device, dtype)
-        ]
-    return {"calibration": json.loads(costs.to_json()), "results": results}
+        results, workloads = [], []
+        for name in args.workloads:
+            results += [asdict(r) for r in run_workload(name, runner, cfg, args, device, dtype)]
+            workloads += [name] * (len(runner.auto.history or []) - len(workloads))
+    history = [{"workload": w, **asdict(c)} for w, c in zip(workloads, runner.auto.history or [])]
+    return {"calibration": json.loads(costs.to_json()), "results": results,
+            "auto_history": history}
 
 
 def run_workload(
@@ -301,7 +331,9 @@ def run_workload(
     runner.auto.plan_counts.clear()
     for group in [runner.tp_tower.tp, *runner.groups.values()]:
         group.counter[0] = 0
-    times = time_interleaved(runner, batches, args, device)
+    start = len(runner.auto.history or [])
+    times, ends = time_interleaved(runner, batches, args, device)
+    rounds = rounds_of(runner.auto.history or [], start, ends)
     runs = (args.warmup + args.repeat) * len(batches)
     n_items = sum(len(g) for _, g in batches) / len(batches)
     grids_list = [g for _, g in batches]
@@ -311,7 +343,7 @@ def run_workload(
         loads = mode_loads(mode, runner, grids_list)
         plans = dict(runner.auto.plan_counts) if mode == "auto" else {}
         out.append(summarize(name, mode, times[mode], n_items, loads, group.counter[0] // runs,
-                             plans))
+                             plans, rounds if mode == "auto" else []))
     return out
 
 
@@ -361,6 +393,7 @@ def print_table(out: dict, args: argparse.Namespace) -> None:
             f"{name}: DP speed-up over TP {tp / dp:.2f}x; auto vs TP {tp / auto:.2f}x, "
             f"vs DP {dp / auto:.2f}x, vs the better static mode {min(tp, dp) / auto:.2f}x"
         )
+        print(f"{name}: auto's plans per round: {by_mode['auto']['plans_per_round']}")
 
 
 def group_by_workload(results: list[dict]) -> dict[str, dict[str, dict]]:
@@ -370,15 +403,23 @@ def group_by_workload(results: list[dict]) -> dict[str, dict[str, dict]]:
     return out
 
 
-def plot(results: list[dict], path: str) -> None:
+def plot(out: dict, path: str) -> None:
+    """Medians per workload and mode; auto's plan per call; its learned ratios per kind."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, (bars, choice, ratios) = plt.subplots(3, 1, figsize=(9, 9))
+    plot_medians(bars, out["results"])
+    plot_history(choice, ratios, out["auto_history"])
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def plot_medians(ax, results: list[dict]) -> None:
     grouped = group_by_workload(results)
     names = list(grouped)
-    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 3.5))
     width = 0.8 / len(MODES)
     for j, mode in enumerate(MODES):
         xs = [i + (j - 1) * width for i in range(len(names))]
@@ -386,8 +427,30 @@ def plot(results: list[dict], path: str) -> None:
     ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
     ax.set_ylabel("median ms per batch")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+
+
+def plot_history(choice, ratios, history: list[dict]) -> None:
+    """Auto's plan per call (explorations as crosses) and each kind's learned ratio, with the
+    workloads' boundaries marked."""
+    kinds = ("dp", "tp", "hybrid")
+    calls = range(len(history))
+    for explored, marker in ((False, "o"), (True, "x")):
+        xs = [i for i in calls if history[i]["explored"] == explored]
+        ys = [kinds.index(history[i]["kind"]) for i in xs]
+        choice.scatter(xs, ys, marker=marker, s=12, label="explored" if explored else "greedy")
+    choice.set_yticks(range(len(kinds)), kinds)
+    choice.set_ylabel("auto's plan")
+    choice.legend(fontsize=8)
+    for kind in kinds:
+        ratios.plot(calls, [h["ratios"][kind] for h in history], label=kind)
+    ratios.set_yscale("log")
+    ratios.set_ylabel("learned measured / modeled")
+    ratios.set_xlabel("auto call")
+    ratios.legend(fontsize=8)
+    for i in calls:
+        if i and history[i]["workload"] != history[i - 1]["workload"]:
+            for ax in (choice, ratios):
+                ax.axvline(i - 0.5, color="grey", lw=0.5)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -403,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), **out}, indent=2))
     if args.plot:
-        plot(out["results"], args.plot)
+        plot(out, args.plot)
 
 
 def tiny_checkpoint(arch: str, tmp: str) -> str:

@@ -17,10 +17,10 @@ from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
 from vision.encoder_calibration import calibrate_encoder_costs
+from vision.encoder_learner import EncoderLearner
 from vision.encoder_plan import (
     AutoEncoder,
     EncoderCosts,
-    EncoderFeedback,
     EncoderPlan,
     Scale,
     TowerShape,
@@ -184,19 +184,6 @@ def test_costs_json_inline_and_file(tmp_path: Path) -> None:
         replace(COSTS, tp_patch_s=-1.0)
 
 
-def test_feedback_moves_a_mispredicted_tp_plan_to_dp() -> None:
-    """TP really takes three times what the calibration says: after a few calls auto runs DP."""
-    batch, feedback = [[1, 64, 64]], EncoderFeedback()
-    kinds = []
-    for _ in range(6):
-        plan = plan_encoder(batch, 2, SHAPE, COSTS, feedback.scale)
-        kinds.append(plan.kind)
-        modeled = plan.est_s / feedback.scale.of(plan.kind)
-        feedback.observe(plan, modeled * (3 if plan.kind == "tp" else 1))
-    assert kinds[0] == "tp" and kinds[-2:] == ["dp", "dp"]
-    assert feedback.scale.tp > 1.3 and feedback.scale.dp == pytest.approx(1.0)
-
-
 def test_an_untried_hybrid_is_costed_with_what_tp_and_dp_taught() -> None:
     """DP measured 30% slower than modeled. A hybrid of many equal small items then only looks
     cheaper than DP if it is priced at the model's word while DP pays its learned factor."""
@@ -214,14 +201,6 @@ def test_an_untried_hybrid_is_costed_with_what_tp_and_dp_taught() -> None:
     assert plan_encoder(batch, 2, SHAPE, slow, replace(scale, hybrid=0.5)).kind == "hybrid"
 
 
-def test_feedback_moves_each_factor_towards_measured_over_modeled() -> None:
-    feedback = EncoderFeedback(rate=0.5)
-    plan = plan_encoder([[1, 8, 8]] * 4, 2, SHAPE, COSTS, feedback.scale)
-    for _ in range(3):  # the same plan's time fed in again (a batch of feedback): it converges
-        feedback.observe(plan, 4 * plan.est_s)
-    assert feedback.scale.of(plan.kind) == pytest.approx(4 ** (1 - 0.5**3))
-
-
 def test_a_video_spreads_its_frames_over_the_ranks() -> None:
     """A 4-frame video as one item: DP leaves a rank idle, so TP wins. Auto plans over frame
     units, and DP with two frames per rank beats both."""
@@ -233,15 +212,6 @@ def test_a_video_spreads_its_frames_over_the_ranks() -> None:
     assert (plan.kind, plan.dp_items) == ("dp", (0, 1, 2, 3))
     assert plan.est_s < whole.est_s
     assert frame_units([[2, 4, 6], [1, 2, 2]]) == [[1, 4, 6], [1, 4, 6], [1, 2, 2]]
-
-
-def test_feedback_learns_each_kind_apart_and_stays_bounded() -> None:
-    feedback = EncoderFeedback()
-    feedback.observe(EncoderPlan("hybrid", (0,), (1,), 4.0), 1.0)
-    assert feedback.scale == Scale(hybrid=0.25**feedback.rate)  # TP and DP untouched
-    for _ in range(50):
-        feedback.observe(EncoderPlan("tp", (0,), (), 1.0), 1e6)
-    assert feedback.scale == Scale(tp=16.0, hybrid=0.25**feedback.rate)
 
 
 def test_server_args_encoder_mode() -> None:
@@ -381,27 +351,95 @@ def test_shard_needs_full_weights() -> None:
         tower.blocks[0].mlp.fc1(torch.zeros(1, 64), TPGroup(rank=0, size=2))
 
 
+class FakeDevice(torch.nn.Module):
+    """The real tower (exact outputs) on a fake clock: each call advances this rank's clock by
+    what the call would take on a device whose true costs are `truth` (TP calls on a slice at
+    `truth.tp_patch_s`, full-tower calls at `truth.dp_patch_s`, per patch). Rank 1 is 2% slower,
+    so the ranks measure different times and must agree on what they learn."""
+
+    def __init__(self, tower: torch.nn.Module, truth: EncoderCosts, rank: int):
+        super().__init__()
+        self.inner, self.truth, self.slow = tower, truth, 1.0 + 0.02 * rank
+        self.spatial_merge_size = tower.spatial_merge_size
+        self.out_hidden_size = tower.out_hidden_size
+        self.now = 0.0
+
+    def forward(self, pixels: torch.Tensor, grid: torch.Tensor, shard: TPGroup | None = None
+                ) -> torch.Tensor:
+        per_patch = self.truth.tp_patch_s if shard is not None else self.truth.dp_patch_s
+        self.now += self.slow * per_patch * pixels.shape[0]
+        return self.inner(pixels, grid, shard=shard)
+
+    def clock(self) -> float:
+        return self.now
+
+
+# The calibration against a device where TP's per-patch cost is 3x higher or lower, and
+# collectives are free; each truth flips the calibration's choice for one of the two shapes.
+AUTO_BATCHES = {"one_large": [[1, 32, 32]], "many_small": [[1, 4, 4]] * 8}
+AUTO_TRUTHS = {
+    "tp 3x slower": replace(ZERO, dp_patch_s=1e-6, tp_patch_s=2.25e-6),
+    "tp 3x faster": replace(ZERO, dp_patch_s=1e-6, tp_patch_s=0.25e-6),
+}
+AUTO_CALLS = 96  # the two shapes taking turns: 48 calls each
+
+
 def auto_worker(tp: TPGroup) -> dict:
-    """Every batch through AutoEncoder: exact, and what it learned is the same on every rank
-    although each rank measures its own time."""
+    """Every call through AutoEncoder on the fake device: per truth, the calls' plans and
+    what was learned, and the largest error against the direct run."""
     tower = _tower("qwen2_vl")
-    auto = AutoEncoder(tower, tp, TowerShape.of(tower.cfg, 4), COSTS)
-    errors = []
+    shape = TowerShape.of(tower.cfg, 4)
+    out = {}
     with torch.inference_mode():
-        for grids in [*BATCHES.values(), *BATCHES.values()]:
+        inputs = {}
+        for name, grids in AUTO_BATCHES.items():
             n = sum(t * h * w for t, h, w in grids)
             pixels = torch.randn(n, tower.cfg.patch_dim, generator=torch.Generator().manual_seed(n))
-            direct = tower(pixels, torch.tensor(grids))
-            errors.append(float((auto(pixels, grids) - direct).abs().max()))
-    return {"scale": auto.feedback.scale, "plans": dict(auto.plan_counts), "error": max(errors)}
+            inputs[name] = (pixels, grids, tower(pixels, torch.tensor(grids)))
+        for truth_name, truth in AUTO_TRUTHS.items():
+            device = FakeDevice(tower, truth, tp.rank)
+            auto = AutoEncoder(device, tp, shape, COSTS, keep_history=True, timer=device.clock)
+            errors, names = [], []
+            for i in range(AUTO_CALLS):
+                names.append(list(AUTO_BATCHES)[i % 2])
+                pixels, grids, direct = inputs[names[-1]]
+                errors.append(float((auto(pixels, grids) - direct).abs().max()))
+            out[truth_name] = {"history": list(zip(names, auto.history)), "error": max(errors),
+                               "explored": auto.learner.explored, "calls": auto.learner.calls}
+    return out
 
 
-def test_auto_encoder_learns_the_same_on_every_rank() -> None:
-    first, second = run_on_ranks(auto_worker, 2, timeout=120)
-    assert first == {**second, "error": first["error"]}
-    assert first["scale"] != EncoderFeedback().scale  # it did learn something
-    assert sum(first["plans"].values()) == 2 * len(BATCHES)
+@pytest.mark.parametrize("truth", list(AUTO_TRUTHS))
+def test_auto_truth_flips_the_calibration(truth: str) -> None:
+    for grids in AUTO_BATCHES.values():
+        if _truly_best(grids, AUTO_TRUTHS[truth]) != _truly_best(grids, COSTS):
+            return
+    pytest.fail("the fake device agrees with the calibration: the test below would prove nothing")
+
+
+def _truly_best(grids: list[list[int]], costs: EncoderCosts) -> str:
+    return plan_encoder(frame_units(grids), 2, TowerShape.of(_cfg("qwen2_vl"), 4), costs).kind
+
+
+@pytest.fixture(scope="module")
+def auto_results() -> list[dict]:
+    return run_on_ranks(auto_worker, 2, timeout=240)
+
+
+@pytest.mark.parametrize("truth", list(AUTO_TRUTHS))
+def test_auto_converges_alike_on_every_rank(auto_results: list[dict], truth: str) -> None:
+    """Both ranks take the same plan on every call (they learn from the slowest rank's time)
+    and, within 32 calls of each shape, run the truly faster plan for good; explorations stay
+    within their share of the calls."""
+    first, second = auto_results[0][truth], auto_results[1][truth]
+    assert first["history"] == second["history"]
     assert max(first["error"], second["error"]) < 1e-4
+    assert first["explored"] <= EncoderLearner().explore_fraction * first["calls"]
+    for name, grids in AUTO_BATCHES.items():
+        calls = [record for shape_name, record in first["history"] if shape_name == name]
+        assert calls[0].kind == _truly_best(grids, COSTS)  # the calibration's choice first
+        late = {r.kind for r in calls[32:] if not r.explored}
+        assert late == {_truly_best(grids, AUTO_TRUTHS[truth])}, (name, calls)
 
 
 def calibration_worker(tp: TPGroup) -> tuple[EncoderCosts, EncoderPlan]:

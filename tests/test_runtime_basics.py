@@ -170,6 +170,11 @@ def test_vit_benchmark_prints_every_mode(tmp_path: Path) -> None:
     assert sum(dp["patches_per_rank"]) == tp["patches_per_rank"][0]
     assert tp["collective_bytes_per_rank"] > 0 and dp["collective_bytes_per_rank"] > 0
     assert sum(auto["plans"].values()) == 2  # one plan per timed batch
+    history, rounds = data["auto_history"], auto["plans_per_round"]
+    assert len(history) == len(rounds) == 2  # one auto call per round, warm-up rounds included
+    for h, counts in zip(history, rounds):
+        assert h["workload"] == "random" and set(h["ratios"]) == {"dp", "tp", "hybrid"}
+        assert counts[h["kind"]] == 1 and sum(counts.values()) == 1 + h["explored"]
     assert png.stat().st_size > 0
 
 

@@ -11,7 +11,10 @@ from the items' grids and one shared cost model:
 The plan is the cheapest of "the k largest items TP, the rest DP" for k = 0..n under the cost
 model (k = 0 is DP, k = n is TP). The costs come from a short calibration at start-up on the real
 device and group (vision/encoder_calibration.py) or from a JSON override; rank 0's costs are
-broadcast, so every rank plans alike and the collectives line up.
+broadcast. Each kind of plan's modeled time is then corrected by what the calls of that kind and
+size class really took, and a bounded share of calls explores a plan the model is unsure about
+(vision/encoder_learner.py). Every rank learns from the same agreed times in the same order, so
+every rank plans alike and the collectives line up.
 
 Collective rule (as in DP mode): every rank runs the same plan, so every rank joins the TP call's
 all-reduces and the DP part's all-gather, also a rank that gets no DP item. The DP part calls the
@@ -23,8 +26,8 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -33,9 +36,9 @@ from torch import nn
 from runtime.distributed import TPGroup
 from runtime.model_config import VisionConfig
 from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model
+from vision.encoder_learner import Choice, EncoderLearner, size_class
 
 ENCODER_MODES = ("tp", "dp", "auto")
-PLAN_KINDS = ("dp", "tp", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -179,22 +182,32 @@ def tp_cost(works: Sequence[tuple[int, int]], shape: TowerShape, costs: EncoderC
 def plan_encoder(grids: Sequence[Sequence[int]], ranks: int, shape: TowerShape,
                  costs: EncoderCosts, scale: Scale | None = None) -> EncoderPlan:
     """The cheapest split "k largest items TP, the rest DP" (ties: fewer TP items). Pure.
-    `scale` multiplies the modeled time of each kind of plan (see EncoderFeedback)."""
+    `scale` multiplies the modeled time of each kind of plan (what auto mode learned)."""
+    plans = plans_by_kind(grids, ranks, shape, costs, scale)
+    return min(plans.values(), key=lambda p: (p.est_s, len(p.tp_items)))
+
+
+def plans_by_kind(grids: Sequence[Sequence[int]], ranks: int, shape: TowerShape,
+                  costs: EncoderCosts, scale: Scale | None = None) -> dict[str, EncoderPlan]:
+    """The cheapest plan of each kind that the call allows ("hybrid" needs two items and two
+    ranks; one rank or no items: only "dp"), estimated under `scale`. Pure."""
     scale = scale or Scale()
     works = [item_work(g, shape) for g in grids]
     if ranks == 1 or not works:
-        return EncoderPlan("dp", (), tuple(range(len(works))), dp_cost(works, 1, shape, costs))
+        return {"dp": EncoderPlan("dp", (), tuple(range(len(works))), dp_cost(works, 1, shape,
+                                                                              costs))}
     order = sorted(range(len(works)), key=lambda i: -works[i][0])  # stable: ties keep index order
-    best_k, best, factor = 0, float("inf"), 1.0
+    best: dict[str, EncoderPlan] = {}
     for k in range(len(order) + 1):
         tp_s = tp_cost([works[i] for i in order[:k]], shape, costs)
         dp_s = dp_cost([works[i] for i in sorted(order[k:])], ranks, shape, costs)
-        est = scale.estimate(_kind(k, len(order)), tp_s, dp_s)
-        if est < best:
-            best_k, best = k, est
+        kind = _kind(k, len(order))
+        est = scale.estimate(kind, tp_s, dp_s)
+        if kind not in best or est < best[kind].est_s:
             factor = est / (tp_s + dp_s) if tp_s + dp_s > 0 else 1.0
-    tp_items, dp_items = tuple(sorted(order[:best_k])), tuple(sorted(order[best_k:]))
-    return EncoderPlan(_kind(best_k, len(order)), tp_items, dp_items, best, factor)
+            tp_items, dp_items = tuple(sorted(order[:k])), tuple(sorted(order[k:]))
+            best[kind] = EncoderPlan(kind, tp_items, dp_items, est, factor)
+    return best
 
 
 def _kind(tp_count: int, total: int) -> str:
@@ -204,10 +217,11 @@ def _kind(tp_count: int, total: int) -> str:
 @dataclass(frozen=True)
 class Scale:
     """Factors on the modeled time of each kind of plan: measured over modeled, learned while
-    serving. A hybrid is a TP call followed by a DP call: until a hybrid has been measured
-    (`hybrid` None), its TP part takes TP's factor and its DP part DP's, so an untried hybrid
-    never looks cheaper than what the other two kinds have taught (with a flat 1 it would win
-    as soon as DP measured a little slower than modeled, and then lose when run)."""
+    serving (vision/encoder_learner.py, per size class). A hybrid is a TP call followed by a DP
+    call: until a hybrid has been measured (`hybrid` None), its TP part takes TP's factor and
+    its DP part DP's, so an untried hybrid never looks cheaper than what the other two kinds
+    have taught (with a flat 1 it would win as soon as DP measured a little slower than
+    modeled, and then lose when run)."""
 
     dp: float = 1.0
     tp: float = 1.0
@@ -224,75 +238,77 @@ class Scale:
         return self.of(kind) * (tp_s + dp_s)
 
 
-@dataclass
-class EncoderFeedback:
-    """Corrects the calibrated model with what the calls it planned really took.
+@dataclass(frozen=True)
+class CallRecord:
+    """One auto call, for benchmarks: the plan's kind, whether it explored, and each kind's
+    learned ratio (median over every size class) when it was planned."""
 
-    Start-up probes are short and may meet a machine busier or quieter than in service (on a
-    small CPU host, TP's per-layer all-reduces cost far more under load than the probes show).
-    After each call, every rank feeds in the same measured time (the slowest rank's, agreed by
-    one small all-reduce), and the factor of that kind of plan moves part of the way towards
-    measured over modeled. Kinds learn apart: a hybrid that does well says little about a
-    call that is all TP. Every rank sees the same numbers in the same order, so every rank
-    keeps the same factors and plans alike."""
-
-    rate: float = 0.25  # how far one call moves its factor (log space); slow: timings are noisy
-    bounds: tuple[float, float] = (1 / 16, 16.0)
-    scale: Scale = field(default_factory=Scale)
-
-    def observe(self, plan: EncoderPlan, seconds: float) -> None:
-        if plan.est_s <= 0 or seconds <= 0:
-            return
-        low, high = self.bounds
-        modeled = plan.est_s / plan.factor
-        current = getattr(self.scale, plan.kind)
-        current = plan.factor if current is None else current  # a hybrid's first measurement
-        moved = current * (seconds / (modeled * current)) ** self.rate
-        self.scale = replace(self.scale, **{plan.kind: min(high, max(low, moved))})
+    kind: str
+    explored: bool
+    ratios: dict[str, float]
 
 
 class AutoEncoder:
-    """The auto mode's loop for each encoder call: plan, run, time, learn. The model and the
-    benchmark both encode through it. Besides the plans' own collectives it adds one small CPU
-    all-reduce per `feedback_every` calls: the slowest rank's time of each of those calls,
-    which every rank then learns from in call order. (One per call cost 0.4 ms at tp 2 and
-    5 ms at tp 4 on the 2-core CPU host: a sixth of a call of 16 small images.)"""
+    """The auto mode's loop for each encoder call: plan, run, time, learn (the rule is in
+    vision/encoder_learner.py). The model and the benchmark both encode through it. Besides the
+    plans' own collectives it adds one small CPU all-reduce per `feedback_every` calls: the
+    slowest rank's time of each of those calls, which every rank then learns from in call
+    order, so every rank's learner holds the same state and picks the same plans. (One
+    all-reduce per call cost 0.4 ms at tp 2 and 5 ms at tp 4 on the 2-core CPU host: a sixth of
+    a call of 16 small images.) `keep_history`: record every call (benchmarks only); `timer`:
+    the clock calls are timed with (tests pass a fake device's)."""
 
     def __init__(
         self, tower: nn.Module, tp: TPGroup, shape: TowerShape, costs: EncoderCosts,
-        feedback_every: int = 4,
+        feedback_every: int = 4, learner: EncoderLearner | None = None,
+        keep_history: bool = False, timer: Callable[[], float] = time.perf_counter,
     ):  # fmt: skip
         self.tower, self.tp, self.shape, self.costs = tower, tp, shape, costs
-        self.feedback = EncoderFeedback()
+        self.learner, self.timer = learner or EncoderLearner(), timer
         self.feedback_every = feedback_every
         self.plan_counts: Counter[str] = Counter()
-        self._timed: list[tuple[EncoderPlan, float]] = []  # this rank's times, not yet shared
+        self.history: list[CallRecord] | None = [] if keep_history else None
+        self._timed: list[tuple[Choice, float]] = []  # this rank's times, not yet shared
 
     def plan(self, grids: Sequence[Sequence[int]]) -> EncoderPlan:
-        """The plan over the call's frame units (see `frame_units`)."""
-        return self._plan_units(frame_units(grids))
+        """The greedy plan over the call's frame units (see `frame_units`); no exploration,
+        nothing counted."""
+        units = frame_units(grids)
+        return plan_encoder(units, self.tp.size, self.shape, self.costs, self._scale(units))
 
-    def _plan_units(self, units: list[list[int]]) -> EncoderPlan:
-        return plan_encoder(units, self.tp.size, self.shape, self.costs, self.feedback.scale)
+    def choose(self, units: list[list[int]]) -> Choice:
+        """This call's plan (greedy or exploring); counts the call in the learner."""
+        plans = plans_by_kind(units, self.tp.size, self.shape, self.costs, self._scale(units))
+        return self.learner.choose(size_class(units), plans)
+
+    def _scale(self, units: list[list[int]]) -> Scale:
+        ratios = self.learner.ratios_of(size_class(units))
+        return Scale(ratios.get("dp", 1.0), ratios.get("tp", 1.0), ratios.get("hybrid"))
 
     def __call__(self, pixel_values: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
         units = frame_units(grids)
-        plan = self._plan_units(units)
-        self.plan_counts[plan.kind] += 1
-        start = time.perf_counter()
-        out = run_planned_encoder(self.tower, pixel_values, units, self.tp, plan)
+        choice = self.choose(units)
+        self._record(choice)
+        start = self.timer()
+        out = run_planned_encoder(self.tower, pixel_values, units, self.tp, choice.plan)
         if out.is_cuda:
             torch.cuda.synchronize()
-        self._timed.append((plan, time.perf_counter() - start))
+        self._timed.append((choice, self.timer() - start))
         if len(self._timed) >= self.feedback_every:
             self._learn()
         return out
 
+    def _record(self, choice: Choice) -> None:
+        self.plan_counts[choice.plan.kind] += 1
+        if self.history is not None:
+            self.history.append(CallRecord(choice.plan.kind, choice.explored,
+                                           self.learner.ratios()))
+
     def _learn(self) -> None:
         local = torch.tensor([seconds for _, seconds in self._timed], dtype=torch.float64)
         slowest = self.tp.all_reduce_cpu(local, "max").tolist()
-        for (plan, _), seconds in zip(self._timed, slowest):
-            self.feedback.observe(plan, seconds)
+        for (choice, _), seconds in zip(self._timed, slowest):
+            self.learner.observe(choice, seconds)
         self._timed.clear()
 
 

@@ -1,0 +1,164 @@
+"""Auto encoder mode's online learning (pure): a fake device whose true costs differ from the
+start-up calibration by 3x either way; auto must end on the truly faster plan within a bounded
+number of calls, explore within its bound, stop exploring once the estimates separate, and
+follow new evidence."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from test_encoder_plan import COSTS, SHAPE
+
+from vision.encoder_learner import Choice, EncoderLearner, size_class
+from vision.encoder_plan import (
+    EncoderPlan,
+    Scale,
+    dp_cost,
+    item_work,
+    plan_encoder,
+    plans_by_kind,
+    tp_cost,
+)
+
+# The start-up calibration: TP's slice does 3/4 of the full tower's per-patch work.
+CALIBRATED = COSTS
+ONE_LARGE = [[1, 64, 64]]  # calibration: TP (DP leaves a rank idle)
+MANY_SMALL = [[1, 8, 8]] * 16  # calibration: DP (both ranks busy, no all-reduces)
+# True cost = each part's calibrated time times the device's factor for that part.
+TRUTHS = {"tp 3x slower": Scale(tp=3.0), "tp 3x faster": Scale(tp=1 / 3),
+          "dp 3x slower": Scale(dp=3.0), "dp 3x faster": Scale(dp=1 / 3)}
+CALLS = 160
+BOUND = 48  # calls of each batch shape by which auto must run the truly faster plan for good
+
+
+def true_seconds(grids: list[list[int]], plan: EncoderPlan, truth: Scale) -> float:
+    works = [item_work(g, SHAPE) for g in grids]
+    tp_s = tp_cost([works[i] for i in plan.tp_items], SHAPE, CALIBRATED)
+    dp_s = dp_cost([works[i] for i in plan.dp_items], 2, SHAPE, CALIBRATED)
+    return truth.tp * tp_s + truth.dp * dp_s
+
+
+def truly_best(grids: list[list[int]], truth: Scale) -> str:
+    return plan_encoder(grids, 2, SHAPE, CALIBRATED, truth).kind
+
+
+def scale_of(learner: EncoderLearner, grids: list[list[int]]) -> Scale:
+    ratios = learner.ratios_of(size_class(grids))
+    return Scale(ratios.get("dp", 1.0), ratios.get("tp", 1.0), ratios.get("hybrid"))
+
+
+def step(learner: EncoderLearner, grids: list[list[int]], truth: Scale,
+         slow_factor: float = 1.0) -> Choice:
+    """One call: choose, 'run' on the fake device, learn from its time."""
+    plans = plans_by_kind(grids, 2, SHAPE, CALIBRATED, scale_of(learner, grids))
+    choice = learner.choose(size_class(grids), plans)
+    learner.observe(choice, slow_factor * true_seconds(grids, choice.plan, truth))
+    return choice
+
+
+def serve(learner: EncoderLearner, truth: Scale, calls: int) -> dict[str, list[Choice]]:
+    """The two batch shapes taking turns, as a server sees them; checks the exploration bound
+    after every call."""
+    out: dict[str, list[Choice]] = {"one_large": [], "many_small": []}
+    for i in range(calls):
+        name, grids = ("one_large", ONE_LARGE) if i % 2 == 0 else ("many_small", MANY_SMALL)
+        out[name].append(step(learner, grids, truth))
+        assert learner.explored <= learner.explore_fraction * learner.calls
+    return out
+
+
+def test_the_fake_device_disagrees_with_the_calibration() -> None:
+    """Each truth flips the calibration's choice for at least one shape (else no test)."""
+    calibrated = {truly_best(g, Scale()) for g in (ONE_LARGE,)}, truly_best(MANY_SMALL, Scale())
+    assert calibrated == ({"tp"}, "dp")
+    for truth in TRUTHS.values():
+        flips = [g for g in (ONE_LARGE, MANY_SMALL) if truly_best(g, truth) !=
+                 truly_best(g, Scale())]
+        assert flips, truth
+
+
+@pytest.mark.parametrize("truth_name", list(TRUTHS))
+def test_auto_converges_to_the_truly_faster_plan(truth_name: str) -> None:
+    truth = TRUTHS[truth_name]
+    learner = EncoderLearner()
+    runs = serve(learner, truth, CALLS)
+    for name, grids in (("one_large", ONE_LARGE), ("many_small", MANY_SMALL)):
+        kinds = [c.plan.kind for c in runs[name]]
+        assert kinds[0] == truly_best(grids, Scale()), "first call: the calibration's choice"
+        greedy_tail = [c.plan.kind for c in runs[name][BOUND:] if not c.explored]
+        assert set(greedy_tail) == {truly_best(grids, truth)}, (name, kinds)
+    assert learner.explored <= learner.explore_fraction * learner.calls
+
+
+def test_exploration_stops_once_the_estimates_separate() -> None:
+    """One large item has two plans (TP, DP). The calibration says TP; DP is truly faster but
+    untried, so auto tries it once the budget allows, then runs it; the plans are measured
+    about 2x apart, and TP is never tried again."""
+    learner = EncoderLearner()
+    runs = [step(learner, ONE_LARGE, TRUTHS["dp 3x faster"]) for _ in range(200)]
+    explored_at = [i for i, c in enumerate(runs) if c.explored]
+    assert explored_at == [7]  # call 8: 1/8 of the calls
+    assert {c.plan.kind for c in runs[8:]} == {"dp"}
+
+
+def test_a_plan_measured_slower_switches_without_exploring() -> None:
+    """The calibration's TP measures 3x slower: DP's estimate is lower now, so auto runs it."""
+    learner = EncoderLearner()
+    runs = [step(learner, ONE_LARGE, TRUTHS["tp 3x slower"]) for _ in range(100)]
+    assert [c.plan.kind for c in runs[:2]] == ["tp", "dp"]
+    assert {c.plan.kind for c in runs[1:]} == {"dp"} and learner.explored == 0
+
+
+def test_no_exploration_before_the_budget_allows_it() -> None:
+    learner = EncoderLearner(explore_fraction=0.1)
+    runs = [step(learner, ONE_LARGE, TRUTHS["tp 3x faster"]) for _ in range(9)]
+    assert [c.plan.kind for c in runs] == ["tp"] * 9  # the safe default, not yet a try
+    tried = step(learner, ONE_LARGE, TRUTHS["tp 3x faster"])  # call 10: 10% allows one
+    assert tried.explored and tried.plan.kind == "dp"
+
+
+def test_a_rejected_plan_comes_back_on_new_evidence() -> None:
+    """TP measured 3x slower, so DP runs. Then DP gets 4x slower (the machine changed): DP's
+    own measurements move its estimate, the plans no longer separate, TP is tried and wins."""
+    learner = EncoderLearner()
+    truth = TRUTHS["tp 3x slower"]
+    for _ in range(60):
+        step(learner, ONE_LARGE, truth)
+    assert step(learner, ONE_LARGE, truth).plan.kind == "dp"
+    later = replace(truth, dp=4.0)
+    kinds = [step(learner, ONE_LARGE, later).plan.kind for _ in range(60)]
+    assert kinds[-10:] == ["tp"] * 10
+
+
+def test_one_outlier_moves_nothing() -> None:
+    """The estimate is a median: one call 100x slower than usual leaves the plan alone."""
+    learner = EncoderLearner()
+    truth = TRUTHS["tp 3x slower"]
+    for _ in range(60):
+        step(learner, ONE_LARGE, truth)
+    before = learner.ratios_of(size_class(ONE_LARGE))
+    step(learner, ONE_LARGE, truth, slow_factor=100.0)
+    assert learner.ratios_of(size_class(ONE_LARGE)) == pytest.approx(before)
+    assert step(learner, ONE_LARGE, truth).plan.kind == "dp"
+
+
+def test_size_classes_learn_apart() -> None:
+    learner = EncoderLearner()
+    plan = plans_by_kind(ONE_LARGE, 2, SHAPE, CALIBRATED)["tp"]
+    learner.observe(Choice(plan, size_class(ONE_LARGE), False), 2 * plan.est_s)
+    assert learner.ratios_of(size_class(ONE_LARGE)) == {"tp": pytest.approx(2.0)}
+    assert learner.ratios_of(size_class(MANY_SMALL)) == {}
+    assert math.isclose(learner.ratios()["tp"], 2.0) and learner.ratios()["dp"] == 1.0
+    assert size_class([[1, 4, 4]] * 3) == (6, 2) and size_class([]) == (0, 0)
+
+
+def test_plans_by_kind_holds_the_best_of_each_kind() -> None:
+    plans = plans_by_kind(MANY_SMALL, 2, SHAPE, CALIBRATED)
+    assert set(plans) == {"dp", "tp", "hybrid"}
+    assert plans["dp"].tp_items == () and plans["tp"].dp_items == ()
+    assert plan_encoder(MANY_SMALL, 2, SHAPE, CALIBRATED) == min(
+        plans.values(), key=lambda p: p.est_s)
+    assert set(plans_by_kind(ONE_LARGE, 2, SHAPE, CALIBRATED)) == {"dp", "tp"}
+    assert set(plans_by_kind(MANY_SMALL, 1, SHAPE, CALIBRATED)) == {"dp"}
