@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_on_ranks
+from numerics import assert_within_rounding, max_abs_diff, rounding_bound, vision_terms
 
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig
@@ -304,6 +305,11 @@ def _tower(arch: str) -> torch.nn.Module:
     return tower
 
 
+def _terms(arch: str, grids: list[tuple[int, int, int]]) -> int:
+    """The tower's sum lengths (tests/numerics.py), attention over its largest item."""
+    return vision_terms(_cfg(arch), max(t * h * w for t, h, w in grids))
+
+
 def _plans(name: str, n: int) -> dict[str, EncoderPlan]:
     tp_items = HYBRID_TP[name]
     dp_items = tuple(i for i in range(n) if i not in tp_items)
@@ -362,7 +368,8 @@ def test_every_plan_equals_the_direct_run(
     for rank, results in enumerate(per_rank):
         planned, direct, counts = results[arch, name, kind]
         assert direct.abs().max() > 0.1
-        torch.testing.assert_close(planned, direct, atol=1e-4, rtol=1e-4)
+        # TP items sum each projection in parts over the ranks: within the tower's rounding bound
+        assert_within_rounding(planned, direct, _terms(arch, BATCHES[name]))
         # every rank joins the same collectives; none inside the tower for DP items
         assert counts["all_reduce"] == ((2 * depth + 1) if plan.tp_items else 0), rank
         assert counts["all_gather"] == (1 if plan.dp_items else 0), rank
@@ -382,7 +389,8 @@ def test_shard_needs_full_weights() -> None:
 
 
 def auto_worker(tp: TPGroup) -> dict:
-    """Every batch through AutoEncoder: exact, and what it learned is the same on every rank
+    """Every batch through AutoEncoder: equal to the direct run up to rounding (its error is
+    reported as a fraction of the rounding bound), and what it learned is the same on every rank
     although each rank measures its own time."""
     tower = _tower("qwen2_vl")
     auto = AutoEncoder(tower, tp, TowerShape.of(tower.cfg, 4), COSTS)
@@ -392,7 +400,8 @@ def auto_worker(tp: TPGroup) -> dict:
             n = sum(t * h * w for t, h, w in grids)
             pixels = torch.randn(n, tower.cfg.patch_dim, generator=torch.Generator().manual_seed(n))
             direct = tower(pixels, torch.tensor(grids))
-            errors.append(float((auto(pixels, grids) - direct).abs().max()))
+            bound = rounding_bound(_terms("qwen2_vl", grids), float(direct.abs().max()))
+            errors.append(max_abs_diff(auto(pixels, grids), direct) / bound)
     return {"scale": auto.feedback.scale, "plans": dict(auto.plan_counts), "error": max(errors)}
 
 
@@ -401,7 +410,8 @@ def test_auto_encoder_learns_the_same_on_every_rank() -> None:
     assert first == {**second, "error": first["error"]}
     assert first["scale"] != EncoderFeedback().scale  # it did learn something
     assert sum(first["plans"].values()) == 2 * len(BATCHES)
-    assert max(first["error"], second["error"]) < 1e-4
+    # TP plans sum projections in parts: within the tower's rounding bound (see auto_worker)
+    assert max(first["error"], second["error"]) <= 1.0
 
 
 def calibration_worker(tp: TPGroup) -> tuple[EncoderCosts, EncoderPlan]:
