@@ -71,3 +71,10 @@ def model_terms(cfg: ModelConfig, tokens: int) -> int:
     layers = t.num_hidden_layers * block_terms(t.hidden_size, t.intermediate_size, tokens,
                                                t.head_dim)
     return vision_terms(cfg.vision, patches) + layers + 2 * t.hidden_size
+
+
+def kernel_bound(dtype: torch.dtype, terms: int, roundings: int) -> float:
+    """Norm-wise relative bound between a kernel and its reference, both summing in float32
+    from the same `dtype` inputs: float32's eps per summed term (`terms` in all), plus eps/2 for
+    each rounding to `dtype` (a stored intermediate, an output) on the two sides together."""
+    return terms * torch.finfo(torch.float32).eps + roundings * torch.finfo(dtype).eps / 2
