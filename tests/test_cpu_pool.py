@@ -6,9 +6,10 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
+from waits import process_dead, wait_until
 
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
 
@@ -28,25 +29,6 @@ def gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
-
-
-def dead(pid: int) -> bool:
-    """Gone, or exited and not yet reaped by its parent (a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> bool:
-    """Poll `condition` until it holds or a generous deadline passes."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_overrunning_job_is_killed_and_replaced(pool: WorkerPool) -> None:
@@ -76,7 +58,7 @@ def test_a_dead_idle_worker_is_replaced_before_use(pool: WorkerPool) -> None:
     pids = pool.pids()
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    assert wait_until(lambda: all(dead(pid) for pid in pids))
+    assert wait_until(lambda: all(process_dead(pid) for pid in pids))
     assert [pool.submit(divmod, 4, 2).result(30) for _ in range(3)] == [(2, 0)] * 3
     assert not set(pool.pids()) & set(pids)
 
