@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
+from waits import process_dead, wait_until
 
 from tokenizer_manager.cpu_pool import CpuTimeExceeded, JobTimeout, WorkerDied, WorkerPool
 
 
 @pytest.fixture()
 def pool() -> Iterator[WorkerPool]:
-    workers = WorkerPool(2, job_timeout=1.0)
+    # a job timeout a loaded machine cannot hit with the quick jobs below, far below the stuck one
+    workers = WorkerPool(2, job_timeout=5.0)
     assert workers.wait_ready(60)
     yield workers
     workers.shutdown()
@@ -30,14 +33,13 @@ def gone(pid: int) -> bool:
 
 def test_overrunning_job_is_killed_and_replaced(pool: WorkerPool) -> None:
     before = set(pool.pids())
-    start = time.monotonic()
-    stuck = pool.submit(time.sleep, 60)
-    time.sleep(0.1)  # the stuck job takes one worker; the other stays free
+    stuck = pool.submit(time.sleep, 600)
+    assert wait_until(stuck.running)  # the stuck job holds one worker; the other stays free
     quick = pool.submit(divmod, 7, 2)
-    assert quick.result(10) == (3, 1)
+    assert quick.result(60) == (3, 1)
+    # cut at the job timeout, long before the job's own 600 s
     with pytest.raises(JobTimeout):
-        stuck.result(30)
-    assert time.monotonic() - start < 5
+        stuck.result(120)
     assert pool.wait_ready(60)
     after = set(pool.pids())
     assert len(after) == 2 and len(before & after) == 1
@@ -81,7 +83,7 @@ def test_a_dead_idle_worker_is_replaced_before_use(pool: WorkerPool) -> None:
     pids = pool.pids()
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    time.sleep(0.2)
+    assert wait_until(lambda: all(process_dead(pid) for pid in pids))
     assert [pool.submit(divmod, 4, 2).result(30) for _ in range(3)] == [(2, 0)] * 3
     assert not set(pool.pids()) & set(pids)
 
@@ -90,12 +92,14 @@ def test_errors_come_back_and_shutdown_ends_busy_workers() -> None:
     pool = WorkerPool(1, job_timeout=60.0)
     with pytest.raises(ZeroDivisionError):
         pool.submit(divmod, 1, 0).result(60)
-    busy = pool.submit(time.sleep, 60)
-    time.sleep(0.3)
+    busy = pool.submit(time.sleep, 600)
+    assert wait_until(busy.running)
     pids = pool.pids()
-    start = time.monotonic()
-    pool.shutdown()
-    assert time.monotonic() - start < 15
+    closing = threading.Thread(target=pool.shutdown)
+    closing.start()
+    # shutdown ends the busy worker: it returns long before the job's own 600 s
+    closing.join(120)
+    assert not closing.is_alive()
     assert busy.done() and all(gone(pid) for pid in pids)
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(divmod, 1, 1)

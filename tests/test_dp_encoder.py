@@ -225,7 +225,7 @@ class ThreadGroup:
 def _run_threads(world: int, grids: list[list[int]], merge: int) -> list[tuple]:
     shared: dict[str, Any] = {
         "slots": [None] * world,
-        "barrier": threading.Barrier(world, timeout=20),
+        "barrier": threading.Barrier(world, timeout=120),  # generous: a failing rank aborts it
     }
 
     def one_rank(rank: int) -> tuple:
@@ -241,7 +241,7 @@ def _run_threads(world: int, grids: list[list[int]], merge: int) -> list[tuple]:
 
     with ThreadPoolExecutor(world) as pool:
         futures = [pool.submit(one_rank, r) for r in range(world)]
-        errors = [f.exception(timeout=60) for f in futures]
+        errors = [f.exception(timeout=300) for f in futures]
     causes = [
         e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)
     ]

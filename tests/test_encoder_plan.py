@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_on_ranks
+from numerics import assert_within_rounding, max_abs_diff, rounding_bound, vision_terms
 
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig
@@ -274,6 +275,11 @@ def _tower(arch: str) -> torch.nn.Module:
     return tower
 
 
+def _terms(arch: str, grids: list[tuple[int, int, int]]) -> int:
+    """The tower's sum lengths (tests/numerics.py), attention over its largest item."""
+    return vision_terms(_cfg(arch), max(t * h * w for t, h, w in grids))
+
+
 def _plans(name: str, n: int) -> dict[str, EncoderPlan]:
     tp_items = HYBRID_TP[name]
     dp_items = tuple(i for i in range(n) if i not in tp_items)
@@ -332,7 +338,8 @@ def test_every_plan_equals_the_direct_run(
     for rank, results in enumerate(per_rank):
         planned, direct, counts = results[arch, name, kind]
         assert direct.abs().max() > 0.1
-        torch.testing.assert_close(planned, direct, atol=1e-4, rtol=1e-4)
+        # TP items sum each projection in parts over the ranks: within the tower's rounding bound
+        assert_within_rounding(planned, direct, _terms(arch, BATCHES[name]))
         # every rank joins the same collectives; none inside the tower for DP items
         assert counts["all_reduce"] == ((2 * depth + 1) if plan.tp_items else 0), rank
         assert counts["all_gather"] == (1 if plan.dp_items else 0), rank
@@ -386,7 +393,8 @@ AUTO_CALLS = 96  # the two shapes taking turns: 48 calls each
 
 def auto_worker(tp: TPGroup) -> dict:
     """Every call through AutoEncoder on the fake device: per truth, the calls' plans and
-    what was learned, and the largest error against the direct run."""
+    what was learned, and the largest error against the direct run as a fraction of the
+    tower's rounding bound."""
     tower = _tower("qwen2_vl")
     shape = TowerShape.of(tower.cfg, 4)
     out = {}
@@ -395,15 +403,17 @@ def auto_worker(tp: TPGroup) -> dict:
         for name, grids in AUTO_BATCHES.items():
             n = sum(t * h * w for t, h, w in grids)
             pixels = torch.randn(n, tower.cfg.patch_dim, generator=torch.Generator().manual_seed(n))
-            inputs[name] = (pixels, grids, tower(pixels, torch.tensor(grids)))
+            direct = tower(pixels, torch.tensor(grids))
+            bound = rounding_bound(_terms("qwen2_vl", grids), float(direct.abs().max()))
+            inputs[name] = (pixels, grids, direct, bound)
         for truth_name, truth in AUTO_TRUTHS.items():
             device = FakeDevice(tower, truth, tp.rank)
             auto = AutoEncoder(device, tp, shape, COSTS, keep_history=True, timer=device.clock)
             errors, names = [], []
             for i in range(AUTO_CALLS):
                 names.append(list(AUTO_BATCHES)[i % 2])
-                pixels, grids, direct = inputs[names[-1]]
-                errors.append(float((auto(pixels, grids) - direct).abs().max()))
+                pixels, grids, direct, bound = inputs[names[-1]]
+                errors.append(max_abs_diff(auto(pixels, grids), direct) / bound)
             out[truth_name] = {"history": list(zip(names, auto.history)), "error": max(errors),
                                "explored": auto.learner.explored, "calls": auto.learner.calls}
     return out
@@ -433,7 +443,8 @@ def test_auto_converges_alike_on_every_rank(auto_results: list[dict], truth: str
     within their share of the calls."""
     first, second = auto_results[0][truth], auto_results[1][truth]
     assert first["history"] == second["history"]
-    assert max(first["error"], second["error"]) < 1e-4
+    # TP plans sum projections in parts: within the tower's rounding bound (see auto_worker)
+    assert max(first["error"], second["error"]) <= 1.0
     assert first["explored"] <= EncoderLearner().explore_fraction * first["calls"]
     for name, grids in AUTO_BATCHES.items():
         calls = [record for shape_name, record in first["history"] if shape_name == name]

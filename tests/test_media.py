@@ -149,7 +149,8 @@ def test_pixel_limit_is_checked_from_the_header() -> None:
         open_image(png_header_only(8000, 8000), MediaLimits())
     with expect_error("image_url", "image_too_large"):  # beyond PIL's own bomb check
         decode_image(png_header_only(60000, 60000), MediaLimits())
-    assert time.perf_counter() - start < 1.0
+    # refused from the header: nothing near decoding (or allocating) 64 M pixels, however loaded
+    assert time.perf_counter() - start < 30.0
 
 
 def test_transparency_and_palette_become_rgb() -> None:
@@ -281,13 +282,14 @@ class Handler(BaseHTTPRequestHandler):
     def _drip(self) -> None:
         self.send_response(200)
         self.end_headers()
-        for _ in range(100):
+        for _ in range(600):  # a byte every 0.1 s for a minute
             self.wfile.write(b"x")
             self.wfile.flush()
             time.sleep(0.1)
 
     def _drip_headers(self) -> None:
-        """A status line and headers one byte at a time: never a complete header block."""
+        """A status line and headers one byte at a time (48 s in all): never a complete header
+        block."""
         for byte in b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nX-Pad: " * 4:
             self.wfile.write(bytes([byte]))
             self.wfile.flush()
@@ -473,26 +475,24 @@ def test_environment_proxies_are_ignored(server: str, monkeypatch: pytest.Monkey
         proxy.server_close()
 
 
-@pytest.mark.parametrize(
-    "path,timeout,limit",
-    [("/drip", 0.5, 3.0), ("/drip-headers", 1.0, 2.0)],  # a slow body; headers byte by byte
-)
-def test_one_deadline_covers_the_whole_fetch(
-    server: str, path: str, timeout: float, limit: float
-) -> None:
+@pytest.mark.parametrize("path", ["/drip", "/drip-headers"])  # a slow body; headers byte by byte
+def test_one_deadline_covers_the_whole_fetch(server: str, path: str) -> None:
     start = time.perf_counter()
-    limits = dataclasses.replace(LOCAL, http_timeout=timeout)
+    limits = dataclasses.replace(LOCAL, http_timeout=1.0)
     with expect_error("video_url", "media_fetch_failed"):
         load_media_bytes(f"{server}{path}", limits, modality=VIDEO)
-    assert time.perf_counter() - start < limit
+    # every read is quicker than the timeout, so a per-read timeout would wait for the whole
+    # drip (48 s or more): ending well before that shows one deadline, however loaded the machine
+    assert time.perf_counter() - start < 24.0
 
 
 def test_unreachable_url_is_a_quick_400() -> None:
     url = f"http://127.0.0.1:{free_port()}/cat.png"
     start = time.perf_counter()
     with expect_error("image_url", "media_fetch_failed") as info:
-        load_media_bytes(url, dataclasses.replace(LOCAL, http_timeout=5.0), modality=IMAGE)
-    assert time.perf_counter() - start < 2.0
+        load_media_bytes(url, dataclasses.replace(LOCAL, http_timeout=120.0), modality=IMAGE)
+    # refused at once: well before the 120 s timeout, however loaded the machine
+    assert time.perf_counter() - start < 60.0
     assert url not in str(info.value)
 
 

@@ -61,6 +61,7 @@ def test_scheduler_stage_times_are_observed_once() -> None:
     got = samples(metrics.render(None, {}))
     for stage, seconds in (("queue", 0.003), ("encoder", 0.02), ("prefill", 0.05)):
         assert got[f"tessera_request_stage_seconds_count[{stage}]"] == 1
+        # one observation of a double, rendered as text and parsed back: rounding far below 1e-9
         assert abs(got[f"tessera_request_stage_seconds_sum[{stage}]"] - seconds) < 1e-9
 
 

@@ -15,15 +15,17 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 from dist_utils import run_on_ranks
 from make_tiny_checkpoint import make_checkpoint
+from numerics import assert_within_rounding, model_terms
 from parity_worker import parity_worker
-from vlm_cases import ARCHS, Checkpoint, load_hf, run_hf, standard_cases
+from vlm_cases import ARCHS, Case, Checkpoint, load_hf, run_hf, standard_cases
+
+from runtime.model_config import ModelConfig
 
 CASES = ("text", "image", "other_image", "two_images", "video")
 MODES = ("tp", "dp", "auto")
-TOL = 1e-4
-CONV3D_GAP = 5e-4  # oracle GEMM patch embedding against the stock Conv3d; see the test below
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +48,25 @@ def test_gemm_patch_embedding_differs_from_conv3d_by_rounding_only(oracle, arch:
     """The oracle (and tessera) run the patch embedding as one GEMM; transformers' stock Conv3d
     sums the same products in another order. The tiny random checkpoints amplify that rounding
     (1e-6 relative at the patch rows) to at most a few 1e-4 in the logits, and greedy tokens
-    stay the same, so the tighter TOL above checks everything else against HF."""
+    stay the same."""
     folder, cases = oracle[arch]
     stock = load_hf(Path(folder), gemm_patch_embed=False)
     gaps = {}
     for name in CASES:
         case = dataclasses.replace(cases[name], hf_logits=None, hf_tokens=[])
         run_hf(stock, case)
-        gaps[name] = (case.hf_logits - cases[name].hf_logits).abs().max().item()
+        # another order of the same sums: within n*eps of the largest logit
+        gaps[name] = assert_logits_match(folder, case.hf_logits, cases[name])
         assert case.hf_tokens == cases[name].hf_tokens, name
     assert gaps["text"] == 0.0  # no pixels, no difference
-    assert all(gap <= CONV3D_GAP for gap in gaps.values()), gaps
     assert max(gaps.values()) > 0.0  # the oracle really runs another summation order
+
+
+def assert_logits_match(folder: str, logits: torch.Tensor, case: Case) -> float:
+    """tessera and HF (or HF two ways) sum the same chains in other orders, TP ranks split
+    some sums: within the rounding bound of the model's sum lengths, relative to HF's logits."""
+    terms = model_terms(ModelConfig.from_dir(Path(folder)), len(case.input_ids))
+    return assert_within_rounding(logits, case.hf_logits, terms)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
@@ -79,17 +88,17 @@ def _params(fn):
 @_params
 def test_prefill_logits_match_hf(ranks, oracle, arch: str, mode: str, case: str) -> None:
     _, results = ranks
-    ours = results[0][(arch, mode)][case]["logits"]
-    ref = oracle[arch][1][case].hf_logits
-    assert ours.shape == ref.shape
-    assert (ours - ref).abs().max().item() <= TOL
+    folder, cases = oracle[arch]
+    # rounding only: see assert_logits_match
+    assert_logits_match(folder, results[0][(arch, mode)][case]["logits"], cases[case])
 
 
 @_params
 def test_chunked_prefill_matches_hf(ranks, oracle, arch: str, mode: str, case: str) -> None:
     _, results = ranks
-    ours = results[0][(arch, mode)][case]["chunked"]
-    assert (ours - oracle[arch][1][case].hf_logits).abs().max().item() <= TOL
+    folder, cases = oracle[arch]
+    # chunks only split attention's sums further: the same rounding bound
+    assert_logits_match(folder, results[0][(arch, mode)][case]["chunked"], cases[case])
 
 
 @_params
@@ -97,8 +106,9 @@ def test_prefill_cut_inside_items_through_encoder_cache_matches_hf(
     ranks, oracle, arch: str, mode: str, case: str
 ) -> None:
     _, results = ranks
-    ours = results[0][(arch, mode)]["_cut"][case]
-    assert (ours - oracle[arch][1][case].hf_logits).abs().max().item() <= TOL
+    folder, cases = oracle[arch]
+    # cached encoder rows are the same rows: the same rounding bound
+    assert_logits_match(folder, results[0][(arch, mode)]["_cut"][case], cases[case])
 
 
 def test_cut_prefills_read_the_encoder_cache(ranks) -> None:
@@ -116,6 +126,8 @@ def test_greedy_tokens_match_hf_on_every_rank(
 ) -> None:
     tp, results = ranks
     expected = oracle[arch][1][case].hf_tokens
+    # exact: fixed checkpoint seed and inputs, and the smallest top-2 logit gap of these greedy
+    # runs (3e-3) is over 20 times the largest logit difference the prefill tests above see
     assert len(expected) == 16
     for rank in range(tp):
         assert results[rank][(arch, mode)][case]["tokens"] == expected, f"rank {rank}"

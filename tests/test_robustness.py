@@ -7,15 +7,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import httpx
 import pytest
 from make_tiny_checkpoint import make_checkpoint
-from test_server import Server, idle_info, png_url
+from test_server import Server, idle_info, png_url, send_and_hold
 from vlm_cases import noise_image
+from waits import wait_until
 
 KV_TOKENS, MAX_QUEUED, STALL_S = 1000, 2, 3
 
@@ -151,19 +151,19 @@ def test_a_dead_child_fails_every_client_and_leaves_no_process(
         workers = media_worker_pids(srv)
         assert workers, "no media worker process found"
         long = chat_body("Tell a long story.", max_tokens=3000, temperature=0, ignore_eos=True)
+        first_token = threading.Event()
         with ThreadPoolExecutor(2) as pool:
             plain = pool.submit(post, srv, "/v1/chat/completions", long)
-            streamed = pool.submit(stream_lines, srv, {**long, "stream": True}, victim)
-            time.sleep(3)
+            body = {**long, "stream": True}
+            streamed = pool.submit(stream_lines, srv, body, victim, first_token)
+            # both are generating once the stream (sent after the plain one) has its first token
+            assert first_token.wait(120), "the streamed request never started"
             os.kill(srv.pid_of(victim), signal.SIGKILL)
-            start = time.monotonic()
-            resp, lines = plain.result(30), streamed.result(30)
+            resp, lines = plain.result(60), streamed.result(60)
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "server_shutdown"
         assert any('"error"' in line for line in lines) and lines[-1] == "data: [DONE]"
-        srv.proc.wait(15)
-        while srv.group_alive() and time.monotonic() - start < 10:
-            time.sleep(0.2)
-        assert not srv.group_alive(), "a child of the server outlived it"
+        srv.proc.wait(60)
+        assert wait_until(lambda: not srv.group_alive()), "a child of the server outlived it"
         assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
         assert f"{victim} exited unexpectedly" in (tmp_path / "server.log").read_text()
     finally:
@@ -174,13 +174,16 @@ def image_part() -> dict:
     return {"type": "image_url", "image_url": {"url": png_url(noise_image(seed=5))}}
 
 
-def stream_lines(server: Server, body: dict, victim: str) -> list[str]:
+def stream_lines(server: Server, body: dict, victim: str, started: threading.Event) -> list[str]:
+    """The stream's lines; `started` is set at the first content chunk."""
     lines = []
     try:
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line:
                     lines.append(line)
+                if '"content"' in line:
+                    started.set()
     except httpx.HTTPError as exc:
         lines.append(f"transport error after killing {victim}: {exc!r}")
     return lines
@@ -210,19 +213,22 @@ def test_client_rid_in_flight_is_refused_and_reusable_after_abort(server: Server
     scheduler sees the abort and the new request in one step, and must keep them apart."""
     expected = generate(server, "fresh", max_new_tokens=6, ignore_eos=True).json()
     rank0 = server.pid_of("scheduler-TP0")
+    native = {"text": "Hello there", "rid": "dup",
+              "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
     os.kill(rank0, signal.SIGSTOP)
     try:
-        with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(generate, server, "dup", max_new_tokens=6, timeout=2)
-            time.sleep(0.5)
-            again = generate(server, "dup", max_new_tokens=2)
-            assert again.status_code == 409, again.text
-            assert again.json()["error"]["code"] == "duplicate_request_id"
-            with pytest.raises(httpx.ReadTimeout):
-                first.result(30)
-            time.sleep(1.5)  # the server notices the hang-up and aborts
+        hung_up = disconnects(server)
+        first = send_and_hold(server, "/generate", native)
+        assert wait_until(lambda: health(server) == 503)  # in flight, nothing comes back
+        again = generate(server, "dup", max_new_tokens=2)
+        assert again.status_code == 409, again.text
+        assert again.json()["error"]["code"] == "duplicate_request_id"
+        first.close()  # the client hangs up: the server aborts "dup"
+        assert wait_until(lambda: disconnects(server) > hung_up and health(server) == 200)
+        with ThreadPoolExecutor(1) as pool:
             reused = pool.submit(generate, server, "dup", max_new_tokens=6, ignore_eos=True)
-            time.sleep(0.5)
+            # in flight (so queued behind the abort) once /health sees it stall
+            assert wait_until(lambda: health(server) == 503)
             os.kill(rank0, signal.SIGCONT)
             resp = reused.result(60)
     finally:
@@ -247,6 +253,15 @@ def test_client_rid_reused_right_after_a_stop_string(server: Server) -> None:
     assert_idle_and_clean(server)
 
 
+def health(server: Server) -> int:
+    return httpx.get(server.url + "/health", timeout=10).status_code
+
+
+def disconnects(server: Server) -> int:
+    """Client hang-ups the server has noticed (and aborted), from its log."""
+    return server.log.read_text().count("client disconnected from")
+
+
 def counters(server: Server) -> dict:
     return httpx.get(server.url + "/server_info", timeout=10).json()["counters"]
 
@@ -259,20 +274,26 @@ def test_backpressure_health_and_abandoned_waiting_request(server: Server) -> No
     body = chat_body("Wait for it.", max_tokens=3, temperature=0, ignore_eos=True)
     os.kill(rank0, signal.SIGSTOP)
     try:
-        with pytest.raises(httpx.ReadTimeout):
-            post(server, "/v1/chat/completions", body, timeout=1)
-        time.sleep(1.5)  # the server notices the hang-up within its 0.5 s poll
-        with ThreadPoolExecutor(MAX_QUEUED) as pool:
-            waiting = [
-                pool.submit(post, server, "/v1/chat/completions", body) for _ in range(MAX_QUEUED)
-            ]
-            time.sleep(1)
-            over = post(server, "/v1/chat/completions", body)
+        hung_up = disconnects(server)
+        abandoned = send_and_hold(server, "/v1/chat/completions", body)
+        # in flight with nothing coming back: /health turns 503 after --health-stall-timeout
+        assert wait_until(lambda: health(server) == 503)
+        abandoned.close()
+        assert wait_until(lambda: disconnects(server) > hung_up and health(server) == 200)
+        with ThreadPoolExecutor(MAX_QUEUED + 1) as pool:
+            waiting = [pool.submit(post, server, "/v1/chat/completions", body)]
+            assert wait_until(lambda: health(server) == 503)  # that one waits
+            # one more fills the queue, one is over the cap: whichever the server sees second
+            # is refused at once
+            pair = [pool.submit(post, server, "/v1/chat/completions", body) for _ in range(2)]
+            done, _ = wait(pair, timeout=60, return_when=FIRST_COMPLETED)
+            assert len(done) == 1
+            over = done.pop().result()
             assert over.status_code == 503, over.text
             assert over.headers["retry-after"] == "1"
             assert over.json()["error"]["code"] == "server_overloaded"
-            time.sleep(STALL_S + 0.5)
-            assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+            waiting += [f for f in pair if not f.done()]
+            assert len(waiting) == MAX_QUEUED
             os.kill(rank0, signal.SIGCONT)
             assert all(f.result(60).status_code == 200 for f in waiting)
     finally:

@@ -157,6 +157,7 @@ def test_hf_loads_without_missing_keys_and_matches(
     input_ids = torch.arange(5, 45).unsqueeze(0)
     with torch.no_grad():
         got, want = model(input_ids=input_ids).logits, reference(input_ids=input_ids).logits
+    # bit-equal weights through the same modules on the same inputs: exact by construction
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -270,6 +271,7 @@ def test_streamed_sharded_path_matches(
     input_ids = torch.arange(5, 30).unsqueeze(0)
     with torch.no_grad():
         want = loaded[arch][0](input_ids=input_ids).logits
+        # bit-equal weights (checked above) through the same modules: exact by construction
         torch.testing.assert_close(model(input_ids=input_ids).logits, want, rtol=0, atol=0)
 
 
