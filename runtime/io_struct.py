@@ -6,7 +6,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 
 from runtime.multimodal import MultimodalInputs
-from runtime.sampler import SamplingParams
+from runtime.sampler import SamplingParams, TokenLogprobs
 
 
 class FinishKind(str, enum.Enum):
@@ -148,6 +148,14 @@ class ReqStart:
     rid: str
     stop: tuple[str, ...] = ()  # stop strings, trimmed by the detokenizer
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the matched stop string or stop token's text
+    min_tokens: int = 0  # stop strings are not matched before this many output tokens
+
+    @classmethod
+    def of(cls, rid: str, p: SamplingParams) -> ReqStart:
+        return cls(
+            rid, tuple(p.stop), p.skip_special_tokens, p.include_stop_str_in_output, p.min_tokens
+        )
 
 
 @dataclass
@@ -171,6 +179,7 @@ class ReqOutput:
     cached_tokens: int
     finish_reason: Finish | None = None
     stages: StageTimes | None = None  # with the first token only
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
 
 @dataclass
@@ -189,6 +198,24 @@ class FlushCacheOut:
 
 
 @dataclass
+class TokenText:
+    """A token as logprobs show it: its text decoded alone, its exact bytes, its logprob."""
+
+    token_id: int
+    text: str
+    bytes: list[int]
+    logprob: float
+
+
+@dataclass
+class OutputLogprobs:
+    """One output token's logprobs: the chosen token and the top alternatives (highest first)."""
+
+    chosen: TokenText
+    top: list[TokenText]
+
+
+@dataclass
 class StrOutput:
     """Detokenized text of one request since the previous message."""
 
@@ -200,6 +227,7 @@ class StrOutput:
     cached_tokens: int
     finish_reason: Finish | None = None
     stages: StageTimes | None = None  # the scheduler's stage times, with the first token only
+    logprobs: list[OutputLogprobs] | None = None  # one per token of token_ids, when asked
 
 
 @dataclass

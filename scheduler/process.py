@@ -101,6 +101,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         fault_injection_rate=args.fault_injection_rate,
         random_seed=args.random_seed,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        vocab_size=model.config.text.vocab_size,
     )
     radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
     return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))

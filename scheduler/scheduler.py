@@ -37,7 +37,7 @@ from runtime.io_struct import (
     TokenizedGenerateReq,
 )
 from runtime.logging_utils import get_logger
-from runtime.sampler import Sampler
+from runtime.sampler import RowControls, Sampler, token_logprobs
 from runtime.token_budget import TokenBudget
 from scheduler.encoder_cache import EncoderCache
 from scheduler.faults import FaultInjector, check_inputs
@@ -62,6 +62,7 @@ class SchedulerConfig:
     fault_injection_rate: float = 0.0  # testing only: see scheduler/faults.py
     random_seed: int = 0
     enable_mixed_chunk: bool = False  # running decodes ride along each prefill step
+    vocab_size: int = 2**31  # token ids a request may name (logit_bias, allowed_token_ids)
 
 
 @dataclass
@@ -131,9 +132,8 @@ class Scheduler:
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         self._arrivals += 1
-        req = Req.from_message(msg, self.cfg.eos_token_ids, self._arrivals)
-        params = req.params
-        self._started.append(ReqStart(req.rid, tuple(params.stop), params.skip_special_tokens))
+        req = Req.from_message(msg, self.cfg.eos_token_ids, self._arrivals, self.cfg.vocab_size)
+        self._started.append(ReqStart.of(req.rid, req.params))
         problem = self.refusal(req)
         if problem:
             self.counters.refused += 1
@@ -147,6 +147,9 @@ class Scheduler:
         """Why this request can never run here ("" when it can): refused up front, not retried."""
         if req.prompt_len == 0:
             return "empty prompt"
+        for name, ids in req.params.token_ids_named().items():
+            if any(not 0 <= t < self.cfg.vocab_size for t in ids):
+                return f"{name} names a token id outside the vocabulary [0, {self.cfg.vocab_size})"
         budget = TokenBudget(self.cfg.context_length, self.runner.kv_pool.size)
         return budget.problem(req.prompt_len, req.params.max_new_tokens)
 
@@ -346,20 +349,30 @@ class Scheduler:
     def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """Rank 0 samples (a row that cannot be sampled fails its request) and broadcasts the
         tokens and failures, so every rank appends and fails the same."""
-        picked = None
+        picked, logprobs = None, {}
         if self.tp.is_first:
-            steps = [len(r.output_ids) for r in reqs]
-            picked = self.sampler.sample_safe(logits, [r.params for r in reqs], steps)
+            picked = self.sample(reqs, logits)
+            logprobs = token_logprobs(logits, [r.params for r in reqs], picked[0])
         tokens, errors = self.tp.broadcast_pyobj(picked)
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             if i in errors:
                 self.fail(req, errors[i])
                 continue
+            if i in logprobs:
+                req.logprobs.append(logprobs[i])
             req.append_token(int(token))
             self.counters.generated_tokens += 1
             self.touch(req)
             if req.finished:
                 self.finish_request(req)
+
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], dict[int, str]]:
+        params = [r.params for r in reqs]
+        steps = [len(r.token_ids) - r.prompt_len for r in reqs]
+        if not any(p.uses_controls for p in params):
+            return self.sampler.sample_safe(logits, params, steps)
+        controls = RowControls([r.sampling for r in reqs], [r.stop_ids for r in reqs])
+        return self.sampler.sample_safe(logits, params, steps, controls)
 
     # ------------------------------------------------------------------ fault isolation
     def isolate(self, reqs: list[Req]) -> list[Req]:
@@ -445,6 +458,7 @@ class Scheduler:
         outputs = []
         for req in self._touched.values():
             new = req.output_ids[req.sent_len :]
+            logprobs = req.logprobs[req.sent_len :] if req.params.logprobs is not None else None
             req.sent_len = len(req.output_ids)
             finish = req.outcome() if req.finished else None
             outputs.append(
@@ -456,6 +470,7 @@ class Scheduler:
                     req.cached_tokens,
                     finish,
                     req.clock.take_report(),
+                    logprobs,
                 )
             )
         self._touched = {}

@@ -26,6 +26,7 @@ from runtime.io_struct import (
     ShutdownReq,
     StageTimes,
 )
+from runtime.sampler import TokenLogprobs
 from runtime.server_args import ServerArgs
 from tokenizer_manager import detokenizer
 from tokenizer_manager.detokenizer import (
@@ -235,6 +236,57 @@ def test_manager_stop_and_scheduler_finish_in_one_message(tok: Tokenizer) -> Non
     assert out.outputs[0].text == "x"
     assert out.outputs[0].finish_reason == Finish(FinishKind.STOP, matched=".")
     assert manager.states == {} and manager.stopped == {}
+
+
+def test_a_stop_token_ends_the_text_without_appearing_in_it(tok: Tokenizer) -> None:
+    """A non-special stop token (EOS or stop_token_ids) is cut, unless asked for."""
+    dot = tok.encode(".")[0]
+    ids = [*tok.encode("the cat sat"), dot]
+    stop = Finish(FinishKind.STOP, str(dot))
+    for keep, want in ((False, "the cat sat"), (True, "the cat sat.")):
+        manager = DetokenizerManager(tok)
+        start = ReqStart("a", include_stop_str_in_output=keep)
+        out = manager.handle(BatchTokenOut([req_out("a", ids, stop)], [start])).outputs[0]
+        assert (out.text, out.token_ids, out.finish_reason) == (want, ids, stop)
+
+
+def test_include_stop_str_in_output_keeps_the_matched_string(tok: Tokenizer) -> None:
+    manager = DetokenizerManager(tok)
+    start = ReqStart("a", (" sat",), include_stop_str_in_output=True)
+    out = manager.handle(BatchTokenOut([req_out("a", tok.encode("the cat sat on"))], [start]))
+    assert out.outputs[0].text == "the cat sat"
+    assert out.outputs[0].finish_reason == Finish(FinishKind.STOP, matched=" sat")
+
+
+def test_stop_strings_wait_for_min_tokens(tok: Tokenizer) -> None:
+    """Before min_tokens output tokens a stop string passes as text (vLLM's rule)."""
+    ids = tok.encode("the cat and the cat again")
+    later = len(tok.encode("the cat and the"))
+    manager = DetokenizerManager(tok)
+    manager.start(ReqStart("a", ("cat",), min_tokens=later))
+    text, finish = "", None
+    for n, token in enumerate(ids, start=1):
+        out = ReqOutput("a", [token], 7, n, 0)
+        (got,) = manager.handle(BatchTokenOut([out])).outputs
+        text, finish = text + got.text, got.finish_reason
+        if finish is not None:
+            break
+    assert text == "the cat and the " and finish == Finish(FinishKind.STOP, matched="cat")
+
+
+def test_logprobs_carry_each_token_text_and_exact_bytes(tok: Tokenizer) -> None:
+    ids = tok.encode("a你🙂")
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "a token must split a character"
+    entries = [TokenLogprobs(t, -0.5, [(t, -0.5), (ids[0], -1.0)]) for t in ids]
+    manager = DetokenizerManager(tok)
+    (out,) = manager.handle(BatchTokenOut([req_out("a", ids, LENGTH, logprobs=entries)])).outputs
+    assert [e.chosen.token_id for e in out.logprobs] == ids
+    assert b"".join(bytes(e.chosen.bytes) for e in out.logprobs) == "a你🙂".encode()
+    assert [e.chosen.text for e in out.logprobs] == [tok.decode([i]) for i in ids]
+    assert all([t.logprob for t in e.top] == [-0.5, -1.0] for e in out.logprobs)
+    assert out.logprobs[0].top[1].text == "a"
+    plain = manager.handle(BatchTokenOut([req_out("b", ids, LENGTH)])).outputs[0]
+    assert plain.logprobs is None
 
 
 class BrokenTokenizer:

@@ -181,6 +181,22 @@ def test_seeded_requests_follow_softmax_across_seeds() -> None:
         ("ignore_eos", "yes", "ignore_eos must be true or false"),
         ("seed", "x", "seed must be an integer"),
         ("stop", [1], "stop must be a string or a list of strings"),
+        ("repetition_penalty", 0.0, r"repetition_penalty must be in \(0, 2\]"),
+        ("presence_penalty", 2.5, r"presence_penalty must be in \[-2, 2\]"),
+        ("frequency_penalty", -2.1, r"frequency_penalty must be in \[-2, 2\]"),
+        ("min_tokens", 200, "min_tokens must be in"),
+        ("min_tokens", -1, "min_tokens must be in"),
+        ("logit_bias", {"5": 101}, "logit_bias takes at most"),
+        ("logit_bias", {"five": 1}, "logit_bias must be an integer"),
+        ("logit_bias", [1, 2], "logit_bias must be an object"),
+        ("allowed_token_ids", [], "allowed_token_ids must not be empty"),
+        ("allowed_token_ids", 5, "allowed_token_ids must be a list"),
+        ("bad_words", [""], "bad_words takes at most"),
+        ("bad_words", [3], "bad_words must be a string or a list"),
+        ("logprobs", 21, r"logprobs must be in \[0, 20\]"),
+        ("logprobs", -1, r"logprobs must be in \[0, 20\]"),
+        ("n", 0, "n must be in"),
+        ("include_stop_str_in_output", 1, "include_stop_str_in_output must be true or false"),
     ],
 )
 def test_out_of_range_values_are_refused(field: str, value: object, message: str) -> None:
@@ -193,6 +209,13 @@ def test_edge_values_are_accepted_and_coerced() -> None:
     assert params.normalize() is params
     assert params.stop == ["END"] and isinstance(params.temperature, float) and params.is_greedy
     assert SamplingParams(top_k=3.0, stop_token_ids=(7,)).normalize().top_k == 3
+
+
+def test_control_fields_are_coerced() -> None:
+    params = SamplingParams(logit_bias={"12": 3, 7: -1.5}, allowed_token_ids=(4.0, 5)).normalize()
+    assert params.logit_bias == {12: 3.0, 7: -1.5} and params.allowed_token_ids == [4, 5]
+    assert params.uses_controls and not SamplingParams().normalize().uses_controls
+    assert SamplingParams(logprobs=0).normalize().uses_controls is False  # logprobs read raw
 
 
 def test_mismatched_batch_lengths_are_refused() -> None:

@@ -37,6 +37,7 @@ from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
 from runtime.sampler import SamplingParams
+from runtime.sampling_controls import bad_words_token_ids
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget
 from runtime.transport import SharedTensor, to_frames
@@ -331,6 +332,8 @@ class TokenizerManager:
         if problem:
             raise APIError(problem, param="messages", code="context_length_exceeded")
         ids, mm = build_multimodal_inputs(input_ids, media, self.config)
+        if params.bad_words:
+            params.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         return TokenizedGenerateReq(rid, ids, params, mm, stream)
 
     # ------------------------------------------------------------------ requests

@@ -1,0 +1,302 @@
+"""Sampling controls and logprobs against transformers on the same tiny checkpoint: greedy
+decoding with each control equals HF `generate` with the matching logits processor, token for
+token; logprobs equal HF's log-softmax of the same step's logits; a seeded request draws the same
+tokens whatever shares its batch, with every control on."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from make_tiny_checkpoint import make_checkpoint
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation import logits_process as hf
+from vlm_cases import Case, Checkpoint, load_hf, noise_image
+
+from runtime.distributed import TPGroup
+from runtime.io_struct import FinishKind, TokenizedGenerateReq
+from runtime.sampler import SamplingParams
+from runtime.sampling_controls import bad_words_token_ids
+from runtime.server_args import ServerArgs
+from scheduler.process import build_scheduler
+from scheduler.scheduler import Scheduler
+from vision.vlm import build_model
+
+NEW = 24
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens only."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = input_ids[:, self.prompt_len :]
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, out, torch.ones_like(out, dtype=scores.dtype)
+        )
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """HF and tessera sum float32 in the same order only on the same thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = Path(make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("controls") / "ck"))
+    ckpt = Checkpoint(folder)
+    cases = [
+        ckpt.case("text", ["Describe the cat and the dog and the cat again."]),
+        ckpt.case("image", [noise_image(), "What is in the picture?"]),
+    ]
+    return {
+        "ckpt": ckpt,
+        "cases": cases,
+        "hf": load_hf(folder),
+        "model": build_model(str(folder), TPGroup(), dtype="float32"),
+    }
+
+
+def scheduler(world: dict[str, Any]) -> Scheduler:
+    args = ServerArgs(device="cpu", max_total_tokens=4000, mm_cache_size_mb=16)
+    return build_scheduler(args, TPGroup(), world["model"])
+
+
+def run(world: dict[str, Any], reqs: list[TokenizedGenerateReq]) -> dict[str, dict[str, Any]]:
+    sched = scheduler(world)
+    results = {r.rid: {"tokens": [], "logprobs": [], "finish": None} for r in reqs}
+    outputs = sched.step(reqs).outputs
+    while not sched.idle:
+        outputs += sched.step([]).outputs
+    for out in outputs:
+        entry = results[out.rid]
+        entry["tokens"] += out.new_token_ids
+        entry["logprobs"] += out.logprobs or []
+        entry["finish"] = out.finish_reason or entry["finish"]
+    return results
+
+
+def ours(world: dict[str, Any], case: Case, **kw: Any) -> dict[str, Any]:
+    values = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True, **kw}
+    params = SamplingParams(**values).normalize()
+    return run(world, [TokenizedGenerateReq(case.name, list(case.input_ids), params, case.mm)])[
+        case.name
+    ]
+
+
+def theirs(
+    world: dict[str, Any], case: Case, *processors: LogitsProcessor, **kw: Any
+) -> dict[str, Any]:
+    with torch.no_grad():
+        out = world["hf"].generate(
+            **case.hf_inputs,
+            max_new_tokens=NEW,
+            do_sample=False,
+            logits_processor=LogitsProcessorList(processors),
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kw,
+        )
+    prompt_len = case.hf_inputs["input_ids"].shape[1]
+    return {"tokens": out.sequences[0, prompt_len:].tolist(), "logits": out.logits}
+
+
+def prompt_len(case: Case) -> int:
+    return case.hf_inputs["input_ids"].shape[1]
+
+
+@pytest.fixture(scope="module")
+def plain(world: dict[str, Any]) -> dict[str, list[int]]:
+    """Greedy outputs without controls (each equal to HF's)."""
+    out = {}
+    for case in world["cases"]:
+        out[case.name] = ours(world, case)["tokens"]
+        assert out[case.name] == theirs(world, case)["tokens"]
+    return out
+
+
+CASES = ["text", "image"]
+
+
+def case_named(world: dict[str, Any], name: str) -> Case:
+    return next(c for c in world["cases"] if c.name == name)
+
+
+# ---------------------------------------------------------------------- one test per control
+
+
+def test_repetition_penalty_matches_hf(world, plain) -> None:
+    case = case_named(world, "text")  # images: HF also penalises the image placeholder id
+    got = ours(world, case, repetition_penalty=1.8)["tokens"]
+    want = theirs(world, case, hf.RepetitionPenaltyLogitsProcessor(1.8))["tokens"]
+    assert got == want
+    assert got != plain["text"]
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("presence, frequency", [(1.5, 1.0), (-2.0, 0.0), (0.5, -1.5)])
+def test_presence_and_frequency_penalties_match_openai_definition(
+    world, plain, name: str, presence: float, frequency: float
+) -> None:
+    case = case_named(world, name)
+    got = ours(world, case, presence_penalty=presence, frequency_penalty=frequency)["tokens"]
+    want = theirs(world, case, OpenAIPenalties(prompt_len(case), presence, frequency))["tokens"]
+    assert got == want
+    if presence < 0 or frequency < 0:  # repeats are encouraged: the greedy path changes
+        assert got != plain[name]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_min_tokens_holds_back_the_stop_token(world, plain, name: str) -> None:
+    case = case_named(world, name)
+    stop = plain[name][2]
+    first = plain[name].index(stop)
+    early = ours(world, case, stop_token_ids=[stop])
+    assert len(early["tokens"]) == first + 1 and early["finish"].kind == FinishKind.STOP
+    got = ours(world, case, stop_token_ids=[stop], min_tokens=first + 3)
+    proc = hf.MinNewTokensLengthLogitsProcessor(prompt_len(case), first + 3, [stop])
+    want = theirs(world, case, proc, eos_token_id=[stop], pad_token_id=0)
+    assert got["tokens"] == want["tokens"][: len(got["tokens"])]
+    assert len(got["tokens"]) > first + 3 and stop not in got["tokens"][: first + 3]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_logit_bias_matches_hf_sequence_bias(world, plain, name: str) -> None:
+    case = case_named(world, name)
+    unseen = next(t for t in range(3, 300) if t not in plain[name])
+    bias = {plain[name][0]: -100.0, unseen: 4.0}
+    got = ours(world, case, logit_bias={str(k): v for k, v in bias.items()})["tokens"]
+    proc = hf.SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])
+    assert got == theirs(world, case, proc)["tokens"]
+    assert got[0] != plain[name][0]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_allowed_token_ids_match_hf_prefix_constraint(world, plain, name: str) -> None:
+    case = case_named(world, name)
+    allowed = sorted(set(range(40, 90)) | {plain[name][3]})
+    got = ours(world, case, allowed_token_ids=allowed)["tokens"]
+    proc = hf.PrefixConstrainedLogitsProcessor(lambda _b, _ids: allowed, num_beams=1)
+    assert got == theirs(world, case, proc)["tokens"]
+    assert set(got) <= set(allowed)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_words_match_hf_no_bad_words(world, plain, name: str) -> None:
+    case = case_named(world, name)
+    tok = world["ckpt"].tokenizer
+    out = plain[name]
+    words = [tok.decode(out[1:2]), tok.decode(out[4:6])]
+    ids = bad_words_token_ids(tok, words)
+    assert any(out[i : i + len(w)] == w for w in ids for i in range(len(out)))
+    got = ours(world, case, bad_words=words, bad_words_ids=ids)["tokens"]
+    assert got == theirs(world, case, hf.NoBadWordsLogitsProcessor(ids))["tokens"]
+    assert got != out
+
+
+# ---------------------------------------------------------------------- logprobs
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_logprobs_match_hf_log_softmax(world, plain, name: str) -> None:
+    """Raw model logprobs (before controls): also with a penalty steering the tokens."""
+    case = case_named(world, name)
+    got = ours(world, case, logprobs=5, frequency_penalty=1.0)
+    want = theirs(world, case, OpenAIPenalties(prompt_len(case), 0.0, 1.0))
+    assert got["tokens"] == want["tokens"]
+    assert len(got["logprobs"]) == NEW
+    for step, (entry, logits) in enumerate(zip(got["logprobs"], want["logits"])):
+        raw = logits[0].float().log_softmax(-1)
+        assert entry.token_id == got["tokens"][step]
+        assert abs(entry.logprob - raw[entry.token_id].item()) < 2e-3
+        values, ids = raw.topk(5)
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert max(abs(lp - v) for (_, lp), v in zip(entry.top, values.tolist())) < 2e-3
+
+
+def test_logprobs_off_sends_none_and_zero_sends_only_the_token(world) -> None:
+    case = case_named(world, "text")
+    assert ours(world, case)["logprobs"] == []
+    entries = ours(world, case, logprobs=0)["logprobs"]
+    assert len(entries) == NEW and all(e.top == [] for e in entries)
+
+
+# ---------------------------------------------------------------------- batches and seeds
+
+EVERY_CONTROL = {
+    "temperature": 1.0,
+    "top_k": 50,
+    "repetition_penalty": 1.3,
+    "presence_penalty": 0.4,
+    "frequency_penalty": 0.3,
+    "min_tokens": 4,
+    "logit_bias": {7: 2.0, 9: -3.0},
+    "allowed_token_ids": list(range(1, 400)),
+    "bad_words_ids": [[11], [12, 13]],
+    "logprobs": 2,
+}
+
+
+def seeded(case: Case, rid: str, seed: int, **kw: Any) -> TokenizedGenerateReq:
+    values = {**EVERY_CONTROL, "seed": seed, "max_new_tokens": NEW, "ignore_eos": True, **kw}
+    params = SamplingParams(**values).normalize()
+    return TokenizedGenerateReq(rid, list(case.input_ids), params, case.mm)
+
+
+def test_seeded_request_ignores_its_batch_with_every_control(world) -> None:
+    text, image = world["cases"]
+    alone = run(world, [seeded(text, "me", 7)])["me"]
+    crowd = [
+        seeded(image, "a", 1),
+        TokenizedGenerateReq("b", list(text.input_ids), SamplingParams(max_new_tokens=NEW)),
+        seeded(text, "me", 7),
+        seeded(text, "c", 3, repetition_penalty=1.0, logit_bias=None),
+    ]
+    together = run(world, crowd)
+    assert together["me"]["tokens"] == alone["tokens"]
+    assert together["c"]["tokens"] != alone["tokens"]
+    assert [e.logprob for e in together["me"]["logprobs"]] == pytest.approx(
+        [e.logprob for e in alone["logprobs"]], abs=1e-5
+    )
+
+
+def test_a_retracted_request_keeps_its_penalty_counts(world) -> None:
+    """Retraction recomputes KV only: the penalised tokens come out as without retraction."""
+    text = case_named(world, "text")
+    reqs = [
+        TokenizedGenerateReq(
+            f"r{i}",
+            list(text.input_ids),
+            SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True, **kw).normalize(),
+        )
+        for i, kw in enumerate([{"frequency_penalty": 1.0}, {"repetition_penalty": 1.5}, {}])
+    ]
+    roomy = run(world, reqs)
+    args = ServerArgs(device="cpu", max_total_tokens=len(text.input_ids) * 2 + 60)
+    sched = build_scheduler(args, TPGroup(), world["model"])
+    outputs = sched.step([dataclasses.replace(r) for r in reqs]).outputs
+    while not sched.idle:
+        outputs += sched.step([]).outputs
+    assert sched.counters.retractions > 0
+    for rid, entry in roomy.items():
+        assert [t for o in outputs if o.rid == rid for t in o.new_token_ids] == entry["tokens"]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(world) -> None:
+    text = case_named(world, "text")
+    for field, value in (("logit_bias", {10**6: 1.0}), ("allowed_token_ids", [1, 10**6])):
+        params = SamplingParams(max_new_tokens=2, **{field: value}).normalize()
+        out = run(world, [TokenizedGenerateReq("x", list(text.input_ids), params)])["x"]
+        assert out["finish"].kind == FinishKind.ERROR and out["finish"].status == 400
+        assert field in out["finish"].detail
