@@ -60,6 +60,7 @@ class TokenizedGenerateReq:
 @dataclass
 class AbortReq:
     rid: str
+    index: int | None = None  # one of the request's n choices; None: all of them
 
 
 @dataclass
@@ -150,12 +151,12 @@ class ReqStart:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # keep the matched stop string or stop token's text
     min_tokens: int = 0  # stop strings are not matched before this many output tokens
+    index: int = 0  # which of the request's n choices
 
     @classmethod
-    def of(cls, rid: str, p: SamplingParams) -> ReqStart:
-        return cls(
-            rid, tuple(p.stop), p.skip_special_tokens, p.include_stop_str_in_output, p.min_tokens
-        )
+    def of(cls, rid: str, p: SamplingParams, index: int = 0) -> ReqStart:
+        stop, skip = tuple(p.stop), p.skip_special_tokens
+        return cls(rid, stop, skip, p.include_stop_str_in_output, p.min_tokens, index)
 
 
 @dataclass
@@ -180,6 +181,7 @@ class ReqOutput:
     finish_reason: Finish | None = None
     stages: StageTimes | None = None  # with the first token only
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    index: int = 0  # which of the request's n choices
 
 
 @dataclass
@@ -228,6 +230,7 @@ class StrOutput:
     finish_reason: Finish | None = None
     stages: StageTimes | None = None  # the scheduler's stage times, with the first token only
     logprobs: list[OutputLogprobs] | None = None  # one per token of token_ids, when asked
+    index: int = 0  # which of the request's n choices
 
 
 @dataclass

@@ -66,6 +66,8 @@ class Req:
     clock: StageClock = field(default_factory=lambda: StageClock(time.perf_counter()))
     sampling: SamplingState | None = None  # what its penalties and bad words need, kept per token
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # entry rank, if it asked
+    index: int = 0  # which of the request's n choices
+    fork_of: Req | None = None  # choice 0, whose prefill the other choices wait for and share
 
     @classmethod
     def from_message(

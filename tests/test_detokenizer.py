@@ -226,7 +226,7 @@ def test_manager_ignores_a_request_after_its_stop_matched(tok: Tokenizer) -> Non
     assert later.outputs == []
     abort = Finish(FinishKind.ABORT, "aborted")
     assert manager.handle(BatchTokenOut([req_out("a", [], abort)])).outputs == []
-    assert set(manager.states) == {"b"} and manager.stopped == {}
+    assert set(manager.states) == {("b", 0)} and manager.stopped == {}
 
 
 def test_manager_stop_and_scheduler_finish_in_one_message(tok: Tokenizer) -> None:
@@ -287,6 +287,23 @@ def test_logprobs_carry_each_token_text_and_exact_bytes(tok: Tokenizer) -> None:
     assert out.logprobs[0].top[1].text == "a"
     plain = manager.handle(BatchTokenOut([req_out("b", ids, LENGTH)])).outputs[0]
     assert plain.logprobs is None
+
+
+def test_choices_of_one_request_are_detokenized_apart(tok: Tokenizer) -> None:
+    """n > 1: each choice has its own text, stop match and finish under the same rid."""
+    manager = DetokenizerManager(tok)
+    starts = [ReqStart("a", ("cat",), index=i) for i in range(2)]
+    outs = [
+        ReqOutput("a", tok.encode("the cat sat"), 7, 3, 0, index=0),
+        ReqOutput("a", tok.encode("a dog ran"), 7, 3, 0, index=1),
+    ]
+    first, second = manager.handle(BatchTokenOut(outs, starts)).outputs
+    assert (first.index, first.text, first.finish_reason.matched) == (0, "the ", "cat")
+    assert (second.index, second.text, second.finish_reason) == (1, "a dog ran", None)
+    later = BatchTokenOut([ReqOutput("a", tok.encode(" on"), 7, 4, 0, LENGTH, index=1)])
+    (last,) = manager.handle(later).outputs
+    assert (last.index, last.text, last.finish_reason) == (1, " on", LENGTH)
+    assert manager.states == {} and set(manager.stopped) == {("a", 0)}
 
 
 class BrokenTokenizer:
@@ -369,7 +386,7 @@ def test_constants_arrive_once_and_a_restart_forgets_the_old_request(tok: Tokeni
     manager.handle(
         BatchTokenOut([req_out("a", tok.encode("the cat sat"))], [ReqStart("a", ("cat",))])
     )
-    assert "a" in manager.stopped  # matched; the scheduler's finish has not come yet
+    assert ("a", 0) in manager.stopped  # matched; the scheduler's finish has not come yet
     batch = BatchTokenOut([req_out("a", tok.encode("the cat"), LENGTH)], [ReqStart("a")])
     out = manager.handle(batch).outputs[0]
     assert (out.text, out.finish_reason) == ("the cat", LENGTH)

@@ -18,7 +18,7 @@ from transformers.generation import logits_process as hf
 from vlm_cases import Case, Checkpoint, load_hf, noise_image
 
 from runtime.distributed import TPGroup
-from runtime.io_struct import FinishKind, TokenizedGenerateReq
+from runtime.io_struct import AbortReq, FinishKind, TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from runtime.sampling_controls import bad_words_token_ids
 from runtime.server_args import ServerArgs
@@ -300,3 +300,60 @@ def test_token_ids_outside_the_vocabulary_are_refused(world) -> None:
         out = run(world, [TokenizedGenerateReq("x", list(text.input_ids), params)])["x"]
         assert out["finish"].kind == FinishKind.ERROR and out["finish"].status == 400
         assert field in out["finish"].detail
+
+
+# ---------------------------------------------------------------------- n choices
+
+
+def choices_of(outputs: list[Any], rid: str) -> dict[int, list[int]]:
+    got: dict[int, list[int]] = {}
+    for out in outputs:
+        if out.rid == rid:
+            got.setdefault(out.index, []).extend(out.new_token_ids)
+    return got
+
+
+def run_outputs(sched: Scheduler, reqs: list[TokenizedGenerateReq]) -> list[Any]:
+    outputs = sched.step(reqs).outputs
+    while not sched.idle:
+        outputs += sched.step([]).outputs
+    return outputs
+
+
+def test_n_choices_prefill_and_encode_the_prompt_once(world, plain) -> None:
+    case = case_named(world, "image")
+    params = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True, n=3).normalize()
+    sched = scheduler(world)
+    outputs = run_outputs(sched, [TokenizedGenerateReq("x", list(case.input_ids), params, case.mm)])
+    assert choices_of(outputs, "x") == {i: plain["image"] for i in range(3)}
+    assert sched.encoder_cache.counters.items_encoded == 1
+    assert sched.counters.prompt_tokens_computed == len(case.input_ids) + 2
+    finals = [o for o in outputs if o.finish_reason is not None]
+    assert sorted(o.index for o in finals) == [0, 1, 2]
+    assert sorted(o.cached_tokens for o in finals) == [0, *[len(case.input_ids) - 1] * 2]
+
+
+def test_seeded_choice_i_draws_like_seed_plus_i(world) -> None:
+    text = case_named(world, "text")
+    reqs = [seeded(text, "all", 100, n=3)]
+    reqs += [seeded(text, f"one{i}", 100 + i) for i in range(3)]
+    outputs = run_outputs(scheduler(world), reqs)
+    together = choices_of(outputs, "all")
+    assert [together[i] for i in range(3)] == [choices_of(outputs, f"one{i}")[0] for i in range(3)]
+    assert together[0] != together[1]
+
+
+def test_aborting_one_choice_leaves_the_others(world, plain) -> None:
+    text = case_named(world, "text")
+    params = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True, n=3).normalize()
+    sched = scheduler(world)
+    outputs = sched.step([TokenizedGenerateReq("x", list(text.input_ids), params)]).outputs
+    outputs += sched.step([AbortReq("x", 1)]).outputs
+    outputs += run_outputs(sched, [])
+    finish = {o.index: o.finish_reason.kind for o in outputs if o.finish_reason is not None}
+    assert finish == {0: FinishKind.LENGTH, 1: FinishKind.ABORT, 2: FinishKind.LENGTH}
+    assert choices_of(outputs, "x")[2] == plain["text"]
+    outputs = sched.step([TokenizedGenerateReq("y", list(text.input_ids), params)]).outputs
+    outputs += run_outputs(sched, [AbortReq("y")])
+    assert {o.finish_reason.kind for o in outputs if o.finish_reason} == {FinishKind.ABORT}
+    assert len([o for o in outputs if o.finish_reason]) == 3

@@ -199,6 +199,13 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
 
+Key = tuple[str, int]  # a request's id and which of its n choices
+
+
+def key_of(msg: ReqOutput | ReqStart) -> Key:
+    return msg.rid, msg.index
+
+
 def ends_on_stop_token(finish: Finish | None) -> bool:
     """The scheduler ended the request on a stop token (EOS or stop_token_ids): its last id."""
     return finish is not None and finish.kind == FinishKind.STOP and finish.matched is None
@@ -270,10 +277,10 @@ class DetokenizerManager:
 
     def __init__(self, tokenizer: TokenDecoder):
         self.tokenizer = tokenizer
-        self.states: dict[str, IncrementalDetokenizer] = {}
-        self.starts: dict[str, ReqStart] = {}
+        self.states: dict[Key, IncrementalDetokenizer] = {}
+        self.starts: dict[Key, ReqStart] = {}
         self.token_texts = TokenTexts(tokenizer)
-        self.stopped: dict[str, None] = {}  # ordered set of rids waiting for the scheduler's finish
+        self.stopped: dict[Key, None] = {}  # ordered set of choices awaiting the scheduler's finish
 
     def handle(self, msg: object) -> object:
         if isinstance(msg, BatchTokenOut):
@@ -287,9 +294,9 @@ class DetokenizerManager:
         return BatchStrOut(outputs=[out for out in outputs if out is not None])
 
     def _detokenize(self, out: ReqOutput) -> StrOutput | None:
-        if out.rid in self.stopped:
+        if key_of(out) in self.stopped:
             if out.finish_reason is not None:
-                del self.stopped[out.rid]
+                del self.stopped[key_of(out)]
             return None
         try:
             text, finish = self._step(out)
@@ -303,9 +310,9 @@ class DetokenizerManager:
 
     def start(self, start: ReqStart) -> None:
         """A request was admitted: its constants arrive once, here."""
-        self.stopped.pop(start.rid, None)
-        self.starts[start.rid] = start
-        self.states[start.rid] = IncrementalDetokenizer(
+        self.stopped.pop(key_of(start), None)
+        self.starts[key_of(start)] = start
+        self.states[key_of(start)] = IncrementalDetokenizer(
             self.tokenizer,
             skip_special_tokens=start.skip_special_tokens,
             stop=start.stop,
@@ -313,8 +320,8 @@ class DetokenizerManager:
         )
 
     def _step(self, out: ReqOutput) -> tuple[str, Finish | None]:
-        state = self.states.get(out.rid) or self._new_state(out)
-        start = self.starts[out.rid]
+        state = self.states.get(key_of(out)) or self._new_state(out)
+        start = self.starts[key_of(out)]
         ids = out.new_token_ids
         if ends_on_stop_token(out.finish_reason) and not start.include_stop_str_in_output:
             ids = ids[:-1]  # a stop token ends the text without appearing in it
@@ -330,15 +337,15 @@ class DetokenizerManager:
     def _new_state(self, out: ReqOutput) -> IncrementalDetokenizer:
         """Defaults for a request whose start was not seen (none is lost on the ordered socket;
         this keeps a stray output harmless)."""
-        self.start(ReqStart(out.rid))
-        return self.states[out.rid]
+        self.start(ReqStart(out.rid, index=out.index))
+        return self.states[key_of(out)]
 
     def _drop(self, out: ReqOutput) -> None:
         """Forget the request; if the scheduler still runs it, ignore what it sends later."""
-        self.states.pop(out.rid, None)
-        self.starts.pop(out.rid, None)
+        self.states.pop(key_of(out), None)
+        self.starts.pop(key_of(out), None)
         if out.finish_reason is None:
-            self.stopped[out.rid] = None
+            self.stopped[key_of(out)] = None
             if len(self.stopped) > MAX_STOPPED_RIDS:
                 del self.stopped[next(iter(self.stopped))]
 
@@ -346,6 +353,7 @@ class DetokenizerManager:
     def _str_output(out: ReqOutput, text: str, finish: Finish | None) -> StrOutput:
         return StrOutput(
             rid=out.rid,
+            index=out.index,
             text=text,
             token_ids=list(out.new_token_ids),
             prompt_tokens=out.prompt_tokens,
