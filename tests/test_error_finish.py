@@ -11,15 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.io_struct import Finish, StrOutput
-from tokenizer_manager.http_server import (
-    ApiCounters,
-    ChatFormatter,
-    collect_until_done,
-    first_output,
-    native_sse,
-    sse,
-    until_disconnect,
-)
+from tokenizer_manager.api.chat import ChatStream
+from tokenizer_manager.api.generate import NativeStream
+from tokenizer_manager.api.openai_common import Envelope
+from tokenizer_manager.api.outputs import collect_until_done, first_output
+from tokenizer_manager.api.sse import sse
+from tokenizer_manager.api.usage import ApiCounters, UsageRecorder
+from tokenizer_manager.http_server import until_disconnect
 from tokenizer_manager.protocol import APIError
 
 FAULT = Finish.error("request fault on TP rank 1", 500, "x")
@@ -39,9 +37,8 @@ async def drain(body: AsyncIterator[bytes]) -> list[str]:
 
 
 def test_stream_gets_an_error_event_before_done() -> None:
-    body = sse(
-        ChatFormatter("m"), "r1", out("a"), outputs(out("b"), out("", FAULT)), True, ApiCounters()
-    )
+    writer = ChatStream(Envelope("r1", "m", "chat.completion", "chat.completion.chunk"), True)
+    body = sse(writer, out("a"), outputs(out("b"), out("", FAULT)), UsageRecorder(ApiCounters()))
     events = asyncio.run(drain(body))
     assert events[-1] == "data: [DONE]\n\n"
     error = json.loads(events[-2].removeprefix("data: "))
@@ -51,7 +48,8 @@ def test_stream_gets_an_error_event_before_done() -> None:
 
 
 def test_native_stream_gets_an_error_event_before_done() -> None:
-    events = asyncio.run(drain(native_sse("r1", out("a"), outputs(out("", FAULT)))))
+    body = sse(NativeStream("r1"), out("a"), outputs(out("", FAULT)), UsageRecorder(ApiCounters()))
+    events = asyncio.run(drain(body))
     assert events[-1] == "data: [DONE]\n\n"
     assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "internal_server_error"
 

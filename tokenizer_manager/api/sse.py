@@ -1,0 +1,62 @@
+"""The one server-sent-events writer: every streaming route hands it a `StreamWriter` that turns
+outputs into payloads; the writer adds the framing, the error event, usage and `[DONE]`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from runtime.io_struct import StrOutput
+from tokenizer_manager.api.outputs import finish_error
+from tokenizer_manager.api.usage import UsageRecorder
+from tokenizer_manager.protocol import APIError
+
+DONE = b"data: [DONE]\n\n"
+
+
+class StreamWriter(Protocol):
+    """An API's stream shape: payloads to send first, per output of choice `index`, and last."""
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]: ...
+
+    def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]: ...
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def error_event(err: APIError) -> bytes:
+    return event(err.body())
+
+
+async def sse(
+    writer: StreamWriter,
+    first: StrOutput,
+    stream: AsyncIterator[StrOutput],
+    usage: UsageRecorder,
+) -> AsyncIterator[bytes]:
+    """Events for one request's outputs; an error finish becomes an error event before
+    `[DONE]` (no usage then); the stream is closed (which aborts the request) however it ends."""
+    try:
+        for payload in writer.opening() + writer.chunks(first):
+            yield event(payload)
+        last = first
+        async for out in stream:
+            last = out
+            err = finish_error(out)
+            if err is not None:
+                yield error_event(err)
+                yield DONE
+                return
+            for payload in writer.chunks(out):
+                yield event(payload)
+        usage.record([last])
+        for payload in writer.closing([last]):
+            yield event(payload)
+        yield DONE
+    finally:
+        await stream.aclose()
