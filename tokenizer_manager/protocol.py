@@ -90,6 +90,16 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logprobs: bool | int | None = None
     user: str | None = None
+    # vLLM's sampling extensions (runtime/sampler.py SamplingParams; range checks there)
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    best_of: int | None = None  # refused unless it equals n (no beam search)
+    use_beam_search: bool = False  # refused
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -116,6 +126,9 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
 
 
 def new_id(prefix: str) -> str:

@@ -44,6 +44,14 @@ def checked(params: SamplingParams) -> SamplingParams:
     return params
 
 
+def by_choice(outputs: list[StrOutput], n: int) -> list[list[StrOutput]]:
+    """Each choice's outputs, in order (a request's n choices interleave)."""
+    choices: list[list[StrOutput]] = [[] for _ in range(n)]
+    for out in outputs:
+        choices[out.index].append(out)
+    return choices
+
+
 class Serving(ABC, Generic[R]):
     """One API: request `R` in, a JSON response or an SSE stream out."""
 
@@ -60,8 +68,9 @@ class Serving(ABC, Generic[R]):
             body = sse(self.stream_writer(tokenized.rid, req), first, stream, self.usage)
             return StreamingResponse(body, media_type="text/event-stream")
         outputs = await collect_until_done(first, stream)
-        self.usage.record([outputs[-1]])
-        return JSONResponse(self.response(tokenized.rid, req, [outputs]))
+        choices = by_choice(outputs, tokenized.sampling_params.n)
+        self.usage.record([c[-1] for c in choices])
+        return JSONResponse(self.response(tokenized.rid, req, choices))
 
     @abstractmethod
     def to_input(self, req: R) -> GenerateInput:

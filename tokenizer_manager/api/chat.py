@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.io_struct import StrOutput
-from runtime.sampler import SamplingParams
+from runtime.sampler import MAX_LOGPROBS, SamplingParams
 from tokenizer_manager.api.base import check_model
+from tokenizer_manager.api.logprobs import chat_logprobs
 from tokenizer_manager.api.openai_common import (
     Envelope,
     OpenAIServing,
@@ -16,17 +17,19 @@ from tokenizer_manager.api.openai_common import (
     refuse,
 )
 from tokenizer_manager.api.outputs import finish_reason
-from tokenizer_manager.protocol import ChatCompletionRequest, new_id
+from tokenizer_manager.protocol import APIError, ChatCompletionRequest, new_id
 from tokenizer_manager.tokenizer_manager import GenerateInput
 
 
 def chat_sampling(req: ChatCompletionRequest, room: int) -> SamplingParams:
     """A chat request's sampling fields as SamplingParams."""
-    return openai_sampling(req, req.max_completion_tokens or req.max_tokens, room)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return openai_sampling(req, req.max_completion_tokens or req.max_tokens, room, logprobs)
 
 
 def refuse_unsupported(req: ChatCompletionRequest) -> None:
     fmt = (req.response_format or {}).get("type", "text")
+    top = req.top_logprobs
     refuse(
         common_refusals(req)
         + [
@@ -34,25 +37,35 @@ def refuse_unsupported(req: ChatCompletionRequest) -> None:
             (fmt != "text", "response_format", "only text responses are supported"),
         ]
     )
+    if top is not None and not (0 <= top <= MAX_LOGPROBS and (req.logprobs or top == 0)):
+        raise APIError(
+            f"top_logprobs must be in [0, {MAX_LOGPROBS}] and needs logprobs: true",
+            param="top_logprobs",
+        )
 
 
 class ChatStream:
-    """A chat request's chunks: the role first, then content deltas, then usage if asked."""
+    """A chat request's chunks: the role first (for each choice), then content deltas (with
+    their tokens' logprobs when asked), then usage if asked."""
 
-    def __init__(self, envelope: Envelope, include_usage: bool) -> None:
+    def __init__(self, envelope: Envelope, include_usage: bool, n: int = 1) -> None:
         self.envelope = envelope
         self.include_usage = include_usage
+        self.n = n
 
     def opening(self) -> list[dict[str, Any]]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        return [self.envelope.wrap([choice], None, chunk=True)]
+        delta = {"role": "assistant", "content": ""}
+        choices = [{"index": i, "delta": delta, "finish_reason": None} for i in range(self.n)]
+        return [self.envelope.wrap([choice], None, chunk=True) for choice in choices]
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
         reason = finish_reason(out)
-        if not out.text and reason is None:
+        if not out.text and reason is None and not out.logprobs:
             return []
         delta = {"content": out.text} if out.text else {}
         choice = {"index": index, "delta": delta, "finish_reason": reason}
+        if out.logprobs is not None:
+            choice["logprobs"] = chat_logprobs([out])
         return [self.envelope.wrap([choice], None, chunk=True)]
 
     def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
@@ -61,7 +74,12 @@ class ChatStream:
 
 def chat_choice(index: int, outputs: list[StrOutput]) -> dict[str, Any]:
     message = {"role": "assistant", "content": "".join(o.text for o in outputs)}
-    return {"index": index, "message": message, "finish_reason": finish_reason(outputs[-1])}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": chat_logprobs(outputs),
+        "finish_reason": finish_reason(outputs[-1]),
+    }
 
 
 class ChatServing(OpenAIServing[ChatCompletionRequest]):
@@ -79,7 +97,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         )
 
     def stream_writer(self, rid: str, req: ChatCompletionRequest) -> ChatStream:
-        return ChatStream(self.envelope(rid), include_usage(req))
+        return ChatStream(self.envelope(rid), include_usage(req), req.n)
 
     def response(
         self, rid: str, req: ChatCompletionRequest, choices: list[list[StrOutput]]

@@ -7,6 +7,7 @@ from typing import Any
 from runtime.io_struct import StrOutput
 from runtime.sampler import SamplingParams
 from tokenizer_manager.api.base import check_model
+from tokenizer_manager.api.logprobs import CompletionLogprobs
 from tokenizer_manager.api.openai_common import (
     Envelope,
     OpenAIServing,
@@ -22,7 +23,8 @@ from tokenizer_manager.tokenizer_manager import GenerateInput
 
 def completion_sampling(req: CompletionRequest, room: int) -> SamplingParams:
     """A completions request's sampling fields as SamplingParams."""
-    return openai_sampling(req, req.max_tokens, room)
+    logprobs = None if req.logprobs in (None, False) else int(req.logprobs)
+    return openai_sampling(req, req.max_tokens, room, logprobs)
 
 
 def refuse_unsupported(req: CompletionRequest) -> None:
@@ -44,25 +46,34 @@ def prompt_form(prompt: str | list[int] | list[str]) -> tuple[list[int] | None, 
     return (list(prompt), None) if isinstance(prompt, list) else (None, prompt)
 
 
-def completion_choice(index: int, text: str, reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+def completion_choice(
+    index: int, outputs: list[StrOutput], logprobs: CompletionLogprobs
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": "".join(o.text for o in outputs),
+        "logprobs": logprobs.build(outputs),
+        "finish_reason": finish_reason(outputs[-1]),
+    }
 
 
 class CompletionStream:
-    """A completions request's chunks: text deltas, then usage if asked."""
+    """A completions request's chunks: text deltas (with their tokens' logprobs when asked),
+    then usage if asked."""
 
     def __init__(self, envelope: Envelope, include_usage: bool) -> None:
         self.envelope = envelope
         self.include_usage = include_usage
+        self.logprobs: dict[int, CompletionLogprobs] = {}  # per choice: offsets run on
 
     def opening(self) -> list[dict[str, Any]]:
         return []
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
-        reason = finish_reason(out)
-        if not out.text and reason is None:
+        if not out.text and finish_reason(out) is None and not out.logprobs:
             return []
-        choice = completion_choice(index, out.text, reason)
+        logprobs = self.logprobs.setdefault(index, CompletionLogprobs())
+        choice = completion_choice(index, [out], logprobs)
         return [self.envelope.wrap([choice], None, chunk=True)]
 
     def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
@@ -92,7 +103,6 @@ class CompletionServing(OpenAIServing[CompletionRequest]):
         self, rid: str, req: CompletionRequest, choices: list[list[StrOutput]]
     ) -> dict[str, Any]:
         built = [
-            completion_choice(i, "".join(o.text for o in outputs), finish_reason(outputs[-1]))
-            for i, outputs in enumerate(choices)
+            completion_choice(i, outputs, CompletionLogprobs()) for i, outputs in enumerate(choices)
         ]
         return self.envelope(rid).wrap(built, [c[-1] for c in choices], chunk=False)

@@ -7,8 +7,9 @@ from typing import Any
 
 from runtime.io_struct import StrOutput
 from runtime.multimodal import Modality
-from runtime.sampler import SamplingParams
+from runtime.sampler import MAX_LOGPROBS, SamplingParams
 from tokenizer_manager.api.base import Serving, checked
+from tokenizer_manager.api.logprobs import native_logprobs
 from tokenizer_manager.mm_processor import MediaRef
 from tokenizer_manager.protocol import APIError, GenerateRequest, new_id
 from tokenizer_manager.tokenizer_manager import GenerateInput
@@ -24,15 +25,24 @@ NATIVE_SAMPLING = {
     "stop_token_ids",
     "ignore_eos",
     "skip_special_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_new_tokens",
+    "no_stop_trim",
 }
+RENAMED = {"min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}
 
 
-def native_sampling(raw: dict[str, Any], room: int) -> SamplingParams:
-    """`sampling_params` as SamplingParams; unknown names are a 400."""
+def native_sampling(raw: dict[str, Any], room: int, logprobs: int | None) -> SamplingParams:
+    """`sampling_params` (SGLang's names) as SamplingParams; unknown names are a 400.
+    `logprobs`: top_logprobs_num when return_logprob is set, else None."""
     unknown = set(raw) - NATIVE_SAMPLING
     if unknown:
         raise APIError(f"unknown sampling params {sorted(unknown)}", param="sampling_params")
-    values = dict(raw)
+    values = {RENAMED.get(k, k): v for k, v in raw.items()}
+    values["logprobs"] = logprobs
     values.setdefault("max_new_tokens", min(128, room))
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
@@ -42,9 +52,11 @@ def native_sampling(raw: dict[str, Any], room: int) -> SamplingParams:
         raise APIError(str(e), param="sampling_params") from e
 
 
-def native_body(rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
+def native_body(
+    rid: str, outputs: list[StrOutput], text_in_logprobs: bool = False
+) -> dict[str, Any]:
     last = outputs[-1]
-    return {
+    body = {
         "text": "".join(o.text for o in outputs),
         "output_ids": [t for o in outputs for t in o.token_ids],
         "meta_info": {
@@ -55,13 +67,25 @@ def native_body(rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
             "finish_reason": last.finish_reason and last.finish_reason.to_json(),
         },
     }
+    if any(out.logprobs is not None for out in outputs):
+        body["meta_info"].update(native_logprobs(outputs, text_in_logprobs))
+    return body
+
+
+def native_logprobs_num(req: GenerateRequest) -> int | None:
+    if not req.return_logprob:
+        return None
+    if not 0 <= req.top_logprobs_num <= MAX_LOGPROBS:
+        raise APIError(f"top_logprobs_num must be in [0, {MAX_LOGPROBS}]", param="top_logprobs_num")
+    return req.top_logprobs_num
 
 
 class NativeStream:
     """Each event is the whole response so far (SGLang's /generate stream)."""
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, text_in_logprobs: bool = False) -> None:
         self.rid = rid
+        self.text_in_logprobs = text_in_logprobs
         self.outputs: list[StrOutput] = []
 
     def opening(self) -> list[dict[str, Any]]:
@@ -69,7 +93,7 @@ class NativeStream:
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
         self.outputs.append(out)
-        return [native_body(self.rid, self.outputs)]
+        return [native_body(self.rid, self.outputs, self.text_in_logprobs)]
 
     def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
         return []
@@ -83,7 +107,7 @@ class GenerateServing(Serving[GenerateRequest]):
         return GenerateInput(
             req.rid or new_id("gen"),
             req.stream,
-            lambda room: native_sampling(req.sampling_params, room),
+            lambda room: native_sampling(req.sampling_params, room, native_logprobs_num(req)),
             req.sampling_params.get("max_new_tokens"),
             text=req.text,
             input_ids=req.input_ids,
@@ -91,9 +115,9 @@ class GenerateServing(Serving[GenerateRequest]):
         )
 
     def stream_writer(self, rid: str, req: GenerateRequest) -> NativeStream:
-        return NativeStream(rid)
+        return NativeStream(rid, req.return_text_in_logprobs)
 
     def response(
         self, rid: str, req: GenerateRequest, choices: list[list[StrOutput]]
     ) -> dict[str, Any]:
-        return native_body(rid, choices[0])
+        return native_body(rid, choices[0], req.return_text_in_logprobs)

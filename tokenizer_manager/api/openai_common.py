@@ -56,15 +56,20 @@ def refuse(checks: list[tuple[bool, str, str]]) -> None:
 
 def common_refusals(req: SamplingFields) -> list[tuple[bool, str, str]]:
     return [
-        (req.n != 1, "n", "only n=1 is supported"),
-        (req.presence_penalty != 0, "presence_penalty", "presence_penalty is not supported"),
-        (req.frequency_penalty != 0, "frequency_penalty", "frequency_penalty is not supported"),
-        (bool(req.logprobs), "logprobs", "logprobs are not supported"),
+        (req.use_beam_search, "use_beam_search", "beam search is not supported"),
+        (
+            req.best_of not in (None, req.n),
+            "best_of",
+            "best_of other than n needs beam search, which is not supported",
+        ),
     ]
 
 
-def openai_sampling(req: SamplingFields, max_tokens: int | None, room: int) -> SamplingParams:
-    """The sampling fields chat and completions share, as SamplingParams."""
+def openai_sampling(
+    req: SamplingFields, max_tokens: int | None, room: int, logprobs: int | None
+) -> SamplingParams:
+    """The sampling fields chat and completions share, as SamplingParams (`logprobs`: the
+    number of alternatives per token, None when off; each API reads it from its own fields)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -74,7 +79,18 @@ def openai_sampling(req: SamplingFields, max_tokens: int | None, room: int) -> S
         seed=req.seed,
         max_new_tokens=room if max_tokens is None else max_tokens,
         stop=stop,
+        stop_token_ids=req.stop_token_ids or [],
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        min_tokens=req.min_tokens,
+        logit_bias=req.logit_bias,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words or [],
+        logprobs=logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        n=req.n,
     )
     return checked(params)

@@ -42,20 +42,21 @@ async def sse(
     """Events for one request's outputs; an error finish becomes an error event before
     `[DONE]` (no usage then); the stream is closed (which aborts the request) however it ends."""
     try:
-        for payload in writer.opening() + writer.chunks(first):
+        for payload in writer.opening() + writer.chunks(first, first.index):
             yield event(payload)
-        last = first
+        lasts = {first.index: first}  # each choice's latest output
         async for out in stream:
-            last = out
+            lasts[out.index] = out
             err = finish_error(out)
             if err is not None:
                 yield error_event(err)
                 yield DONE
                 return
-            for payload in writer.chunks(out):
+            for payload in writer.chunks(out, out.index):
                 yield event(payload)
-        usage.record([last])
-        for payload in writer.closing([last]):
+        finals = [lasts[i] for i in sorted(lasts)]
+        usage.record(finals)
+        for payload in writer.closing(finals):
             yield event(payload)
         yield DONE
     finally:
