@@ -11,13 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from make_tiny_checkpoint import make_checkpoint
 from stress import LaunchedServer
-from test_server import Server, image_part, serve_then_check_teardown
-from transformers import LogitsProcessorList
+from test_server import Server, client, image_part, serve_then_check_teardown
 from transformers.generation import logits_process as hf
-from vlm_cases import Case, Checkpoint, load_hf, noise_image
+from vlm_cases import Case, Checkpoint, hf_generate, load_hf, noise_image
 
 NEW = 10
 TEXT = "Describe the cat and the dog and the cat again."
@@ -59,32 +57,13 @@ def oracle(folder: str) -> dict[str, Any]:
     }
 
 
-def hf_generate(oracle: dict[str, Any], case: Case, *processors: Any) -> tuple[list[int], Any]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            out = oracle["model"].generate(
-                **case.hf_inputs,
-                max_new_tokens=NEW,
-                do_sample=False,
-                logits_processor=LogitsProcessorList(processors),
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
-    finally:
-        torch.set_num_threads(threads)
+def hf_tokens(oracle: dict[str, Any], case: Case, *processors: Any) -> tuple[list[int], Any]:
+    out = hf_generate(oracle["model"], case, NEW, list(processors))
     return out.sequences[0, case.hf_inputs["input_ids"].shape[1] :].tolist(), out.logits
 
 
 def text_of(oracle: dict[str, Any], tokens: list[int]) -> str:
     return oracle["ckpt"].tokenizer.decode(tokens, skip_special_tokens=True)
-
-
-def client(server: Server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def chat(server: Server, content: str | list[dict], **kw: Any):
@@ -101,7 +80,7 @@ def server_info(server: Server) -> dict[str, Any]:
 
 
 def test_n_choices_share_one_prefill_and_encode(server: Server, oracle: dict[str, Any]) -> None:
-    want = text_of(oracle, hf_generate(oracle, oracle["image"])[0])
+    want = text_of(oracle, hf_tokens(oracle, oracle["image"])[0])
     before = server_info(server)
     out = chat(server, [image_part(noise_image()), {"type": "text", "text": QUESTION}], n=3)
     after = server_info(server)
@@ -140,7 +119,7 @@ def test_streamed_choices_equal_the_whole_response(server: Server) -> None:
 
 
 def test_chat_logprobs_match_hf_log_softmax(server: Server, oracle: dict[str, Any]) -> None:
-    tokens, logits = hf_generate(oracle, oracle["text"])
+    tokens, logits = hf_tokens(oracle, oracle["text"])
     out = chat(server, TEXT, logprobs=True, top_logprobs=3).choices[0]
     content = out.logprobs.content
     assert len(content) == NEW
@@ -189,7 +168,7 @@ def test_native_generate_returns_sglang_logprobs(server: Server) -> None:
 
 
 def test_penalties_through_the_client_match_hf(server: Server, oracle: dict[str, Any]) -> None:
-    tokens, _ = hf_generate(oracle, oracle["text"], hf.RepetitionPenaltyLogitsProcessor(1.8))
+    tokens, _ = hf_tokens(oracle, oracle["text"], hf.RepetitionPenaltyLogitsProcessor(1.8))
     out = chat(server, TEXT, extra_body={"repetition_penalty": 1.8})
     assert out.choices[0].message.content == text_of(oracle, tokens)
     plain = chat(server, TEXT).choices[0].message.content
@@ -198,7 +177,7 @@ def test_penalties_through_the_client_match_hf(server: Server, oracle: dict[str,
 
 
 def test_a_stop_token_is_not_in_the_text(server: Server, oracle: dict[str, Any]) -> None:
-    tokens, _ = hf_generate(oracle, oracle["text"])
+    tokens, _ = hf_tokens(oracle, oracle["text"])
     stop = tokens[3]
     cut = tokens.index(stop)
     out = chat(server, TEXT, extra_body={"stop_token_ids": [stop]}).choices[0]

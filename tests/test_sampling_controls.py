@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 from make_tiny_checkpoint import make_checkpoint
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor
 from transformers.generation import logits_process as hf
-from vlm_cases import Case, Checkpoint, load_hf, noise_image
+from vlm_cases import Case, Checkpoint, hf_generate, load_hf, noise_image
 
 from runtime.distributed import TPGroup
 from runtime.io_struct import AbortReq, FinishKind, TokenizedGenerateReq
@@ -98,18 +98,8 @@ def ours(world: dict[str, Any], case: Case, **kw: Any) -> dict[str, Any]:
 def theirs(
     world: dict[str, Any], case: Case, *processors: LogitsProcessor, **kw: Any
 ) -> dict[str, Any]:
-    with torch.no_grad():
-        out = world["hf"].generate(
-            **case.hf_inputs,
-            max_new_tokens=NEW,
-            do_sample=False,
-            logits_processor=LogitsProcessorList(processors),
-            return_dict_in_generate=True,
-            output_logits=True,
-            **kw,
-        )
-    prompt_len = case.hf_inputs["input_ids"].shape[1]
-    return {"tokens": out.sequences[0, prompt_len:].tolist(), "logits": out.logits}
+    out = hf_generate(world["hf"], case, NEW, list(processors), **kw)
+    return {"tokens": out.sequences[0, prompt_len(case) :].tolist(), "logits": out.logits}
 
 
 def prompt_len(case: Case) -> int:
