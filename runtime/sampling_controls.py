@@ -12,8 +12,9 @@ min_tokens masks the request's stop token ids (EOS unless ignore_eos, and stop_t
 its output is shorter. A bad word's last token is banned when the output ends with the rest of
 the word (vLLM's rule: output tokens only).
 
-State (invariant 17): a request that uses a penalty or bad words carries a `SamplingState` that
-the scheduler advances with each token it accepts, so a step never recounts a request's tokens.
+State (invariant 17): a request that uses a penalty, bad words or allowed_token_ids carries a
+`SamplingState` (allowed_token_ids as an index tensor, built once) that the scheduler advances
+with each token it accepts, so a step never recounts a request's tokens.
 Retraction keeps a request's tokens (only their KV is recomputed), so its state stays valid; a
 request rebuilt from its tokens gets its state rebuilt by `SamplingState.for_request`.
 
@@ -62,19 +63,23 @@ class SamplingState:
     output_seen: list[int] = field(default_factory=list)  # distinct output ids not in the prompt
     counts: dict[int, int] = field(default_factory=dict)  # output id -> times generated
     recent: list[int] = field(default_factory=list)
+    allowed: torch.Tensor | None = None  # allowed_token_ids as an index, built once
 
     @classmethod
     def for_request(
         cls, params: SamplingParams, token_ids: Sequence[int], prompt_len: int, vocab_size: int
     ) -> SamplingState | None:
         """The state of a request with these tokens, or None when its controls need none."""
-        if not (params.uses_penalties or params.bad_words_ids):
+        allowed = params.allowed_token_ids
+        if not (params.uses_penalties or params.bad_words_ids or allowed is not None):
             return None
         seen: list[int] = []
         if params.repetition_penalty != 1.0:
             seen = sorted({t for t in token_ids[:prompt_len] if 0 <= t < vocab_size})
         keep = max((len(w) - 1 for w in params.bad_words_ids), default=0)
         state = cls(seen, frozenset(seen), keep)
+        if allowed is not None:
+            state.allowed = torch.tensor(sorted(set(allowed)), dtype=torch.int64)
         for token in token_ids[prompt_len:]:
             state.accept(token)
         return state
@@ -141,7 +146,9 @@ def apply_controls(
     rows = [i for i, p in enumerate(params) if p.uses_controls]
     if not rows:
         return logits
-    _restrict_to_allowed(logits, [(i, params[i].allowed_token_ids) for i in rows])
+    allowed = [i for i in rows if params[i].allowed_token_ids is not None]
+    if allowed:
+        _restrict_to_allowed(logits, allowed, params, states)
     edits = _Edits()
     for i in rows:
         state = states[i] if states is not None else None
@@ -174,15 +181,20 @@ def _row_edits(
         edits.penalise(row, list(counts), penalties)
 
 
-def _restrict_to_allowed(logits: torch.Tensor, allowed: list[tuple[int, list[int] | None]]) -> None:
-    picked = [(row, ids) for row, ids in allowed if ids is not None]
-    if not picked:
-        return
-    rows = [row for row, _ in picked]
+def _restrict_to_allowed(
+    logits: torch.Tensor,
+    rows: list[int],
+    params: Sequence[SamplingParams],
+    states: Sequence[SamplingState | None] | None,
+) -> None:
+    """Every other token of these rows to -inf (their index built once, in their state)."""
     keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
-    flat_rows = [k for k, (_, ids) in enumerate(picked) for _ in ids]
-    flat_ids = [t for _, ids in picked for t in ids]
-    keep[_index(flat_rows, logits), _index(flat_ids, logits)] = True
+    for k, row in enumerate(rows):
+        state = states[row] if states is not None else None
+        ids = state.allowed if state is not None and state.allowed is not None else None
+        if ids is None:
+            ids = torch.tensor(params[row].allowed_token_ids, dtype=torch.int64)
+        keep[k, ids.to(logits.device)] = True
     logits[rows] = logits[rows].masked_fill(~keep, -math.inf)
 
 
