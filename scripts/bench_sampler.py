@@ -145,13 +145,14 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--history", type=int, default=1024, help="prompt+output tokens per request")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     ap.add_argument("--json", default=None)
     return ap.parse_args()
 
 
 def main() -> None:
     args = parse()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model_path or str(make_checkpoint("qwen2_vl", Path(tmp) / "tiny"))
         result = {
