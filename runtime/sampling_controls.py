@@ -67,15 +67,24 @@ class SamplingState:
 
     @classmethod
     def for_request(
-        cls, params: SamplingParams, token_ids: Sequence[int], prompt_len: int, vocab_size: int
+        cls,
+        params: SamplingParams,
+        token_ids: Sequence[int],
+        prompt_len: int,
+        vocab_size: int,
+        placeholders: dict[int, int] | None = None,
     ) -> SamplingState | None:
-        """The state of a request with these tokens, or None when its controls need none."""
+        """The state of a request with these tokens, or None when its controls need none.
+        `placeholders`: pad value -> the placeholder token id its media item stands for (so the
+        repetition penalty sees the prompt as HF and vLLM do, image tokens included)."""
         allowed = params.allowed_token_ids
         if not (params.uses_penalties or params.bad_words_ids or allowed is not None):
             return None
         seen: list[int] = []
         if params.repetition_penalty != 1.0:
-            seen = sorted({t for t in token_ids[:prompt_len] if 0 <= t < vocab_size})
+            swap = placeholders or {}
+            prompt = {swap.get(t, t) for t in token_ids[:prompt_len]}
+            seen = sorted(t for t in prompt if 0 <= t < vocab_size)
         keep = max((len(w) - 1 for w in params.bad_words_ids), default=0)
         state = cls(seen, frozenset(seen), keep)
         if allowed is not None:

@@ -71,9 +71,18 @@ class Req:
 
     @classmethod
     def from_message(
-        cls, msg: TokenizedGenerateReq, eos: tuple[int, ...], arrival: int, vocab_size: int
+        cls,
+        msg: TokenizedGenerateReq,
+        eos: tuple[int, ...],
+        arrival: int,
+        vocab_size: int,
+        media_token_ids: dict[str, int] | None = None,
     ) -> Req:
+        """`media_token_ids`: modality -> its placeholder token id (for the penalties)."""
         ids, params = list(msg.input_ids), msg.sampling_params
+        media = media_token_ids or {}
+        items = msg.mm_inputs.items if msg.mm_inputs is not None else []
+        swap = {item.pad_value: media[item.modality] for item in items if item.modality in media}
         return cls(
             token_ids=ids,
             mm=msg.mm_inputs,
@@ -82,7 +91,7 @@ class Req:
             params=params,
             eos_token_ids=eos,
             arrival=arrival,
-            sampling=SamplingState.for_request(params, ids, len(ids), vocab_size),
+            sampling=SamplingState.for_request(params, ids, len(ids), vocab_size, swap),
         )
 
     @property

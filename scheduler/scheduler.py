@@ -63,6 +63,7 @@ class SchedulerConfig:
     random_seed: int = 0
     enable_mixed_chunk: bool = False  # running decodes ride along each prefill step
     vocab_size: int = 2**31  # token ids a request may name (logit_bias, allowed_token_ids)
+    media_token_ids: dict[str, int] = field(default_factory=dict)  # modality -> placeholder id
 
 
 @dataclass
@@ -137,8 +138,10 @@ class Scheduler:
         for index, params in enumerate(choice_params(msg.sampling_params)):
             self._arrivals += 1
             choice = dataclasses.replace(msg, sampling_params=params)
-            eos, vocab = self.cfg.eos_token_ids, self.cfg.vocab_size
-            req = Req.from_message(choice, eos, self._arrivals, vocab)
+            cfg = self.cfg
+            req = Req.from_message(
+                choice, cfg.eos_token_ids, self._arrivals, cfg.vocab_size, cfg.media_token_ids
+            )
             req.index, req.fork_of = index, first
             first = first or req
             self.queue_request(req)

@@ -126,12 +126,27 @@ def case_named(world: dict[str, Any], name: str) -> Case:
 # ---------------------------------------------------------------------- one test per control
 
 
-def test_repetition_penalty_matches_hf(world, plain) -> None:
-    case = case_named(world, "text")  # images: HF also penalises the image placeholder id
+@pytest.mark.parametrize("name", CASES)
+def test_repetition_penalty_matches_hf(world, plain, name: str) -> None:
+    """Over prompt and output; an image's tokens count as its placeholder id, as in HF."""
+    case = case_named(world, name)
     got = ours(world, case, repetition_penalty=1.8)["tokens"]
     want = theirs(world, case, hf.RepetitionPenaltyLogitsProcessor(1.8))["tokens"]
     assert got == want
-    assert got != plain["text"]
+    assert got != plain[name]
+
+
+def test_an_image_counts_as_its_placeholder_for_the_repetition_penalty(world) -> None:
+    """A biased image placeholder id wins unless the penalty sees the image's tokens in the
+    prompt, as HF does (processors in tessera's order: logit_bias, then the penalty)."""
+    case = case_named(world, "image")
+    image = world["ckpt"].config.image_token_id
+    got = ours(world, case, repetition_penalty=1.5, logit_bias={image: 5.0})["tokens"]
+    bias = hf.SequenceBiasLogitsProcessor([[[image], 5.0]])
+    want = theirs(world, case, bias, hf.RepetitionPenaltyLogitsProcessor(1.5))["tokens"]
+    assert got == want
+    unpenalised = ours(world, case, logit_bias={image: 5.0})["tokens"]
+    assert image in unpenalised and image not in got
 
 
 @pytest.mark.parametrize("name", CASES)
