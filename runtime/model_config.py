@@ -9,6 +9,7 @@ architecture parses from either layout to the same object.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,7 +109,10 @@ class ModelConfig:
         path = Path(model_path) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"no config.json in {model_path}")
-        return cls.from_dict(json.loads(path.read_text()))
+        config = cls.from_dict(json.loads(path.read_text()))
+        more = _eos_ids(read_generation_config(model_path))
+        eos = config.eos_token_ids + tuple(t for t in more if t not in config.eos_token_ids)
+        return dataclasses.replace(config, eos_token_ids=eos)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
@@ -249,3 +253,46 @@ def _eos_ids(cfg: dict) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+# ---------------------------------------------------------------------- generation config
+
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# transformers' own defaults: a generation_config.json value equal to one of these is no
+# default of the checkpoint's (vLLM reads the file's difference from them the same way)
+HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+
+
+def read_generation_config(model_path: str | Path) -> dict:
+    """generation_config.json of a checkpoint folder ({} when it has none)."""
+    path = Path(model_path) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The checkpoint's sampling defaults for the fields a request leaves unset (`--generation-
+    config auto`, as vLLM reads them), or none (`vllm`). Its EOS ids always join the stop set
+    (`ModelConfig.eos_token_ids`), as in vLLM with either setting."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+
+    @classmethod
+    def load(cls, model_path: str | Path | None, mode: str = "auto") -> GenerationDefaults:
+        if mode == "vllm" or model_path is None:
+            return cls()
+        raw = read_generation_config(model_path)
+        values = {
+            name: raw[name]
+            for name in (*GENERATION_DEFAULT_FIELDS, "max_new_tokens")
+            if raw.get(name) is not None and raw[name] != HF_GENERATION_DEFAULTS.get(name)
+        }
+        return cls(**values)
+
+    def in_force(self) -> dict[str, float | int]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

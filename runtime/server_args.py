@@ -100,6 +100,18 @@ class ServerArgs:
         "largest HTTP request body in bytes (413 beyond); default 64 MiB", default=64 << 20
     )
     served_model_name: str | None = _opt("model name reported by the API")
+    generation_config: str = _opt(
+        "auto: the checkpoint's generation_config.json gives the defaults of temperature, "
+        "top_p, top_k, min_p, repetition_penalty and max_tokens a request leaves unset; vllm: "
+        "tessera's own defaults (its EOS ids stop requests either way)",
+        default="auto",
+        choices=["auto", "vllm"],
+    )
+    reasoning_parser: str | None = _opt(
+        "split the thinking section of chat replies into reasoning_content: qwen3 (a reply "
+        "that opens <think>), deepseek_r1 (the template opened <think> in the prompt)",
+        choices=["qwen3", "deepseek_r1"],
+    )
     log_level: str = _opt("log level", default="info")
     random_seed: int = _opt("seed for sampling without a per-request seed", default=0)
     nnodes: int = _opt("nodes", default=1)

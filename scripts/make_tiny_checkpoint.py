@@ -667,6 +667,12 @@ def write_json(path: Path, data: Any, indent: int | None = 2) -> None:
     path.write_text(text + "\n", encoding="utf-8")
 
 
+def save_generation_config(out: Path, values: dict[str, Any]) -> None:
+    from transformers import GenerationConfig
+
+    GenerationConfig(**values).save_pretrained(out)
+
+
 def remove_old_weights(out: Path) -> None:
     """Drop weight files of an earlier run, so a rebuilt folder never mixes two layouts."""
     for path in out.glob("model*.safetensors*"):
@@ -681,8 +687,17 @@ def supported(arch: str, preset: str) -> bool:
     return (arch, preset) in VISION_SHAPES
 
 
-def make_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+def make_checkpoint(
+    arch: str,
+    out: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    generation: dict[str, Any] | None = None,
+) -> Path:
     """Write a complete checkpoint folder for `arch` and `preset` into `out` and return its path.
+
+    `generation` overrides fields of generation_config.json (written by transformers'
+    GenerationConfig, so it is what HF `generate` reads), e.g. sampling defaults or an EOS list.
 
     The tiny and vit-heavy presets are stored in float32, the 7b preset in bfloat16 (shards of
     at most 4 GiB).
@@ -700,7 +715,7 @@ def make_checkpoint(arch: str, out: str | Path, preset: str = "tiny", seed: int 
     write_json(out / "config.json", flat)
     write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
     write_json(out / "preprocessor_config.json", preprocessor_config(arch, preset))
-    write_json(out / "generation_config.json", generation_config(preset, ids))
+    save_generation_config(out, {**generation_config(preset, ids), **(generation or {})})
     if arch == "qwen3_vl":
         write_json(out / "video_preprocessor_config.json", video_preprocessor_config(preset))
     if preset in SMALL_PRESETS:
@@ -718,13 +733,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="folder to write the checkpoint into")
     parser.add_argument("--preset", choices=PRESETS, default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--generation",
+        type=json.loads,
+        default=None,
+        help="JSON overriding generation_config.json fields (sampling defaults, eos_token_id)",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
-    out = make_checkpoint(args.arch, args.out, args.preset, args.seed)
+    out = make_checkpoint(args.arch, args.out, args.preset, args.seed, args.generation)
     elapsed = time.perf_counter() - start
     print(f"wrote {args.arch} {args.preset} checkpoint to {out} in {elapsed:.1f} s")
     return 0

@@ -37,8 +37,10 @@ async def drain(body: AsyncIterator[bytes]) -> list[str]:
 
 
 def test_stream_gets_an_error_event_before_done() -> None:
-    writer = ChatStream(Envelope("r1", "m", "chat.completion", "chat.completion.chunk"), True)
-    body = sse(writer, out("a"), outputs(out("b"), out("", FAULT)), UsageRecorder(ApiCounters()))
+    envelope = Envelope("r1", "m", "chat.completion", "chat.completion.chunk")
+    writer = ChatStream(envelope, (True, False))
+    stream = outputs(out("b"), out("", FAULT))
+    body = sse(writer, [out("a")], [stream], UsageRecorder(ApiCounters()))
     events = asyncio.run(drain(body))
     assert events[-1] == "data: [DONE]\n\n"
     error = json.loads(events[-2].removeprefix("data: "))
@@ -48,11 +50,11 @@ def test_stream_gets_an_error_event_before_done() -> None:
 
 
 def test_native_stream_gets_an_error_event_before_done() -> None:
-    body = sse(NativeStream("r1"), out("a"), outputs(out("", FAULT)), UsageRecorder(ApiCounters()))
+    stream = outputs(out("", FAULT))
+    body = sse(NativeStream("r1"), [out("a")], [stream], UsageRecorder(ApiCounters()))
     events = asyncio.run(drain(body))
     assert events[-1] == "data: [DONE]\n\n"
     assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "internal_server_error"
-
 
 
 def test_non_streaming_error_finish_raises_a_5xx() -> None:

@@ -265,3 +265,37 @@ def test_a_row_with_nothing_to_draw_fails_alone() -> None:
     tokens, errors = Sampler().sample_safe(logits, [SamplingParams()] * 3, [0, 0, 0])
     assert list(errors) == [0] and tokens[0] == FAILED_TOKEN
     assert all(0 <= t < VOCAB for t in tokens[1:])
+
+
+# ---------------------------------------------------------------------- controls' bookkeeping
+
+
+def test_a_batch_without_controls_is_not_touched() -> None:
+    from runtime.sampling_controls import apply_controls
+
+    logits = random_logits(4)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.5, logprobs=3).normalize() for _ in range(4)]
+    assert apply_controls(logits, params, [0] * 4, None) is logits
+    assert torch.equal(logits, before)
+
+
+def test_state_kept_token_by_token_equals_a_rebuild() -> None:
+    """The counts move with each accepted token; a request rebuilt from its tokens (after a
+    recompute) gets the same state."""
+    from runtime.sampling_controls import SamplingState
+
+    params = SamplingParams(
+        repetition_penalty=1.2, frequency_penalty=0.5, bad_words_ids=[[5, 6, 7]]
+    ).normalize()
+    prompt = [1, 2, 3, 2, 10**6]  # a pad value outside the vocabulary is not counted
+    output = [4, 2, 4, 9, 4, 5, 6]
+    state = SamplingState.for_request(params, prompt, len(prompt), VOCAB)
+    for token in output:
+        state.accept(token)
+    rebuilt = SamplingState.for_request(params, prompt + output, len(prompt), VOCAB)
+    for s in (state, rebuilt):
+        assert s.prompt_seen == [1, 2, 3] and s.output_seen == [4, 9, 5, 6]
+        assert s.counts == {4: 3, 2: 1, 9: 1, 5: 1, 6: 1} and s.recent == [5, 6]
+        assert s.banned_by_words(params.bad_words_ids) == [7]
+    assert SamplingState.for_request(SamplingParams(), prompt, len(prompt), VOCAB) is None

@@ -9,25 +9,29 @@ import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from runtime.logging_utils import get_logger
-from tokenizer_manager.api.base import Serving, model_name
+from runtime.model_config import GenerationDefaults
+from tokenizer_manager.api.base import ApiContext, model_name
 from tokenizer_manager.api.body import parse_body, validation_error
 from tokenizer_manager.api.chat import ChatServing
 from tokenizer_manager.api.completions import CompletionServing
 from tokenizer_manager.api.generate import GenerateServing
+from tokenizer_manager.api.tokenize import DetokenizeServing, TokenizeServing
 from tokenizer_manager.api.usage import ApiCounters, UsageRecorder
 from tokenizer_manager.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenizer_manager.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
+    TokenizeRequest,
     now,
 )
 from tokenizer_manager.tokenizer_manager import TokenizerManager
@@ -42,12 +46,18 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     app = FastAPI(title="tessera", docs_url=None, redoc_url=None, dependencies=auth)
     app.state.tm = tm
     app.state.counters = ApiCounters()
-    usage = UsageRecorder(app.state.counters)
+    defaults = GenerationDefaults.load(tm.args.model_path, tm.args.generation_config)
+    logger.info("sampling defaults in force: %s", defaults.in_force() or "tessera's own")
+    ctx = ApiContext(
+        UsageRecorder(app.state.counters), defaults, reasoning_parser=tm.args.reasoning_parser
+    )
     install_error_handlers(app)
     add_info_routes(app, tm)
-    add_api_route(app, "/v1/chat/completions", ChatCompletionRequest, ChatServing(tm, usage))
-    add_api_route(app, "/v1/completions", CompletionRequest, CompletionServing(tm, usage))
-    add_api_route(app, "/generate", GenerateRequest, GenerateServing(tm, usage))
+    add_api_route(app, "/v1/chat/completions", ChatCompletionRequest, ChatServing(tm, ctx))
+    add_api_route(app, "/v1/completions", CompletionRequest, CompletionServing(tm, ctx))
+    add_api_route(app, "/generate", GenerateRequest, GenerateServing(tm, ctx))
+    add_api_route(app, "/tokenize", TokenizeRequest, TokenizeServing(tm, ctx))
+    add_api_route(app, "/detokenize", DetokenizeRequest, DetokenizeServing(tm, ctx))
     return app
 
 
@@ -142,7 +152,11 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
         )
 
 
-def add_api_route(app: FastAPI, path: str, model: type, serving: Serving) -> None:
+class Handler(Protocol):
+    async def handle(self, req: Any, arrival: float) -> Response: ...
+
+
+def add_api_route(app: FastAPI, path: str, model: type, serving: Handler) -> None:
     """POST `path`: the body parsed as `model`, served by `serving` until the client leaves."""
 
     async def route(request: Request) -> Response:

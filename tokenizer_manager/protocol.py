@@ -1,4 +1,11 @@
-"""OpenAI-compatible request and response shapes, and tessera's error type for the API."""
+"""The API's request and response vocabulary and tessera's error type.
+
+Every field that OpenAI's chat and completions APIs define, and that vLLM's and SGLang's
+extensions add, is named here: typed on the request models when tessera honours it, or listed in
+a table of refusals (`CHAT_REFUSED`, `COMPLETION_REFUSED`) with the values that ask for nothing
+(those are accepted) and the reason given in the 400 otherwise. Anything else a request carries
+is ignored with one warning per field name (`api.fields.UnknownFields`), as vLLM does.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from runtime.sampler import SEED_RANGE
+from runtime.sampler import MAX_N, SEED_RANGE
 
 
 class APIError(Exception):
@@ -42,9 +49,12 @@ class APIError(Exception):
         }
 
 
+# ---------------------------------------------------------------------- messages
+
+
 class ImageURL(BaseModel):
     url: str
-    detail: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class VideoURL(BaseModel):
@@ -52,6 +62,8 @@ class VideoURL(BaseModel):
 
 
 class ContentPart(BaseModel):
+    """One part of a message's content; `check_part` says which fields each type needs."""
+
     model_config = ConfigDict(extra="allow")
     type: Literal["text", "image_url", "video_url", "input_text"]
     text: str | None = None
@@ -59,18 +71,72 @@ class ContentPart(BaseModel):
     video_url: VideoURL | None = None
 
 
+PART_FIELD = {"text": "text", "input_text": "text", "image_url": "image_url"}
+
+
+def check_part(part: ContentPart) -> ContentPart:
+    need = PART_FIELD.get(part.type, "video_url")
+    if getattr(part, need) is None:
+        raise ValueError(f"a {part.type} part needs `{need}`")
+    return part
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
+    """A conversation turn. Only an assistant turn may leave `content` null (with tool calls)."""
+
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if value is None and role != "assistant":
+            raise ValueError(f"a {role} message needs content")
+        if isinstance(value, list):
+            return [check_part(ContentPart.model_validate(p)) for p in value]
+        return value
+
+
+# ---------------------------------------------------------------------- requests
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by chat and completions requests."""
+    """Fields shared by chat and completions requests, all honoured (engine fields only once
+    the sampler has them: see api.openai_common.ENGINE_FIELDS)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -81,39 +147,75 @@ class SamplingFields(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: str | list[str] | None = None  # limits: runtime/sampler.py (MAX_STOP_*)
+    stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices forked from one prefill
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logprobs: bool | int | None = None
-    user: str | None = None
-    # vLLM's sampling extensions (runtime/sampler.py SamplingParams; range checks there)
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    min_tokens: int | None = Field(default=None, ge=0)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    best_of: int | None = None  # refused unless it equals n (no beam search)
-    use_beam_search: bool = False  # refused
+    include_stop_str_in_output: bool | None = None
+    no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output
+    request_id: str | None = Field(default=None, max_length=256)  # vLLM
+    rid: str | None = Field(default=None, max_length=256)  # SGLang
+    user: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # "none" or "auto"; "required" and a named tool are refused
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    include_reasoning: bool = True  # vLLM; with --reasoning-parser
+    separate_reasoning: bool = True  # SGLang; with --reasoning-parser
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize in vLLM's shape: a prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
 
 
 class GenerateRequest(BaseModel):
@@ -131,6 +233,100 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
 
 
+# ---------------------------------------------------------------------- refusals
+
+INERT = (None, False, [], {}, "")  # values that ask for nothing, for every refused field
+
+STRUCTURED = "structured outputs are not built yet"
+LOGPROBS = "only the output tokens' logprobs are built, as token strings"
+DISAGG = "disaggregated serving is not built"
+
+# Fields both APIs refuse: name -> (further values that ask for nothing, the reason).
+COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "best_of": ((1,), "best_of is not supported"),
+    "use_beam_search": ((), "beam search is not supported"),
+    "length_penalty": ((1, 1.0), "length_penalty only applies to beam search"),
+    "spaces_between_special_tokens": ((True,), "special tokens are decoded as they are"),
+    "truncate_prompt_tokens": ((), "prompt truncation is not supported"),
+    "prompt_logprobs": ((), LOGPROBS),
+    "return_tokens_as_token_ids": ((), LOGPROBS),
+    "return_token_ids": ((), "token ids are returned by /generate"),
+    "response_format": (({"type": "text"},), STRUCTURED),
+    "structured_outputs": ((), STRUCTURED),
+    "guided_json": ((), STRUCTURED),
+    "guided_regex": ((), STRUCTURED),
+    "guided_choice": ((), STRUCTURED),
+    "guided_grammar": ((), STRUCTURED),
+    "guided_decoding_backend": ((), STRUCTURED),
+    "guided_whitespace_pattern": ((), STRUCTURED),
+    "structural_tag": ((), STRUCTURED),
+    "regex": ((), STRUCTURED),
+    "ebnf": ((), STRUCTURED),
+    "json_schema": ((), STRUCTURED),
+    "stop_regex": ((), "stop strings are matched literally"),
+    "priority": ((), "requests are served first come, first served"),
+    "logits_processors": ((), "custom logits processors are not supported"),
+    "custom_logit_processor": ((), "custom logits processors are not supported"),
+    "custom_params": ((), "custom logits processors are not supported"),
+    "vllm_xargs": ((), "no extension takes extra arguments"),
+    "cache_salt": ((), "the prefix cache is not salted"),
+    "extra_key": ((), "the prefix cache is not salted"),
+    "kv_transfer_params": ((), DISAGG),
+    "bootstrap_host": ((), DISAGG),
+    "bootstrap_port": ((), DISAGG),
+    "bootstrap_room": ((), DISAGG),
+    "data_parallel_rank": ((), "there is one data-parallel rank"),
+    "lora_path": ((), "LoRA adapters are not supported"),
+    "session_params": ((), "sessions are not supported"),
+    "return_hidden_states": ((), "hidden states are not returned"),
+    "return_routed_experts": ((), "the served models have no experts"),
+    "return_cached_tokens_details": ((), "usage.prompt_tokens_details.cached_tokens has them"),
+    "custom_labels": ((), "metrics have no per-request labels"),
+    "mm_processor_kwargs": ((), "per-request media settings are not supported yet"),
+    "add_special_tokens": ((), "the prompt is tokenized as the model's tokenizer does"),
+    "max_repetition_pattern_size": ((), "repetition detection is not supported"),
+    "min_repetition_pattern_size": ((), "repetition detection is not supported"),
+    "repetition_min_count": ((), "repetition detection is not supported"),
+    "store": ((), "completions are not stored"),
+    "service_tier": (("auto", "default"), "there is one service tier"),
+}
+
+CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    **COMMON_REFUSED,
+    "tool_choice": (("none", "auto"), "only none and auto: the others need constrained decoding"),
+    "functions": ((), "functions are not supported; send tools"),
+    "function_call": (("none", "auto"), "functions are not supported; send tools"),
+    "echo": ((), "chat echo is not supported"),
+    "chat_template": ((), "the server's chat template is used"),
+    "reasoning_effort": ((), "the served chat templates take no reasoning effort"),
+    "reasoning": ((), "the served chat templates take no reasoning effort"),
+    "stream_reasoning": ((True,), "reasoning is streamed as it comes"),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    "verbosity": ((), "the served models take no verbosity"),
+    "max_dynamic_patch": ((), "per-request media settings are not supported yet"),
+    "min_dynamic_patch": ((), "per-request media settings are not supported yet"),
+}
+
+COMPLETION_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    **COMMON_REFUSED,
+    "suffix": ((), "suffix (fill-in-the-middle) is not supported"),
+    "prompt_embeds": ((), "prompt embeddings are not accepted"),
+}
+
+TOKENIZE_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    name: COMMON_REFUSED[name] for name in ("add_special_tokens", "mm_processor_kwargs")
+} | {"chat_template": CHAT_REFUSED["chat_template"]}
+
+# Fields that describe the caller, not the answer: accepted, with nothing to do.
+INFORMATIONAL = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
+
+
+# ---------------------------------------------------------------------- helpers
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -140,6 +336,7 @@ def now() -> int:
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage object."""
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
+from jinja2 import TemplateError
 
 from runtime.io_struct import (
     AbortReq,
@@ -109,6 +110,7 @@ class GenerateInput:
     text: str | None = None
     input_ids: list[int] | None = None
     media: list[MediaRef] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat: for the template
 
 
 class TokenizerManager:
@@ -211,41 +213,49 @@ class TokenizerManager:
     async def tokenize_request(self, inp: GenerateInput) -> TokenizedGenerateReq:
         """The one path from a parsed request to what the scheduler receives: the prompt, the
         media count and budgets, media preparation, placeholder expansion, the context check."""
+        ids, media = await self.prompt_ids(inp)
+        params = inp.sampling(max(1, self.budget.room(len(ids))))
+        return await self.in_thread(self.build_request, inp.rid, ids, media, params, inp.stream)
+
+    async def prompt_ids(self, inp: GenerateInput) -> tuple[list[int], list[PreparedMedia]]:
+        """The prompt's token ids, every media item expanded to its tokens (what /tokenize
+        counts), and the prepared media."""
         prompt, refs = await self.prompt_of(inp)
         self.check_media_count(refs)
         if prompt is None:
-            ids, media = self.checked_ids(inp.input_ids or []), []
-        else:
-            ids = await self.in_thread(self.encode, prompt)
-            media = await self.prepare_media(refs, ids, inp.max_tokens)
-            ids = await self.expand_ids(prompt, ids, media)
-        params = inp.sampling(max(1, self.budget.room(len(ids))))
-        return await self.in_thread(self.build_request, inp.rid, ids, media, params, inp.stream)
+            return self.checked_ids(inp.input_ids or []), []
+        ids = await self.in_thread(self.encode, prompt)
+        media = await self.prepare_media(refs, ids, inp.max_tokens)
+        return await self.expand_ids(prompt, ids, media), media
 
     async def prompt_of(self, inp: GenerateInput) -> tuple[str | None, list[MediaRef]]:
         """The prompt text (None for token ids) and its media, placeholders in place."""
         if inp.messages is not None:
-            return await self.in_thread(self.render_chat, inp.messages)
+            return await self.in_thread(self.render_chat, inp.messages, inp.template_kwargs)
         if inp.text is not None:
             return with_placeholders(inp.text, inp.media), inp.media
         if inp.media:
             raise APIError("media need a text prompt, not token ids", param="image_data")
         return None, []
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[MediaRef]]:
-        """Apply the chat template; media parts become placeholders, returned in order."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> tuple[str, list[MediaRef]]:
+        """Apply the chat template (with the request's `template_kwargs`: add_generation_prompt,
+        documents, the template's own kwargs); media parts become placeholders, in order."""
         hf_messages, refs = [], []
         for m in messages:
             content = m.get("content")
             if isinstance(content, list):
                 content = [self._part(p, refs) for p in content]
-            hf_messages.append({"role": m["role"], "content": content or ""})
-        prompt = self.tokenizer.apply_chat_template(
-            hf_messages,
-            chat_template=self.chat_template,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+            hf_messages.append({**m, "content": content or ""})
+        kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                hf_messages, chat_template=self.chat_template, tokenize=False, **kwargs
+            )
+        except (TemplateError, ValueError) as e:
+            raise APIError(f"the chat template failed: {e}", param="messages") from e
         return prompt, refs
 
     def _part(self, part: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any]:

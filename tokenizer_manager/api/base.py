@@ -6,14 +6,17 @@ its response."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.io_struct import StrOutput
+from runtime.model_config import GenerationDefaults
 from runtime.sampler import SamplingParams
-from tokenizer_manager.api.outputs import collect_until_done, first_output
+from tokenizer_manager.api.fields import UnknownFields
+from tokenizer_manager.api.outputs import collect_all, first_outputs
 from tokenizer_manager.api.sse import StreamWriter, sse
 from tokenizer_manager.api.usage import UsageRecorder
 from tokenizer_manager.protocol import APIError
@@ -44,8 +47,19 @@ def checked(params: SamplingParams) -> SamplingParams:
     return params
 
 
+@dataclass
+class ApiContext:
+    """What every API shares: the usage recorder, the checkpoint's sampling defaults and the
+    record of unknown fields already warned about."""
+
+    usage: UsageRecorder
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    unknown: UnknownFields = field(default_factory=UnknownFields)
+    reasoning_parser: str | None = None  # --reasoning-parser
+
+
 def by_choice(outputs: list[StrOutput], n: int) -> list[list[StrOutput]]:
-    """Each choice's outputs, in order (a request's n choices interleave)."""
+    """An engine request's outputs per choice, in order (its n choices interleave)."""
     choices: list[list[StrOutput]] = [[] for _ in range(n)]
     for out in outputs:
         choices[out.index].append(out)
@@ -55,26 +69,34 @@ def by_choice(outputs: list[StrOutput], n: int) -> list[list[StrOutput]]:
 class Serving(ABC, Generic[R]):
     """One API: request `R` in, a JSON response or an SSE stream out."""
 
-    def __init__(self, tm: TokenizerManager, usage: UsageRecorder) -> None:
+    def __init__(self, tm: TokenizerManager, ctx: ApiContext) -> None:
         self.tm = tm
-        self.usage = usage
+        self.ctx = ctx
+        self.usage = ctx.usage
 
     async def handle(self, req: R, arrival: float) -> Response:
-        inp = self.to_input(req)
-        tokenized = await self.tm.tokenize_request(inp)
-        stream = self.tm.generate(tokenized, arrival)
-        first = await first_output(stream)
-        if inp.stream:
-            body = sse(self.stream_writer(tokenized.rid, req), first, stream, self.usage)
+        rid, inputs = self.to_inputs(req)
+        tokenized = [await self.tm.tokenize_request(inp) for inp in inputs]  # all checked first
+        streams = [self.tm.generate(t, arrival) for t in tokenized]
+        firsts = await first_outputs(streams)
+        n = tokenized[0].sampling_params.n
+        if inputs[0].stream:
+            body = sse(self.stream_writer(rid, req), firsts, streams, self.usage, n)
             return StreamingResponse(body, media_type="text/event-stream")
-        outputs = await collect_until_done(first, stream)
-        choices = by_choice(outputs, tokenized.sampling_params.n)
-        self.usage.record([c[-1] for c in choices])
-        return JSONResponse(self.response(tokenized.rid, req, choices))
+        per_request = await collect_all(firsts, streams)
+        choices = [c for outputs in per_request for c in by_choice(outputs, n)]
+        self.usage.record([outputs[-1] for outputs in choices])
+        return JSONResponse(self.response(rid, req, choices))
 
-    @abstractmethod
+    def to_inputs(self, req: R) -> tuple[str, list[GenerateInput]]:
+        """The response's id and one internal request per prompt (or choice)."""
+        inp = self.to_input(req)
+        return inp.rid, [inp]
+
     def to_input(self, req: R) -> GenerateInput:
-        """Validate the request and convert it to the internal request (400s name the field)."""
+        """Validate the request and convert it to the internal request (400s name the field);
+        an API that makes several overrides `to_inputs` instead."""
+        raise NotImplementedError
 
     @abstractmethod
     def stream_writer(self, rid: str, req: R) -> StreamWriter:
@@ -82,4 +104,5 @@ class Serving(ABC, Generic[R]):
 
     @abstractmethod
     def response(self, rid: str, req: R, choices: list[list[StrOutput]]) -> dict[str, Any]:
-        """The JSON response; `choices` holds each choice's outputs, in order."""
+        """The JSON response; `choices` holds each choice's outputs, in order (prompt i's
+        choice j at i * n + j)."""

@@ -67,8 +67,9 @@ def _reason(error: ValueError) -> str:
 def validation_error(errors: list[Any]) -> APIError:
     first = errors[0] if errors else {}
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return APIError(
-        f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+        f"{loc or 'body'}: {message}",
         param=loc or None,
         code="invalid_request",
     )

@@ -2,56 +2,194 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.io_struct import StrOutput
-from runtime.sampler import MAX_LOGPROBS, SamplingParams
+from runtime.sampler import SamplingParams
 from tokenizer_manager.api.base import check_model
+from tokenizer_manager.api.fields import refuse_fields, unsupported
 from tokenizer_manager.api.logprobs import chat_logprobs
 from tokenizer_manager.api.openai_common import (
     Envelope,
     OpenAIServing,
-    common_refusals,
-    include_usage,
+    engine_values,
     openai_sampling,
-    refuse,
+    stream_usage,
 )
 from tokenizer_manager.api.outputs import finish_reason
-from tokenizer_manager.protocol import APIError, ChatCompletionRequest, new_id
-from tokenizer_manager.tokenizer_manager import GenerateInput
+from tokenizer_manager.api.reasoning_parser import ReasoningStream, split_reasoning
+from tokenizer_manager.api.tool_parser import ParsedToolCall, ToolCallStream, parse_tool_calls
+from tokenizer_manager.protocol import (
+    CHAT_REFUSED,
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    TokenizeRequest,
+    Tool,
+    new_id,
+)
+from tokenizer_manager.tokenizer_manager import GenerateInput, TokenizerManager
+
+# apply_chat_template's own parameters: not for the template's kwargs
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
-def chat_sampling(req: ChatCompletionRequest, room: int) -> SamplingParams:
-    """A chat request's sampling fields as SamplingParams."""
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return openai_sampling(req, req.max_completion_tokens or req.max_tokens, room, logprobs)
-
-
-def refuse_unsupported(req: ChatCompletionRequest) -> None:
-    fmt = (req.response_format or {}).get("type", "text")
-    top = req.top_logprobs
-    refuse(
-        common_refusals(req)
-        + [
-            (bool(req.tools), "tools", "tools are not supported"),
-            (fmt != "text", "response_format", "only text responses are supported"),
-        ]
-    )
-    if top is not None and not (0 <= top <= MAX_LOGPROBS and (req.logprobs or top == 0)):
+def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """What the chat template is rendered with besides the messages (vLLM's merge order: the
+    request's fields, then its chat_template_kwargs)."""
+    extra = req.chat_template_kwargs or {}
+    for key in extra:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise APIError(
+                f"chat_template_kwargs cannot set {key}", param=f"chat_template_kwargs.{key}"
+            )
+    kwargs = {
+        "add_generation_prompt": req.add_generation_prompt,
+        "continue_final_message": req.continue_final_message,
+        **({"documents": req.documents} if req.documents else {}),
+        **({"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}),
+        **extra,
+    }
+    if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
         raise APIError(
-            f"top_logprobs must be in [0, {MAX_LOGPROBS}] and needs logprobs: true",
-            param="top_logprobs",
+            "continue_final_message needs add_generation_prompt false",
+            param="continue_final_message",
         )
+    return kwargs
+
+
+def check_template_inputs(
+    tm: TokenizerManager, tools: list[Tool] | None, documents: list | None
+) -> None:
+    """Tools or documents the chat template would drop are a 400, not ignored."""
+    for name, value in (("tools", tools), ("documents", documents)):
+        if value and name not in tm.chat_template:
+            raise APIError(f"this model's chat template does not render {name}", param=name)
+
+
+def hf_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as transformers' chat templates take it: unknown keys dropped, tool-call
+    arguments as objects (OpenAI sends them as JSON text)."""
+    out = message.model_dump(exclude_none=True, exclude=set(message.model_extra or {}))
+    for call in out.get("tool_calls", []):
+        try:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        except ValueError as e:
+            param = f"messages.{index}.tool_calls"
+            raise APIError("tool call arguments must be JSON", param=param) from e
+    return out
+
+
+def check_unknown_message_fields(serving: ChatServing, req: ChatCompletionRequest) -> None:
+    for message in req.messages:
+        serving.ctx.unknown.check(message, (), "messages.")
+        for part in message.content if isinstance(message.content, list) else []:
+            serving.ctx.unknown.check(part, (), "messages.content.")
+
+
+@dataclass(frozen=True)
+class ReplyShape:
+    """How a reply's text is split: its thinking section (a --reasoning-parser rule, when the
+    request separates reasoning) and its tool calls (tools with tool_choice "auto")."""
+
+    reasoning: str | None = None
+    include_reasoning: bool = True
+    tools: bool = False
+    parallel: bool = True  # parallel_tool_calls: false keeps the first call only
+
+
+def reply_shape(req: ChatCompletionRequest, rule: str | None) -> ReplyShape:
+    return ReplyShape(
+        reasoning=rule if req.separate_reasoning else None,
+        include_reasoning=req.include_reasoning,
+        tools=bool(req.tools) and req.tool_choice in (None, "auto"),
+        parallel=req.parallel_tool_calls is not False,
+    )
+
+
+def tool_call_json(call: ParsedToolCall, index: int | None = None) -> dict[str, Any]:
+    body = {
+        "id": new_id("call"),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return body if index is None else {"index": index, **body}
+
+
+class ReplySplitter:
+    """One streamed reply's deltas: thinking, content and whole tool calls as they close."""
+
+    def __init__(self, shape: ReplyShape) -> None:
+        self.shape = shape
+        self.thinking = ReasoningStream(shape.reasoning) if shape.reasoning else None
+        self.tools = ToolCallStream() if shape.tools else None
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and bool(self.tools.calls)
+
+    def delta(self, text: str, last: bool) -> dict[str, Any]:
+        reasoning, content = "", text
+        if self.thinking is not None:
+            reasoning, content = pair_sum(self.thinking.feed(text), self.thinking, last)
+        out: dict[str, Any] = {}
+        if reasoning and self.shape.include_reasoning:
+            out["reasoning_content"] = reasoning
+        if self.tools is not None:
+            content = self.tools.feed(content) + (self.tools.finish() if last else "")
+            out |= self.call_deltas()
+        return ({"content": content} if content else {}) | out
+
+    def call_deltas(self) -> dict[str, Any]:
+        fresh = self.tools.new_calls()
+        first = len(self.tools.calls) - len(fresh)
+        calls = [
+            tool_call_json(c, first + k)
+            for k, c in enumerate(fresh)
+            if self.shape.parallel or first + k == 0
+        ]
+        return {"tool_calls": calls} if calls else {}
+
+
+def pair_sum(got: tuple[str, str], stream: ReasoningStream, last: bool) -> tuple[str, str]:
+    if not last:
+        return got
+    rest = stream.finish()
+    return got[0] + rest[0], got[1] + rest[1]
 
 
 class ChatStream:
-    """A chat request's chunks: the role first (for each choice), then content deltas (with
-    their tokens' logprobs when asked), then usage if asked."""
+    """A chat request's chunks: the role first, then content, reasoning and tool-call deltas,
+    then usage if asked. Each tool call goes out whole in one delta once its block closes."""
 
-    def __init__(self, envelope: Envelope, include_usage: bool, n: int = 1) -> None:
+    def __init__(
+        self,
+        envelope: Envelope,
+        usage: tuple[bool, bool],
+        shape: ReplyShape = ReplyShape(),
+        n: int = 1,
+    ) -> None:
         self.envelope = envelope
-        self.include_usage = include_usage
+        self.include_usage, self.continuous_usage = usage
+        self.shape = shape
         self.n = n
+        self.splitters: dict[int, ReplySplitter] = {}  # one per choice
 
     def opening(self) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
@@ -60,47 +198,96 @@ class ChatStream:
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
         reason = finish_reason(out)
-        if not out.text and reason is None and not out.logprobs:
+        splitter = self.splitters.setdefault(index, ReplySplitter(self.shape))
+        delta = splitter.delta(out.text, reason is not None)
+        if reason is not None and splitter.called:
+            reason = "tool_calls"
+        if not delta and reason is None and not out.logprobs:
             return []
-        delta = {"content": out.text} if out.text else {}
         choice = {"index": index, "delta": delta, "finish_reason": reason}
         if out.logprobs is not None:
             choice["logprobs"] = chat_logprobs([out])
-        return [self.envelope.wrap([choice], None, chunk=True)]
+        usage = [out] if self.continuous_usage else None
+        return [self.envelope.wrap([choice], usage, chunk=True)]
 
     def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
         return [self.envelope.wrap([], lasts, chunk=True)] if self.include_usage else []
 
 
-def chat_choice(index: int, outputs: list[StrOutput]) -> dict[str, Any]:
-    message = {"role": "assistant", "content": "".join(o.text for o in outputs)}
-    return {
-        "index": index,
-        "message": message,
-        "logprobs": chat_logprobs(outputs),
-        "finish_reason": finish_reason(outputs[-1]),
-    }
+def chat_message(shape: ReplyShape, text: str) -> tuple[dict[str, Any], bool]:
+    """The assistant message of a whole reply, and whether it called tools."""
+    reasoning = None
+    if shape.reasoning:
+        reasoning, text = split_reasoning(shape.reasoning, text)
+    content, calls = parse_tool_calls(text) if shape.tools else (text, [])
+    calls = calls if shape.parallel else calls[:1]
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["content"] = content or None
+        message["tool_calls"] = [tool_call_json(c) for c in calls]
+    if reasoning is not None and shape.include_reasoning:
+        message["reasoning_content"] = reasoning
+    return message, bool(calls)
+
+
+def chat_choice(index: int, outputs: list[StrOutput], shape: ReplyShape) -> dict[str, Any]:
+    message, called = chat_message(shape, "".join(o.text for o in outputs))
+    reason = "tool_calls" if called else finish_reason(outputs[-1])
+    logprobs = chat_logprobs(outputs)
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def check_top_logprobs(req: ChatCompletionRequest) -> None:
+    """top_logprobs asks for alternatives of the logprobs it needs (OpenAI's rule)."""
+    if req.top_logprobs and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 class ChatServing(OpenAIServing[ChatCompletionRequest]):
     objects = ("chat.completion", "chat.completion.chunk")
+    id_prefix = "chatcmpl"
 
     def to_input(self, req: ChatCompletionRequest) -> GenerateInput:
         check_model(self.tm, req.model)
-        refuse_unsupported(req)
+        self.ctx.unknown.check(req, CHAT_REFUSED)
+        check_unknown_message_fields(self, req)
+        refuse_fields(req, CHAT_REFUSED)
+        check_template_inputs(self.tm, req.tools, req.documents)
+        self.check_reasoning(req)
+        check_top_logprobs(req)
+        engine = engine_values(req, self.ctx.defaults) | {
+            "logprobs": (req.top_logprobs or 0) if req.logprobs else None,
+            "n": req.n,
+        }
+        cap = req.max_completion_tokens or req.max_tokens
         return GenerateInput(
-            new_id("chatcmpl"),
+            self.request_id(req),
             req.stream,
-            lambda room: chat_sampling(req, room),
-            req.max_completion_tokens or req.max_tokens,
-            messages=[m.model_dump(exclude_none=True) for m in req.messages],
+            lambda room: self.sampling(req, cap, room, engine),
+            cap,
+            messages=[hf_message(i, m) for i, m in enumerate(req.messages)],
+            template_kwargs=template_kwargs(req),
         )
 
+    def shape(self, req: ChatCompletionRequest) -> ReplyShape:
+        return reply_shape(req, self.ctx.reasoning_parser)
+
+    def check_reasoning(self, req: ChatCompletionRequest) -> None:
+        """Without a reasoning parser the thinking stays in the content: it cannot be left out."""
+        if not req.include_reasoning and self.ctx.reasoning_parser is None:
+            raise unsupported("include_reasoning", "no --reasoning-parser is configured")
+
+    def sampling(
+        self, req: ChatCompletionRequest, cap: int | None, room: int, engine: dict[str, Any]
+    ) -> SamplingParams:
+        """A chat request's sampling fields as SamplingParams."""
+        return openai_sampling(req, cap, room, self.ctx.defaults, engine)
+
     def stream_writer(self, rid: str, req: ChatCompletionRequest) -> ChatStream:
-        return ChatStream(self.envelope(rid), include_usage(req), req.n)
+        return ChatStream(self.envelope(rid), stream_usage(req), self.shape(req), req.n)
 
     def response(
         self, rid: str, req: ChatCompletionRequest, choices: list[list[StrOutput]]
     ) -> dict[str, Any]:
-        built = [chat_choice(i, outputs) for i, outputs in enumerate(choices)]
+        built = [chat_choice(i, outputs, self.shape(req)) for i, outputs in enumerate(choices)]
         return self.envelope(rid).wrap(built, [c[-1] for c in choices], chunk=False)

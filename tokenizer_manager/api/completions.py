@@ -7,74 +7,81 @@ from typing import Any
 from runtime.io_struct import StrOutput
 from runtime.sampler import SamplingParams
 from tokenizer_manager.api.base import check_model
+from tokenizer_manager.api.fields import refuse_fields
 from tokenizer_manager.api.logprobs import CompletionLogprobs
 from tokenizer_manager.api.openai_common import (
     Envelope,
     OpenAIServing,
-    common_refusals,
-    include_usage,
+    engine_values,
     openai_sampling,
-    refuse,
+    stream_usage,
 )
 from tokenizer_manager.api.outputs import finish_reason
-from tokenizer_manager.protocol import APIError, CompletionRequest, new_id
+from tokenizer_manager.protocol import COMPLETION_REFUSED, APIError, CompletionRequest
 from tokenizer_manager.tokenizer_manager import GenerateInput
 
-
-def completion_sampling(req: CompletionRequest, room: int) -> SamplingParams:
-    """A completions request's sampling fields as SamplingParams."""
-    logprobs = None if req.logprobs in (None, False) else int(req.logprobs)
-    return openai_sampling(req, req.max_tokens, room, logprobs)
+MAX_PROMPTS = 64  # prompts in one request
 
 
-def refuse_unsupported(req: CompletionRequest) -> None:
-    refuse(
-        common_refusals(req)
-        + [
-            (req.echo, "echo", "echo is not supported"),
-            (req.suffix is not None, "suffix", "suffix is not supported"),
-        ]
-    )
-
-
-def prompt_form(prompt: str | list[int] | list[str]) -> tuple[list[int] | None, str | None]:
-    """(token ids, text): exactly one is set."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise APIError("only one prompt per request is supported", param="prompt")
-        prompt = prompt[0]
-    return (list(prompt), None) if isinstance(prompt, list) else (None, prompt)
+def prompt_list(prompt: Any) -> list[str | list[int]]:
+    """The request's prompts: one text, one token-id list, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    return list(prompt)
 
 
 def completion_choice(
-    index: int, outputs: list[StrOutput], logprobs: CompletionLogprobs
+    index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    return {
-        "index": index,
-        "text": "".join(o.text for o in outputs),
-        "logprobs": logprobs.build(outputs),
-        "finish_reason": finish_reason(outputs[-1]),
-    }
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def echo_of(echoes: list[str], index: int, n: int) -> str:
+    """Choice `index`'s prompt as echoed ("" without echo): choice j of prompt i is i * n + j."""
+    return echoes[index // n] if echoes else ""
 
 
 class CompletionStream:
-    """A completions request's chunks: text deltas (with their tokens' logprobs when asked),
-    then usage if asked."""
+    """A completions request's chunks: each prompt first when echoed, then text deltas (each
+    choice's `index` is its prompt's), then usage if asked."""
 
-    def __init__(self, envelope: Envelope, include_usage: bool) -> None:
+    def __init__(
+        self,
+        envelope: Envelope,
+        usage: tuple[bool, bool],
+        echoes: list[str] | None = None,
+        n: int = 1,
+    ) -> None:
         self.envelope = envelope
-        self.include_usage = include_usage
-        self.logprobs: dict[int, CompletionLogprobs] = {}  # per choice: offsets run on
+        self.include_usage, self.continuous_usage = usage
+        self.echoes = echoes or []
+        self.n = n
+        self.logprobs: dict[int, CompletionLogprobs] = {}  # per choice: text_offset runs on
 
     def opening(self) -> list[dict[str, Any]]:
-        return []
+        choices = range(len(self.echoes) * self.n)
+        return [
+            self.envelope.wrap(
+                [completion_choice(i, echo_of(self.echoes, i, self.n), None)], None, chunk=True
+            )
+            for i in choices
+        ]
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
-        if not out.text and finish_reason(out) is None and not out.logprobs:
+        reason = finish_reason(out)
+        if not out.text and reason is None and not out.logprobs:
             return []
-        logprobs = self.logprobs.setdefault(index, CompletionLogprobs())
-        choice = completion_choice(index, [out], logprobs)
-        return [self.envelope.wrap([choice], None, chunk=True)]
+        offsets = len(echo_of(self.echoes, index, self.n))
+        logprobs = self.logprobs.setdefault(index, CompletionLogprobs(offsets)).build([out])
+        choice = completion_choice(index, out.text, reason, logprobs)
+        usage = [out] if self.continuous_usage else None
+        return [self.envelope.wrap([choice], usage, chunk=True)]
 
     def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
         return [self.envelope.wrap([], lasts, chunk=True)] if self.include_usage else []
@@ -82,27 +89,56 @@ class CompletionStream:
 
 class CompletionServing(OpenAIServing[CompletionRequest]):
     objects = ("text_completion", "text_completion")
+    id_prefix = "cmpl"
 
-    def to_input(self, req: CompletionRequest) -> GenerateInput:
+    def to_inputs(self, req: CompletionRequest) -> tuple[str, list[GenerateInput]]:
+        """One internal request per prompt; the response carries one choice per prompt."""
         check_model(self.tm, req.model)
-        refuse_unsupported(req)
-        ids, text = prompt_form(req.prompt)
+        self.ctx.unknown.check(req, COMPLETION_REFUSED)
+        refuse_fields(req, COMPLETION_REFUSED)
+        engine = engine_values(req, self.ctx.defaults) | {"logprobs": req.logprobs, "n": req.n}
+        prompts = prompt_list(req.prompt)
+        rid = self.request_id(req)
+        rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        return rid, [self.one_input(r, p, req, engine) for r, p in zip(rids, prompts)]
+
+    def one_input(
+        self, rid: str, prompt: str | list[int], req: CompletionRequest, engine: dict[str, Any]
+    ) -> GenerateInput:
+        ids, text = (None, prompt) if isinstance(prompt, str) else (prompt, None)
         return GenerateInput(
-            new_id("cmpl"),
+            rid,
             req.stream,
-            lambda room: completion_sampling(req, room),
+            lambda room: self.sampling(req, room, engine),
             req.max_tokens,
             text=text,
             input_ids=ids,
         )
 
+    def echoes(self, req: CompletionRequest) -> list[str]:
+        """echo: each prompt as text (token ids decoded), else nothing."""
+        if not req.echo:
+            return []
+        return [
+            p if isinstance(p, str) else self.tm.tokenizer.decode(p)
+            for p in prompt_list(req.prompt)
+        ]
+
+    def sampling(self, req: CompletionRequest, room: int, engine: dict[str, Any]) -> SamplingParams:
+        """A completions request's sampling fields as SamplingParams."""
+        return openai_sampling(req, req.max_tokens, room, self.ctx.defaults, engine)
+
     def stream_writer(self, rid: str, req: CompletionRequest) -> CompletionStream:
-        return CompletionStream(self.envelope(rid), include_usage(req))
+        return CompletionStream(self.envelope(rid), stream_usage(req), self.echoes(req), req.n)
 
     def response(
         self, rid: str, req: CompletionRequest, choices: list[list[StrOutput]]
     ) -> dict[str, Any]:
-        built = [
-            completion_choice(i, outputs, CompletionLogprobs()) for i, outputs in enumerate(choices)
-        ]
+        echoes = self.echoes(req)
+        built = []
+        for i, outputs in enumerate(choices):
+            echo = echo_of(echoes, i, req.n)
+            text = echo + "".join(o.text for o in outputs)
+            logprobs = CompletionLogprobs(len(echo)).build(outputs)
+            built.append(completion_choice(i, text, finish_reason(outputs[-1]), logprobs))
         return self.envelope(rid).wrap(built, [c[-1] for c in choices], chunk=False)

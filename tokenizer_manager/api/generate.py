@@ -6,10 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.io_struct import StrOutput
+from runtime.model_config import GenerationDefaults
 from runtime.multimodal import Modality
 from runtime.sampler import MAX_LOGPROBS, SamplingParams
 from tokenizer_manager.api.base import Serving, checked
+from tokenizer_manager.api.fields import (
+    Refusals,
+    asks_nothing,
+    engine_value,
+    sampler_has,
+    unsupported,
+)
 from tokenizer_manager.api.logprobs import native_logprobs
+from tokenizer_manager.api.openai_common import ENGINE_FIELDS
 from tokenizer_manager.mm_processor import MediaRef
 from tokenizer_manager.protocol import APIError, GenerateRequest, new_id
 from tokenizer_manager.tokenizer_manager import GenerateInput
@@ -25,25 +34,48 @@ NATIVE_SAMPLING = {
     "stop_token_ids",
     "ignore_eos",
     "skip_special_tokens",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "min_new_tokens",
-    "no_stop_trim",
 }
-RENAMED = {"min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output"}
+RENAMED = {"sampling_seed": "seed"}  # SGLang's name -> tessera's
+# SGLang's engine fields: the OpenAI names, and min_new_tokens for min_tokens
+NATIVE_ENGINE = {
+    **{name: ENGINE_FIELDS[name] for name in ("presence_penalty", "frequency_penalty")},
+    **{name: ENGINE_FIELDS[name] for name in ("repetition_penalty", "logit_bias", "no_stop_trim")},
+    "min_new_tokens": ENGINE_FIELDS["min_tokens"],
+}
+NATIVE_REFUSED: Refusals = {
+    "n": ((1,), "only n=1 is supported"),
+    "regex": ((), "structured outputs are not built yet"),
+    "json_schema": ((), "structured outputs are not built yet"),
+    "ebnf": ((), "structured outputs are not built yet"),
+    "structural_tag": ((), "structured outputs are not built yet"),
+    "custom_params": ((), "custom logits processors are not supported"),
+    "stream_interval": ((1,), "every output is streamed as it comes"),
+    "spaces_between_special_tokens": ((True,), "special tokens are decoded as they are"),
+}
 
 
-def native_sampling(raw: dict[str, Any], room: int, logprobs: int | None) -> SamplingParams:
-    """`sampling_params` (SGLang's names) as SamplingParams; unknown names are a 400.
+def native_sampling(
+    raw: dict[str, Any], room: int, defaults: GenerationDefaults, logprobs: int | None = None
+) -> SamplingParams:
+    """`sampling_params` as SamplingParams; a name tessera does not know is a 400.
     `logprobs`: top_logprobs_num when return_logprob is set, else None."""
-    unknown = set(raw) - NATIVE_SAMPLING
+    values = {RENAMED.get(k, k): v for k, v in raw.items()}
+    known = NATIVE_SAMPLING | NATIVE_ENGINE.keys() | NATIVE_REFUSED.keys()
+    unknown = set(values) - known
     if unknown:
         raise APIError(f"unknown sampling params {sorted(unknown)}", param="sampling_params")
-    values = {RENAMED.get(k, k): v for k, v in raw.items()}
-    values["logprobs"] = logprobs
+    for name, (inert, reason) in NATIVE_REFUSED.items():
+        if not asks_nothing(values.pop(name, None), inert):
+            raise unsupported(f"sampling_params.{name}", reason)
+    for name, (attribute, inert) in NATIVE_ENGINE.items():
+        value = values.pop(name, None)
+        if value is not None and value != inert:
+            values |= engine_value(f"sampling_params.{name}", attribute, value)
+    for name, default in defaults.in_force().items():
+        if name != "repetition_penalty" or sampler_has(name):
+            values.setdefault(name, min(default, room) if name == "max_new_tokens" else default)
     values.setdefault("max_new_tokens", min(128, room))
+    values["logprobs"] = logprobs
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
     try:
@@ -107,7 +139,9 @@ class GenerateServing(Serving[GenerateRequest]):
         return GenerateInput(
             req.rid or new_id("gen"),
             req.stream,
-            lambda room: native_sampling(req.sampling_params, room, native_logprobs_num(req)),
+            lambda room: native_sampling(
+                req.sampling_params, room, self.ctx.defaults, native_logprobs_num(req)
+            ),
             req.sampling_params.get("max_new_tokens"),
             text=req.text,
             input_ids=req.input_ids,

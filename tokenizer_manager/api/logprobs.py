@@ -37,8 +37,8 @@ def chat_logprobs(outputs: list[StrOutput]) -> dict[str, Any] | None:
 class CompletionLogprobs:
     """Completions' legacy logprobs; `text_offset` runs on across a stream's chunks."""
 
-    def __init__(self) -> None:
-        self.offset = 0
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset  # where the first output token's text starts (after an echo)
 
     def build(self, outputs: list[StrOutput]) -> dict[str, Any] | None:
         if all(out.logprobs is None for out in outputs):

@@ -1,15 +1,30 @@
-"""What chat and completions share: the response envelope, the sampling fields they have in
-common and the refusals for fields tessera does not build."""
+"""What chat and completions share: the response envelope, the translation of their common
+sampling fields (with the checkpoint's defaults for fields left unset) and the field checks."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from runtime.io_struct import StrOutput
+from runtime.model_config import GenerationDefaults
 from runtime.sampler import SamplingParams
 from tokenizer_manager.api.base import R, Serving, checked, model_name
+from tokenizer_manager.api.fields import engine_value, sampler_has
 from tokenizer_manager.api.usage import usage_json
-from tokenizer_manager.protocol import APIError, SamplingFields, now
+from tokenizer_manager.protocol import APIError, SamplingFields, new_id, now
+
+# request field -> (SamplingParams attribute, the value that asks for nothing)
+ENGINE_FIELDS: dict[str, tuple[str, Any]] = {
+    "presence_penalty": ("presence_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "min_tokens": ("min_tokens", 0),
+    "logit_bias": ("logit_bias", {}),
+    "allowed_token_ids": ("allowed_token_ids", None),
+    "bad_words": ("bad_words", []),
+    "include_stop_str_in_output": ("include_stop_str_in_output", False),
+    "no_stop_trim": ("include_stop_str_in_output", False),
+}
 
 
 class Envelope:
@@ -38,59 +53,78 @@ class OpenAIServing(Serving[R]):
     """Chat and completions: the same envelope, differing in their object names."""
 
     objects: tuple[str, str]  # the response's "object", a chunk's "object"
+    id_prefix: str
 
     def envelope(self, rid: str) -> Envelope:
         return Envelope(rid, model_name(self.tm), *self.objects)
 
-
-def include_usage(req: SamplingFields) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
-
-
-def refuse(checks: list[tuple[bool, str, str]]) -> None:
-    """A 400 naming the first field whose check is true."""
-    for bad, param, message in checks:
-        if bad:
-            raise APIError(message, param=param, code="unsupported_parameter")
+    def request_id(self, req: SamplingFields) -> str:
+        """The client's id (vLLM's request_id, SGLang's rid) under this API's prefix."""
+        given = req.request_id or req.rid
+        return f"{self.id_prefix}-{given}" if given else new_id(self.id_prefix)
 
 
-def common_refusals(req: SamplingFields) -> list[tuple[bool, str, str]]:
-    return [
-        (req.use_beam_search, "use_beam_search", "beam search is not supported"),
-        (
-            req.best_of not in (None, req.n),
-            "best_of",
-            "best_of other than n needs beam search, which is not supported",
-        ),
-    ]
+def stream_usage(req: SamplingFields) -> tuple[bool, bool]:
+    """(usage at the end, usage in every chunk) as stream_options asks."""
+    opts = req.stream_options
+    return (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
+
+
+def pick(given: Any, default: Any, fallback: Any) -> Any:
+    return given if given is not None else default if default is not None else fallback
+
+
+def output_cap(max_tokens: int | None, default: int | None, room: int) -> int:
+    """The client's cap, else the checkpoint's max_new_tokens within the room, else the room."""
+    if max_tokens is not None:
+        return max_tokens
+    return min(room, default) if default is not None else room
+
+
+def engine_values(req: SamplingFields, defaults: GenerationDefaults) -> dict[str, Any]:
+    """The engine fields the request sets (a 400 for one SamplingParams lacks), and the
+    checkpoint's repetition_penalty where SamplingParams has it and the request is silent."""
+    values: dict[str, Any] = {}
+    for name, (attribute, inert) in ENGINE_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None and value != inert:
+            values |= engine_value(name, attribute, convert(name, value))
+    default = defaults.repetition_penalty
+    if req.repetition_penalty is None and default is not None and sampler_has("repetition_penalty"):
+        values["repetition_penalty"] = default
+    return values
+
+
+def convert(name: str, value: Any) -> Any:
+    """logit_bias comes with token ids as JSON object keys."""
+    if name != "logit_bias":
+        return value
+    try:
+        return {int(token): float(bias) for token, bias in value.items()}
+    except ValueError as e:
+        raise APIError("logit_bias keys must be token ids", param="logit_bias") from e
 
 
 def openai_sampling(
-    req: SamplingFields, max_tokens: int | None, room: int, logprobs: int | None
+    req: SamplingFields,
+    max_tokens: int | None,
+    room: int,
+    defaults: GenerationDefaults,
+    engine: dict[str, Any],
 ) -> SamplingParams:
-    """The sampling fields chat and completions share, as SamplingParams (`logprobs`: the
-    number of alternatives per token, None when off; each API reads it from its own fields)."""
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    """The sampling fields chat and completions share, as SamplingParams."""
+    top_k = pick(req.top_k, defaults.top_k, -1)
     params = SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k in (None, 0) else req.top_k,
-        min_p=req.min_p or 0.0,
+        temperature=pick(req.temperature, defaults.temperature, 1.0),
+        top_p=pick(req.top_p, defaults.top_p, 1.0),
+        top_k=-1 if top_k == 0 else top_k,
+        min_p=pick(req.min_p, defaults.min_p, 0.0),
         seed=req.seed,
-        max_new_tokens=room if max_tokens is None else max_tokens,
-        stop=stop,
-        stop_token_ids=req.stop_token_ids or [],
+        max_new_tokens=output_cap(max_tokens, defaults.max_new_tokens, room),
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        min_tokens=req.min_tokens,
-        logit_bias=req.logit_bias,
-        allowed_token_ids=req.allowed_token_ids,
-        bad_words=req.bad_words or [],
-        logprobs=logprobs,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        n=req.n,
+        **engine,
     )
     return checked(params)

@@ -3,10 +3,14 @@ starts), all of them, and what an error finish means to the client."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from runtime.io_struct import StrOutput
 from tokenizer_manager.protocol import APIError
+
+T = TypeVar("T")
 
 
 async def first_output(stream: AsyncIterator[StrOutput]) -> StrOutput:
@@ -54,3 +58,48 @@ def finish_reason(out: StrOutput) -> str | None:
     if out.finish_reason is None:
         return None
     return out.finish_reason.kind.value  # errors never get here: see finish_error
+
+
+async def closing_all(streams: list[AsyncIterator[StrOutput]], work: list[Awaitable[T]]) -> list[T]:
+    """Run `work` (one awaitable per stream) together; if any fails or this is cancelled, the
+    rest is cancelled and every stream closed (each open request is aborted), then it raises."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        raise
+
+
+async def first_outputs(streams: list[AsyncIterator[StrOutput]]) -> list[StrOutput]:
+    """The first output of each stream (started together)."""
+    return await closing_all(streams, [first_output(s) for s in streams])
+
+
+async def collect_all(
+    firsts: list[StrOutput], streams: list[AsyncIterator[StrOutput]]
+) -> list[list[StrOutput]]:
+    """Every stream's outputs, gathered together."""
+    return await closing_all(streams, [collect_until_done(f, s) for f, s in zip(firsts, streams)])
+
+
+async def merged(streams: list[AsyncIterator[StrOutput]]) -> AsyncIterator[tuple[int, StrOutput]]:
+    """(stream index, output) as they come from any stream; each stream's order is kept."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                if isinstance(task.exception(), StopAsyncIteration):
+                    continue
+                yield i, task.result()
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)

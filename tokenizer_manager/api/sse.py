@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from runtime.io_struct import StrOutput
-from tokenizer_manager.api.outputs import finish_error
+from tokenizer_manager.api.outputs import finish_error, merged
 from tokenizer_manager.api.usage import UsageRecorder
 from tokenizer_manager.protocol import APIError
 
@@ -35,24 +35,32 @@ def error_event(err: APIError) -> bytes:
 
 async def sse(
     writer: StreamWriter,
-    first: StrOutput,
-    stream: AsyncIterator[StrOutput],
+    firsts: list[StrOutput],
+    streams: list[AsyncIterator[StrOutput]],
     usage: UsageRecorder,
+    n: int = 1,
 ) -> AsyncIterator[bytes]:
-    """Events for one request's outputs; an error finish becomes an error event before
-    `[DONE]` (no usage then); the stream is closed (which aborts the request) however it ends."""
+    """Events for the outputs of one request's streams (one per prompt, each with n choices:
+    prompt i's choice j is `index` i * n + j in the chunks); an error finish becomes an error
+    event before `[DONE]` (no usage then); every stream is closed (which aborts its request)
+    however it ends."""
+    lasts: dict[int, StrOutput] = {}  # each choice's latest output
     try:
-        for payload in writer.opening() + writer.chunks(first, first.index):
+        for payload in writer.opening():
             yield event(payload)
-        lasts = {first.index: first}  # each choice's latest output
-        async for out in stream:
-            lasts[out.index] = out
+        for stream_index, first in enumerate(firsts):
+            lasts[stream_index * n + first.index] = first
+            for payload in writer.chunks(first, stream_index * n + first.index):
+                yield event(payload)
+        async for stream_index, out in merged(streams):
+            index = stream_index * n + out.index
+            lasts[index] = out
             err = finish_error(out)
             if err is not None:
                 yield error_event(err)
                 yield DONE
                 return
-            for payload in writer.chunks(out, out.index):
+            for payload in writer.chunks(out, index):
                 yield event(payload)
         finals = [lasts[i] for i in sorted(lasts)]
         usage.record(finals)
@@ -60,4 +68,5 @@ async def sse(
             yield event(payload)
         yield DONE
     finally:
-        await stream.aclose()
+        for stream in streams:
+            await stream.aclose()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.io_struct import StrOutput
+from tokenizer_manager.protocol import usage
 
 
 @dataclass
@@ -28,19 +29,18 @@ class UsageRecorder:
         self.counters = counters
 
     def record(self, lasts: list[StrOutput]) -> None:
-        """`lasts`: the final output of each choice (they share one prompt)."""
-        self.counters.prompt_tokens += lasts[0].prompt_tokens
-        self.counters.cached_tokens += lasts[0].cached_tokens
+        """`lasts`: the final output of each choice of the request's engine requests (the
+        choices of one engine request share its prompt: counted once, with its choice 0)."""
+        self.counters.prompt_tokens += sum(last.prompt_tokens for last in lasts if not last.index)
+        self.counters.cached_tokens += sum(last.cached_tokens for last in lasts if not last.index)
         self.counters.completion_tokens += sum(last.completion_tokens for last in lasts)
 
 
 def usage_json(lasts: list[StrOutput]) -> dict[str, Any]:
-    """OpenAI's usage object for the final outputs of a request's choices."""
-    prompt = lasts[0].prompt_tokens
-    completion = sum(last.completion_tokens for last in lasts)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": lasts[0].cached_tokens},
-    }
+    """OpenAI's usage object for the final outputs of a request's choices (a prompt counts
+    once, with its choice 0)."""
+    return usage(
+        sum(last.prompt_tokens for last in lasts if not last.index),
+        sum(last.completion_tokens for last in lasts),
+        sum(last.cached_tokens for last in lasts if not last.index),
+    )
