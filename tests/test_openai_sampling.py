@@ -211,3 +211,21 @@ def test_refusals_name_the_field(server: Server, field: str, value: object) -> N
     assert field in json.dumps(resp.json()["error"])
     info = server_info(server)
     assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
+
+
+def test_completions_prompts_times_n_choices(server: Server) -> None:
+    """Prompt i's choice j is choice i * n + j, whole and streamed; each prompt counts once."""
+    completions = client(server).completions
+    prompts = [TEXT, "A short other prompt."]
+    kw = {"model": "qwen2_vl", "max_tokens": 5, "temperature": 0, "n": 2}
+    whole = completions.create(prompt=prompts, **kw)
+    alone = [completions.create(prompt=p, **{**kw, "n": 1}) for p in prompts]
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert texts == [a.choices[0].text for a in alone for _ in range(2)]
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert whole.usage.completion_tokens == 4 * 5
+    streamed = ["", "", "", ""]
+    for chunk in completions.create(prompt=prompts, stream=True, **kw):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
