@@ -362,3 +362,29 @@ def test_aborting_one_choice_leaves_the_others(world, plain) -> None:
     outputs += run_outputs(sched, [AbortReq("y")])
     assert {o.finish_reason.kind for o in outputs if o.finish_reason} == {FinishKind.ABORT}
     assert len([o for o in outputs if o.finish_reason]) == 3
+
+
+def test_two_ranks_agree_with_one_on_choices_controls_and_logprobs(world) -> None:
+    """At tp 2 (spawned ranks over the real channels) the forks, the controls' state and the
+    entry rank's logprobs give what one in-process rank gives."""
+    from scheduler_harness import SchedulerHarness
+
+    from runtime.io_struct import BatchTokenOut
+
+    text = case_named(world, "text")
+    reqs = [seeded(text, "s", 21, n=2), seeded(text, "g", 0, temperature=0.0, n=2)]
+    want = run_outputs(scheduler(world), [dataclasses.replace(r) for r in reqs])
+    got: list[Any] = []
+    args = ServerArgs(model_path=str(world["ckpt"].folder), tp_size=2, max_total_tokens=4000)
+    with SchedulerHarness(args) as harness:
+        for req in reqs:
+            harness.send(req)
+        while sum(o.finish_reason is not None for o in got) < 4:
+            msg = harness.recv(120)
+            got += msg.outputs if isinstance(msg, BatchTokenOut) else []
+    for rid in ("s", "g"):
+        assert choices_of(got, rid) == choices_of(want, rid)
+        assert len(choices_of(got, rid)) == 2
+    assert [e.logprob for o in got for e in o.logprobs or []] == pytest.approx(
+        [e.logprob for o in want for e in o.logprobs or []], abs=1e-4
+    )
