@@ -6,7 +6,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 
 from runtime.multimodal import MultimodalInputs
-from runtime.sampler import SamplingParams
+from runtime.sampler import SamplingParams, TokenLogprobs
 
 
 class FinishKind(str, enum.Enum):
@@ -60,6 +60,7 @@ class TokenizedGenerateReq:
 @dataclass
 class AbortReq:
     rid: str
+    index: int | None = None  # one of the request's n choices; None: all of them
 
 
 @dataclass
@@ -148,6 +149,14 @@ class ReqStart:
     rid: str
     stop: tuple[str, ...] = ()  # stop strings, trimmed by the detokenizer
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the matched stop string or stop token's text
+    min_tokens: int = 0  # stop strings are not matched before this many output tokens
+    index: int = 0  # which of the request's n choices
+
+    @classmethod
+    def of(cls, rid: str, p: SamplingParams, index: int = 0) -> ReqStart:
+        stop, skip = tuple(p.stop), p.skip_special_tokens
+        return cls(rid, stop, skip, p.include_stop_str_in_output, p.min_tokens, index)
 
 
 @dataclass
@@ -171,6 +180,8 @@ class ReqOutput:
     cached_tokens: int
     finish_reason: Finish | None = None
     stages: StageTimes | None = None  # with the first token only
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    index: int = 0  # which of the request's n choices
 
 
 @dataclass
@@ -189,6 +200,24 @@ class FlushCacheOut:
 
 
 @dataclass
+class TokenText:
+    """A token as logprobs show it: its text decoded alone, its exact bytes, its logprob."""
+
+    token_id: int
+    text: str
+    bytes: list[int]
+    logprob: float
+
+
+@dataclass
+class OutputLogprobs:
+    """One output token's logprobs: the chosen token and the top alternatives (highest first)."""
+
+    chosen: TokenText
+    top: list[TokenText]
+
+
+@dataclass
 class StrOutput:
     """Detokenized text of one request since the previous message."""
 
@@ -200,6 +229,8 @@ class StrOutput:
     cached_tokens: int
     finish_reason: Finish | None = None
     stages: StageTimes | None = None  # the scheduler's stage times, with the first token only
+    logprobs: list[OutputLogprobs] | None = None  # one per token of token_ids, when asked
+    index: int = 0  # which of the request's n choices
 
 
 @dataclass

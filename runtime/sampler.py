@@ -19,9 +19,12 @@ share the batch or which row it occupies. Requests without a seed share the samp
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from runtime.sampling_controls import SamplingState, apply_controls
 
 _MASK64 = 2**64 - 1
 TEMPERATURE_FLOOR = 1e-5  # below this a request is greedy
@@ -31,6 +34,10 @@ MAX_STOP_STRINGS = 16  # documented limits on stop strings (400 beyond them)
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 SEED_RANGE = (-(2**63), 2**64)
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+MAX_LOGIT_BIAS = 1024  # entries in logit_bias
+MAX_BAD_WORDS = 64
+MAX_N = 64
 
 
 @dataclass
@@ -51,26 +58,65 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0  # HF/vLLM: over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI: over output tokens
+    frequency_penalty: float = 0.0  # OpenAI: over output tokens, times their count
+    min_tokens: int = 0  # no stop token or stop string before this many output tokens
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # from bad_words, at admission
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's and k alternatives
+    include_stop_str_in_output: bool = False
+    n: int = 1  # choices forked from one prefill
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < TEMPERATURE_FLOOR or self.top_k == 1
 
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def uses_controls(self) -> bool:
+        """Any logits control besides temperature and the filters (the sampler skips the rest
+        of the batch's controls when no row uses one)."""
+        return bool(
+            self.uses_penalties
+            or self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words_ids
+        )
+
     def normalize(self) -> SamplingParams:
         """Coerce types and check ranges in place; raise ValueError naming the bad field."""
-        self.temperature = _number("temperature", self.temperature)
-        self.top_p = _number("top_p", self.top_p)
-        self.min_p = _number("min_p", self.min_p)
-        self.top_k = _integer("top_k", self.top_k)
-        self.max_new_tokens = _integer("max_new_tokens", self.max_new_tokens)
-        self.seed = None if self.seed is None else _integer("seed", self.seed)
+        for names, coerce in _COERCIONS:
+            for name in names:
+                setattr(self, name, coerce(name, getattr(self, name)))
         self.stop = _strings(self.stop or [])
         self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids or []]
-        self.ignore_eos = _flag("ignore_eos", self.ignore_eos)
-        self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
+        self.logit_bias = _bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = _list("allowed_token_ids", self.allowed_token_ids)
+            self.allowed_token_ids = [_integer("allowed_token_ids", t) for t in ids]
+        self.bad_words = _strings(self.bad_words or [], "bad_words")
         for message in range_errors(self):
             raise ValueError(message)
         return self
+
+    def token_ids_named(self) -> dict[str, list[int]]:
+        """Token ids the request names, by field (checked against the vocabulary by the
+        scheduler)."""
+        return {
+            "logit_bias": list(self.logit_bias or {}),
+            "allowed_token_ids": list(self.allowed_token_ids or []),
+        }
 
 
 def range_errors(p: SamplingParams) -> list[str]:
@@ -94,8 +140,69 @@ def range_errors(p: SamplingParams) -> list[str]:
             len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
             f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids",
         ),
+        *control_checks(p),
     ]
     return [message for ok, message in checks if not ok]
+
+
+def control_checks(p: SamplingParams) -> list[tuple[bool, str]]:
+    bias = p.logit_bias or {}
+    return [
+        (
+            0 < p.repetition_penalty <= 2,
+            f"repetition_penalty must be in (0, 2], got {p.repetition_penalty}",
+        ),
+        (
+            -2 <= p.presence_penalty <= 2,
+            f"presence_penalty must be in [-2, 2], got {p.presence_penalty}",
+        ),
+        (
+            -2 <= p.frequency_penalty <= 2,
+            f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}",
+        ),
+        (
+            0 <= p.min_tokens <= p.max_new_tokens,
+            f"min_tokens must be in [0, max_new_tokens={p.max_new_tokens}], got {p.min_tokens}",
+        ),
+        (
+            len(bias) <= MAX_LOGIT_BIAS and all(-100 <= b <= 100 for b in bias.values()),
+            f"logit_bias takes at most {MAX_LOGIT_BIAS} entries with values in [-100, 100]",
+        ),
+        (
+            p.allowed_token_ids is None or len(p.allowed_token_ids) > 0,
+            "allowed_token_ids must not be empty",
+        ),
+        (
+            len(p.bad_words) <= MAX_BAD_WORDS
+            and all(0 < len(w) <= MAX_STOP_CHARS for w in p.bad_words),
+            f"bad_words takes at most {MAX_BAD_WORDS} non-empty strings of at most "
+            f"{MAX_STOP_CHARS} characters each",
+        ),
+        (
+            p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}",
+        ),
+        (1 <= p.n <= MAX_N, f"n must be in [1, {MAX_N}], got {p.n}"),
+    ]
+
+
+def _bias(bias: object) -> dict[int, float] | None:
+    """logit_bias as {token id: bias}; JSON object keys arrive as strings of digits."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {bias!r}")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        out[_integer("logit_bias", token)] = _number("logit_bias", value)
+    return out
+
+
+def _list(name: str, value: object) -> list[object]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return list(value)
 
 
 def _number(name: str, value: object) -> float:
@@ -120,14 +227,69 @@ def _integer(name: str, value: object) -> int:
     return value
 
 
-def _strings(stop: object) -> list[str]:
+def _strings(stop: object, name: str = "stop") -> list[str]:
     values = [stop] if isinstance(stop, str) else stop
     if not isinstance(values, (list, tuple)) or not all(isinstance(s, str) for s in values):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise ValueError(f"{name} must be a string or a list of strings, got {stop!r}")
     return list(values)
 
 
+def _optional_integer(name: str, value: object) -> int | None:
+    return None if value is None else _integer(name, value)
+
+
+_COERCIONS = (
+    (
+        (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ),
+        _number,
+    ),
+    (("top_k", "max_new_tokens", "min_tokens", "n"), _integer),
+    (("seed", "logprobs"), _optional_integer),
+    (
+        ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"),
+        _flag,
+    ),
+)
+
+
 # ---------------------------------------------------------------------- sampler
+
+
+@dataclass
+class RowControls:
+    """Per row: its request's SamplingState (or None) and the stop ids min_tokens holds back."""
+
+    states: Sequence[SamplingState | None]
+    stop_ids: Sequence[Sequence[int]]
+
+    @classmethod
+    def empty(cls, rows: int) -> RowControls:
+        return cls([None] * rows, [()] * rows)
+
+    def subset(self, rows: list[int]) -> RowControls:
+        return RowControls([self.states[i] for i in rows], [self.stop_ids[i] for i in rows])
+
+
+@dataclass
+class _Rows:
+    """A batch's sampling inputs, for picking a subset of its rows."""
+
+    logits: torch.Tensor
+    params: list[SamplingParams]
+    steps: list[int]
+    controls: RowControls | None
+
+    def subset(self, rows: list[int]) -> tuple[object, ...]:
+        controls = None if self.controls is None else self.controls.subset(rows)
+        params, steps = [self.params[i] for i in rows], [self.steps[i] for i in rows]
+        return self.logits[rows], params, steps, controls
 
 
 class Sampler:
@@ -138,17 +300,28 @@ class Sampler:
         self._shared: dict[torch.device, torch.Generator] = {}
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        steps: list[int],
+        controls: RowControls | None = None,
     ) -> torch.Tensor:
         """Token ids [B] (int64, on the logits' device) for logits [B, V].
 
-        `steps[i]` is how many tokens request i has generated so far (it seeds seeded requests).
+        `steps[i]` is how many tokens request i has generated so far (it seeds seeded requests
+        and counts towards min_tokens); `controls` carries what the requests' penalties, bad
+        words and min_tokens need (runtime/sampling_controls.py).
         """
         if not logits.shape[0] == len(params) == len(steps):
             raise ValueError(
                 f"{logits.shape[0]} logit rows, {len(params)} params, {len(steps)} steps"
             )
         logits = logits.float()
+        if any(p.uses_controls for p in params):
+            rows = controls or RowControls.empty(len(params))
+            logits = apply_controls(logits.clone(), params, steps, rows.states, rows.stop_ids)
+            if not logits.isfinite().any(dim=-1).all():
+                raise ValueError("the request's controls leave no token that may be sampled")
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if rows:
@@ -157,7 +330,11 @@ class Sampler:
         return tokens
 
     def sample_safe(
-        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        steps: list[int],
+        controls: RowControls | None = None,
     ) -> tuple[list[int], dict[int, str]]:
         """Like `sample`, but a row that cannot be sampled fails alone: its token is FAILED_TOKEN
         and its index maps to the reason. Rows with NaN/+inf logits fail up front; if the batch
@@ -165,13 +342,14 @@ class Sampler:
         errors = {i: "non-finite logits" for i in bad_rows(logits)}
         good = [i for i in range(len(params)) if i not in errors]
         tokens = [FAILED_TOKEN] * len(params)
+        batch = _Rows(logits, params, steps, controls)
         try:
-            picked = self._sample_subset(logits, params, steps, good)
+            picked = self._sample_subset(batch, good)
         except Exception:  # noqa: BLE001 - retried row by row to find the request at fault
             picked = []
             for i in good:
                 try:
-                    picked += self._sample_subset(logits, params, steps, [i])
+                    picked += self._sample_subset(batch, [i])
                 except Exception as exc:  # noqa: BLE001 - this request's sampling fault
                     errors[i] = f"sampling failed: {exc!r}"
                     picked.append(FAILED_TOKEN)
@@ -179,13 +357,10 @@ class Sampler:
             tokens[i] = token
         return tokens, errors
 
-    def _sample_subset(
-        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int], rows: list[int]
-    ) -> list[int]:
+    def _sample_subset(self, batch: _Rows, rows: list[int]) -> list[int]:
         if not rows:
             return []
-        sub = [params[i] for i in rows], [steps[i] for i in rows]
-        return self.sample(logits[rows], *sub).tolist()
+        return self.sample(*batch.subset(rows)).tolist()
 
     def _sample_rows(
         self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
@@ -213,6 +388,38 @@ class Sampler:
         if device not in self._shared:
             self._shared[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._shared[device]
+
+
+@dataclass
+class TokenLogprobs:
+    """One output token's log-probability under the model's raw distribution (before the
+    sampling controls, temperature and filters, as vLLM reports by default) and the `logprobs`
+    most likely tokens, highest first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> dict[int, TokenLogprobs]:
+    """Row -> logprobs of the chosen token, for the rows whose request asks for them (none:
+    nothing is computed). `logits` are the model's raw logits, before any control."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] >= 0]
+    if not rows:
+        return {}
+    logprobs = logits[rows].float().log_softmax(dim=-1)
+    chosen = torch.tensor([tokens[i] for i in rows], device=logits.device)[:, None]
+    picked = logprobs.gather(1, chosen).squeeze(1).tolist()
+    k = max(params[i].logprobs for i in rows)
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    values, ids = values.tolist(), ids.tolist()
+    out = {}
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = TokenLogprobs(tokens[i], picked[j], list(zip(ids[j][:n], values[j][:n])))
+    return out
 
 
 def filtered_probs(

@@ -15,6 +15,7 @@ from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
 from runtime.io_struct import BatchTokenOut, ShutdownReq
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.memory_pool import kv_pool_tokens
+from runtime.multimodal import Modality
 from runtime.sampler import Sampler
 from runtime.server_args import ServerArgs
 from runtime.transport import (
@@ -101,6 +102,11 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         fault_injection_rate=args.fault_injection_rate,
         random_seed=args.random_seed,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        vocab_size=model.config.text.vocab_size,
+        media_token_ids={
+            Modality.IMAGE: model.config.image_token_id,
+            Modality.VIDEO: model.config.video_token_id,
+        },
     )
     radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
     return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))

@@ -10,7 +10,8 @@ import torch
 from runtime.io_struct import Finish, FinishKind, StageTimes, TokenizedGenerateReq
 from runtime.mrope import decode_positions
 from runtime.multimodal import MultimodalInputs
-from runtime.sampler import SamplingParams
+from runtime.sampler import SamplingParams, TokenLogprobs
+from runtime.sampling_controls import SamplingState
 
 
 @dataclass
@@ -63,18 +64,41 @@ class Req:
     encoder_pins: frozenset[int] = frozenset()  # items pinned in the encoder cache mid-prefill
     refused: bool = False  # its error finish is a refusal (the client's to fix), not a fault
     clock: StageClock = field(default_factory=lambda: StageClock(time.perf_counter()))
+    sampling: SamplingState | None = None  # what its penalties and bad words need, kept per token
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # entry rank, if it asked
+    index: int = 0  # which of the request's n choices
+    fork_of: Req | None = None  # choice 0, whose prefill the other choices wait for and share
 
     @classmethod
-    def from_message(cls, msg: TokenizedGenerateReq, eos: tuple[int, ...], arrival: int) -> Req:
+    def from_message(
+        cls,
+        msg: TokenizedGenerateReq,
+        eos: tuple[int, ...],
+        arrival: int,
+        vocab_size: int,
+        media_token_ids: dict[str, int] | None = None,
+    ) -> Req:
+        """`media_token_ids`: modality -> its placeholder token id (for the penalties)."""
+        ids, params = list(msg.input_ids), msg.sampling_params
+        media = media_token_ids or {}
+        items = msg.mm_inputs.items if msg.mm_inputs is not None else []
+        swap = {item.pad_value: media[item.modality] for item in items if item.modality in media}
         return cls(
-            token_ids=list(msg.input_ids),
+            token_ids=ids,
             mm=msg.mm_inputs,
             rid=msg.rid,
-            prompt_len=len(msg.input_ids),
-            params=msg.sampling_params,
+            prompt_len=len(ids),
+            params=params,
             eos_token_ids=eos,
             arrival=arrival,
+            sampling=SamplingState.for_request(params, ids, len(ids), vocab_size, swap),
         )
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Token ids that end it (held back by the sampler while min_tokens is not reached)."""
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return (*eos, *self.params.stop_token_ids)
 
     @property
     def mrope_delta(self) -> int:
@@ -115,13 +139,15 @@ class Req:
 
     def append_token(self, token: int) -> None:
         self.token_ids.append(token)
+        if self.sampling is not None:
+            self.sampling.accept(token)
         self.check_finish(token)
 
     def check_finish(self, token: int) -> None:
-        p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        p, produced = self.params, len(self.token_ids) - self.prompt_len
+        if token in self.stop_ids and produced >= p.min_tokens:
             self.finish, self.finish_detail = FinishKind.STOP, str(token)
-        elif len(self.output_ids) >= p.max_new_tokens:
+        elif produced >= p.max_new_tokens:
             self.finish = FinishKind.LENGTH
 
     def outcome(self) -> Finish:

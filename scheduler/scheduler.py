@@ -37,7 +37,7 @@ from runtime.io_struct import (
     TokenizedGenerateReq,
 )
 from runtime.logging_utils import get_logger
-from runtime.sampler import Sampler
+from runtime.sampler import RowControls, Sampler, SamplingParams, token_logprobs
 from runtime.token_budget import TokenBudget
 from scheduler.encoder_cache import EncoderCache
 from scheduler.faults import FaultInjector, check_inputs
@@ -62,6 +62,8 @@ class SchedulerConfig:
     fault_injection_rate: float = 0.0  # testing only: see scheduler/faults.py
     random_seed: int = 0
     enable_mixed_chunk: bool = False  # running decodes ride along each prefill step
+    vocab_size: int = 2**31  # token ids a request may name (logit_bias, allowed_token_ids)
+    media_token_ids: dict[str, int] = field(default_factory=dict)  # modality -> placeholder id
 
 
 @dataclass
@@ -121,7 +123,7 @@ class Scheduler:
         if isinstance(msg, TokenizedGenerateReq):
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
-            self.abort(msg.rid)
+            self.abort(msg.rid, msg.index)
         elif isinstance(msg, FlushCacheReq):
             result.replies.append(self.flush_cache())
         elif isinstance(msg, GetServerInfoReq):
@@ -130,10 +132,22 @@ class Scheduler:
             logger.warning("scheduler ignores unknown message %r", type(msg).__name__)
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
-        self._arrivals += 1
-        req = Req.from_message(msg, self.cfg.eos_token_ids, self._arrivals)
-        params = req.params
-        self._started.append(ReqStart(req.rid, tuple(params.stop), params.skip_special_tokens))
+        """Admit a request: with n > 1, its n choices, the first of which prefills the prompt
+        while the others wait and then fork from its cached prefix (see `ready`)."""
+        first = None
+        for index, params in enumerate(choice_params(msg.sampling_params)):
+            self._arrivals += 1
+            choice = dataclasses.replace(msg, sampling_params=params)
+            cfg = self.cfg
+            req = Req.from_message(
+                choice, cfg.eos_token_ids, self._arrivals, cfg.vocab_size, cfg.media_token_ids
+            )
+            req.index, req.fork_of = index, first
+            first = first or req
+            self.queue_request(req)
+
+    def queue_request(self, req: Req) -> None:
+        self._started.append(ReqStart.of(req.rid, req.params, req.index))
         problem = self.refusal(req)
         if problem:
             self.counters.refused += 1
@@ -147,23 +161,28 @@ class Scheduler:
         """Why this request can never run here ("" when it can): refused up front, not retried."""
         if req.prompt_len == 0:
             return "empty prompt"
+        for name, ids in req.params.token_ids_named().items():
+            if any(not 0 <= t < self.cfg.vocab_size for t in ids):
+                return f"{name} names a token id outside the vocabulary [0, {self.cfg.vocab_size})"
         budget = TokenBudget(self.cfg.context_length, self.runner.kv_pool.size)
         return budget.problem(req.prompt_len, req.params.max_new_tokens)
 
-    def abort(self, rid: str) -> None:
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting = [r for r in self.waiting if r is not req]
-                req.abort()
-                self.touch(req)
-                self.counters.aborted += 1
-                return
+    def abort(self, rid: str, index: int | None = None) -> None:
+        """End the request's choices (`index`: that choice only)."""
+
+        def named(req: Req) -> bool:
+            return req.rid == rid and index in (None, req.index)
+
+        for req in [r for r in self.waiting if named(r)]:
+            self.waiting = [r for r in self.waiting if r is not req]
+            req.abort()
+            self.touch(req)
+            self.counters.aborted += 1
         for req in [*self.running, *([self.chunked] if self.chunked else [])]:
-            if req.rid == rid:
+            if named(req):
                 req.abort()
                 self.counters.aborted += 1
                 self.finish_request(req)
-                return
 
     # ------------------------------------------------------------------ prefill
     def schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
@@ -179,6 +198,8 @@ class Scheduler:
             lens.append(n)
             self.chunked = None
         for req in self.ordered_waiting():
+            if not ready(req):
+                continue
             evictable = self.radix.evictable_size
             if not self.admit(req):
                 break
@@ -265,11 +286,22 @@ class Scheduler:
         now = time.perf_counter()
         for i in done:
             req = reqs[i]
+            self.share_prompt(req)
             if req.retractions == 0:
                 self.counters.cached_prompt_tokens += req.cached_tokens
                 req.clock.first_token(now)
             if not req.finished:
                 self.running.append(req)
+
+    def share_prompt(self, req: Req) -> None:
+        """A request with forks waiting: its prompt goes into the radix tree now, so each fork
+        matches it and prefills only its last token (images are not encoded again)."""
+        if req.finished or not any(r.fork_of is req for r in self.waiting):
+            return
+        key = req.token_ids[: req.kv_len]
+        slots = self.req_slots(req)
+        new_slots, req.last_node = self.radix.cache_unfinished_req(key, slots, req.last_node)
+        self.runner.req_pool.write(req.req_pool_index, 0, new_slots)
 
     def forward_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req]) -> torch.Tensor:
         """The step's forward; each request's clock takes the step's start and, when its chunk
@@ -346,20 +378,30 @@ class Scheduler:
     def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """Rank 0 samples (a row that cannot be sampled fails its request) and broadcasts the
         tokens and failures, so every rank appends and fails the same."""
-        picked = None
+        picked, logprobs = None, {}
         if self.tp.is_first:
-            steps = [len(r.output_ids) for r in reqs]
-            picked = self.sampler.sample_safe(logits, [r.params for r in reqs], steps)
+            picked = self.sample(reqs, logits)
+            logprobs = token_logprobs(logits, [r.params for r in reqs], picked[0])
         tokens, errors = self.tp.broadcast_pyobj(picked)
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             if i in errors:
                 self.fail(req, errors[i])
                 continue
+            if i in logprobs:
+                req.logprobs.append(logprobs[i])
             req.append_token(int(token))
             self.counters.generated_tokens += 1
             self.touch(req)
             if req.finished:
                 self.finish_request(req)
+
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], dict[int, str]]:
+        params = [r.params for r in reqs]
+        steps = [len(r.token_ids) - r.prompt_len for r in reqs]
+        if not any(p.uses_controls for p in params):
+            return self.sampler.sample_safe(logits, params, steps)
+        controls = RowControls([r.sampling for r in reqs], [r.stop_ids for r in reqs])
+        return self.sampler.sample_safe(logits, params, steps, controls)
 
     # ------------------------------------------------------------------ fault isolation
     def isolate(self, reqs: list[Req]) -> list[Req]:
@@ -445,6 +487,7 @@ class Scheduler:
         outputs = []
         for req in self._touched.values():
             new = req.output_ids[req.sent_len :]
+            logprobs = req.logprobs[req.sent_len :] if req.params.logprobs is not None else None
             req.sent_len = len(req.output_ids)
             finish = req.outcome() if req.finished else None
             outputs.append(
@@ -456,6 +499,8 @@ class Scheduler:
                     req.cached_tokens,
                     finish,
                     req.clock.take_report(),
+                    logprobs,
+                    req.index,
                 )
             )
         self._touched = {}
@@ -506,6 +551,22 @@ class Scheduler:
             counters=dataclasses.replace(self.counters),
             encoder_plans=dict(self.runner.model.plan_counts),
         )
+
+
+def choice_params(p: SamplingParams) -> list[SamplingParams]:
+    """Each of the request's n choices samples on its own (n=1); choice i of a seeded request
+    draws with seed + i."""
+    if p.n == 1:
+        return [p]
+    return [
+        dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i) for i in range(p.n)
+    ]
+
+
+def ready(req: Req) -> bool:
+    """A fork waits until the first choice's prompt is cached (it has sampled) or it ended."""
+    first = req.fork_of
+    return first is None or first.finished or len(first.token_ids) > first.prompt_len
 
 
 def chunk_holds_media(req: Req, start: int, end: int) -> bool:

@@ -26,6 +26,7 @@ from runtime.io_struct import (
     ShutdownReq,
     StageTimes,
 )
+from runtime.sampler import TokenLogprobs
 from runtime.server_args import ServerArgs
 from tokenizer_manager import detokenizer
 from tokenizer_manager.detokenizer import (
@@ -225,7 +226,7 @@ def test_manager_ignores_a_request_after_its_stop_matched(tok: Tokenizer) -> Non
     assert later.outputs == []
     abort = Finish(FinishKind.ABORT, "aborted")
     assert manager.handle(BatchTokenOut([req_out("a", [], abort)])).outputs == []
-    assert set(manager.states) == {"b"} and manager.stopped == {}
+    assert set(manager.states) == {("b", 0)} and manager.stopped == {}
 
 
 def test_manager_stop_and_scheduler_finish_in_one_message(tok: Tokenizer) -> None:
@@ -235,6 +236,74 @@ def test_manager_stop_and_scheduler_finish_in_one_message(tok: Tokenizer) -> Non
     assert out.outputs[0].text == "x"
     assert out.outputs[0].finish_reason == Finish(FinishKind.STOP, matched=".")
     assert manager.states == {} and manager.stopped == {}
+
+
+def test_a_stop_token_ends_the_text_without_appearing_in_it(tok: Tokenizer) -> None:
+    """A non-special stop token (EOS or stop_token_ids) is cut, unless asked for."""
+    dot = tok.encode(".")[0]
+    ids = [*tok.encode("the cat sat"), dot]
+    stop = Finish(FinishKind.STOP, str(dot))
+    for keep, want in ((False, "the cat sat"), (True, "the cat sat.")):
+        manager = DetokenizerManager(tok)
+        start = ReqStart("a", include_stop_str_in_output=keep)
+        out = manager.handle(BatchTokenOut([req_out("a", ids, stop)], [start])).outputs[0]
+        assert (out.text, out.token_ids, out.finish_reason) == (want, ids, stop)
+
+
+def test_include_stop_str_in_output_keeps_the_matched_string(tok: Tokenizer) -> None:
+    manager = DetokenizerManager(tok)
+    start = ReqStart("a", (" sat",), include_stop_str_in_output=True)
+    out = manager.handle(BatchTokenOut([req_out("a", tok.encode("the cat sat on"))], [start]))
+    assert out.outputs[0].text == "the cat sat"
+    assert out.outputs[0].finish_reason == Finish(FinishKind.STOP, matched=" sat")
+
+
+def test_stop_strings_wait_for_min_tokens(tok: Tokenizer) -> None:
+    """Before min_tokens output tokens a stop string passes as text (vLLM's rule)."""
+    ids = tok.encode("the cat and the cat again")
+    later = len(tok.encode("the cat and the"))
+    manager = DetokenizerManager(tok)
+    manager.start(ReqStart("a", ("cat",), min_tokens=later))
+    text, finish = "", None
+    for n, token in enumerate(ids, start=1):
+        out = ReqOutput("a", [token], 7, n, 0)
+        (got,) = manager.handle(BatchTokenOut([out])).outputs
+        text, finish = text + got.text, got.finish_reason
+        if finish is not None:
+            break
+    assert text == "the cat and the " and finish == Finish(FinishKind.STOP, matched="cat")
+
+
+def test_logprobs_carry_each_token_text_and_exact_bytes(tok: Tokenizer) -> None:
+    ids = tok.encode("a你🙂")
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "a token must split a character"
+    entries = [TokenLogprobs(t, -0.5, [(t, -0.5), (ids[0], -1.0)]) for t in ids]
+    manager = DetokenizerManager(tok)
+    (out,) = manager.handle(BatchTokenOut([req_out("a", ids, LENGTH, logprobs=entries)])).outputs
+    assert [e.chosen.token_id for e in out.logprobs] == ids
+    assert b"".join(bytes(e.chosen.bytes) for e in out.logprobs) == "a你🙂".encode()
+    assert [e.chosen.text for e in out.logprobs] == [tok.decode([i]) for i in ids]
+    assert all([t.logprob for t in e.top] == [-0.5, -1.0] for e in out.logprobs)
+    assert out.logprobs[0].top[1].text == "a"
+    plain = manager.handle(BatchTokenOut([req_out("b", ids, LENGTH)])).outputs[0]
+    assert plain.logprobs is None
+
+
+def test_choices_of_one_request_are_detokenized_apart(tok: Tokenizer) -> None:
+    """n > 1: each choice has its own text, stop match and finish under the same rid."""
+    manager = DetokenizerManager(tok)
+    starts = [ReqStart("a", ("cat",), index=i) for i in range(2)]
+    outs = [
+        ReqOutput("a", tok.encode("the cat sat"), 7, 3, 0, index=0),
+        ReqOutput("a", tok.encode("a dog ran"), 7, 3, 0, index=1),
+    ]
+    first, second = manager.handle(BatchTokenOut(outs, starts)).outputs
+    assert (first.index, first.text, first.finish_reason.matched) == (0, "the ", "cat")
+    assert (second.index, second.text, second.finish_reason) == (1, "a dog ran", None)
+    later = BatchTokenOut([ReqOutput("a", tok.encode(" on"), 7, 4, 0, LENGTH, index=1)])
+    (last,) = manager.handle(later).outputs
+    assert (last.index, last.text, last.finish_reason) == (1, " on", LENGTH)
+    assert manager.states == {} and set(manager.stopped) == {("a", 0)}
 
 
 class BrokenTokenizer:
@@ -317,7 +386,7 @@ def test_constants_arrive_once_and_a_restart_forgets_the_old_request(tok: Tokeni
     manager.handle(
         BatchTokenOut([req_out("a", tok.encode("the cat sat"))], [ReqStart("a", ("cat",))])
     )
-    assert "a" in manager.stopped  # matched; the scheduler's finish has not come yet
+    assert ("a", 0) in manager.stopped  # matched; the scheduler's finish has not come yet
     batch = BatchTokenOut([req_out("a", tok.encode("the cat"), LENGTH)], [ReqStart("a")])
     out = manager.handle(batch).outputs[0]
     assert (out.text, out.finish_reason) == ("the cat", LENGTH)

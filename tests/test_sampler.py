@@ -182,6 +182,22 @@ def test_seeded_requests_follow_softmax_across_seeds() -> None:
         ("ignore_eos", "yes", "ignore_eos must be true or false"),
         ("seed", "x", "seed must be an integer"),
         ("stop", [1], "stop must be a string or a list of strings"),
+        ("repetition_penalty", 0.0, r"repetition_penalty must be in \(0, 2\]"),
+        ("presence_penalty", 2.5, r"presence_penalty must be in \[-2, 2\]"),
+        ("frequency_penalty", -2.1, r"frequency_penalty must be in \[-2, 2\]"),
+        ("min_tokens", 200, "min_tokens must be in"),
+        ("min_tokens", -1, "min_tokens must be in"),
+        ("logit_bias", {"5": 101}, "logit_bias takes at most"),
+        ("logit_bias", {"five": 1}, "logit_bias must be an integer"),
+        ("logit_bias", [1, 2], "logit_bias must be an object"),
+        ("allowed_token_ids", [], "allowed_token_ids must not be empty"),
+        ("allowed_token_ids", 5, "allowed_token_ids must be a list"),
+        ("bad_words", [""], "bad_words takes at most"),
+        ("bad_words", [3], "bad_words must be a string or a list"),
+        ("logprobs", 21, r"logprobs must be in \[0, 20\]"),
+        ("logprobs", -1, r"logprobs must be in \[0, 20\]"),
+        ("n", 0, "n must be in"),
+        ("include_stop_str_in_output", 1, "include_stop_str_in_output must be true or false"),
     ],
 )
 def test_out_of_range_values_are_refused(field: str, value: object, message: str) -> None:
@@ -194,6 +210,13 @@ def test_edge_values_are_accepted_and_coerced() -> None:
     assert params.normalize() is params
     assert params.stop == ["END"] and isinstance(params.temperature, float) and params.is_greedy
     assert SamplingParams(top_k=3.0, stop_token_ids=(7,)).normalize().top_k == 3
+
+
+def test_control_fields_are_coerced() -> None:
+    params = SamplingParams(logit_bias={"12": 3, 7: -1.5}, allowed_token_ids=(4.0, 5)).normalize()
+    assert params.logit_bias == {12: 3.0, 7: -1.5} and params.allowed_token_ids == [4, 5]
+    assert params.uses_controls and not SamplingParams().normalize().uses_controls
+    assert SamplingParams(logprobs=0).normalize().uses_controls is False  # logprobs read raw
 
 
 def test_mismatched_batch_lengths_are_refused() -> None:
@@ -243,3 +266,37 @@ def test_a_row_with_nothing_to_draw_fails_alone() -> None:
     tokens, errors = Sampler().sample_safe(logits, [SamplingParams()] * 3, [0, 0, 0])
     assert list(errors) == [0] and tokens[0] == FAILED_TOKEN
     assert all(0 <= t < VOCAB for t in tokens[1:])
+
+
+# ---------------------------------------------------------------------- controls' bookkeeping
+
+
+def test_a_batch_without_controls_is_not_touched() -> None:
+    from runtime.sampling_controls import apply_controls
+
+    logits = random_logits(4)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.5, logprobs=3).normalize() for _ in range(4)]
+    assert apply_controls(logits, params, [0] * 4, None) is logits
+    assert torch.equal(logits, before)
+
+
+def test_state_kept_token_by_token_equals_a_rebuild() -> None:
+    """The counts move with each accepted token; a request rebuilt from its tokens (after a
+    recompute) gets the same state."""
+    from runtime.sampling_controls import SamplingState
+
+    params = SamplingParams(
+        repetition_penalty=1.2, frequency_penalty=0.5, bad_words_ids=[[5, 6, 7]]
+    ).normalize()
+    prompt = [1, 2, 3, 2, 10**6]  # a pad value outside the vocabulary is not counted
+    output = [4, 2, 4, 9, 4, 5, 6]
+    state = SamplingState.for_request(params, prompt, len(prompt), VOCAB)
+    for token in output:
+        state.accept(token)
+    rebuilt = SamplingState.for_request(params, prompt + output, len(prompt), VOCAB)
+    for s in (state, rebuilt):
+        assert s.prompt_seen == [1, 2, 3] and s.output_seen == [4, 9, 5, 6]
+        assert s.counts == {4: 3, 2: 1, 9: 1, 5: 1, 6: 1} and s.recent == [5, 6]
+        assert s.banned_by_words(params.bad_words_ids) == [7]
+    assert SamplingState.for_request(SamplingParams(), prompt, len(prompt), VOCAB) is None

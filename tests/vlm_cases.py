@@ -162,6 +162,30 @@ def run_hf(model: Any, case: Case, max_new_tokens: int = 16) -> None:
     case.hf_tokens = out[0, case.hf_inputs["input_ids"].shape[1] :].tolist()
 
 
+def hf_generate(
+    model: Any, case: Case, new_tokens: int, processors: list[Any] | None = None, **kw: Any
+) -> Any:
+    """HF greedy `generate` with these logits processors, on one thread as `run_hf`; returns
+    transformers' output with the step logits (`sequences` holds the prompt too)."""
+    from transformers import LogitsProcessorList
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            return model.generate(
+                **case.hf_inputs,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                logits_processor=LogitsProcessorList(processors or []),
+                return_dict_in_generate=True,
+                output_logits=True,
+                **kw,
+            )
+    finally:
+        torch.set_num_threads(threads)
+
+
 def load_hf(folder: Path, gemm_patch_embed: bool = True) -> Any:
     """transformers' model of the checkpoint; by default its patch embedding runs as tessera's
     (see `patch_embed_as_gemm`), `gemm_patch_embed=False` keeps transformers' Conv3d."""

@@ -27,12 +27,15 @@ from runtime.io_struct import (
     BatchTokenOut,
     Finish,
     FinishKind,
+    OutputLogprobs,
     ReqOutput,
     ReqStart,
     ShutdownReq,
     StrOutput,
+    TokenText,
 )
 from runtime.logging_utils import configure_logging, get_logger
+from runtime.sampler import TokenLogprobs
 from runtime.server_args import ServerArgs
 
 logger = get_logger(__name__)
@@ -67,14 +70,19 @@ class StopMatcher:
     while none has matched, everything except the longest tail that could still grow into one.
     """
 
-    def __init__(self, stops: Iterable[str] = ()):
+    def __init__(self, stops: Iterable[str] = (), keep: bool = False):
         self.stops = tuple(s for s in stops if s)
+        self.keep = keep  # include_stop_str_in_output: the released text ends with the stop
         self.pending = ""
         self.matched: str | None = None
 
-    def push(self, text: str) -> str:
+    def push(self, text: str, armed: bool = True) -> str:
+        """`armed` False (min_tokens not reached yet): the text passes without being matched."""
         if self.matched is not None:
             return ""
+        if not armed:
+            out, self.pending = self.pending + text, ""
+            return out
         self.pending += text
         hit = self._first_match()
         if hit is not None:
@@ -98,7 +106,7 @@ class StopMatcher:
         return index, stop
 
     def _cut_at(self, index: int, stop: str) -> str:
-        out = self.pending[:index]
+        out = self.pending[: index + (len(stop) if self.keep else 0)]
         self.pending = ""
         self.matched = stop
         return out
@@ -124,24 +132,30 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: TokenDecoder, *, skip_special_tokens: bool = True, stop: Iterable[str] = ()
+        self,
+        tokenizer: TokenDecoder,
+        *,
+        skip_special_tokens: bool = True,
+        stop: Iterable[str] = (),
+        include_stop: bool = False,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.window: list[int] = []
         self.read_offset = 0
-        self.stops = StopMatcher(stop)
+        self.stops = StopMatcher(stop, keep=include_stop)
 
     @property
     def matched_stop(self) -> str | None:
         return self.stops.matched
 
-    def step(self, new_ids: Sequence[int], final: bool = False) -> str:
-        """Add the new ids and return the text to release; `final` flushes everything held."""
+    def step(self, new_ids: Sequence[int], final: bool = False, armed: bool = True) -> str:
+        """Add the new ids and return the text to release; `final` flushes everything held;
+        `armed` False: stop strings are not matched in this step's text (min_tokens)."""
         if self.matched_stop is not None:
             return ""
         self.window.extend(new_ids)
-        text = self.stops.push(self._decode_unread(force=final))
+        text = self.stops.push(self._decode_unread(force=final), armed)
         if final and self.matched_stop is None:
             text += self.stops.flush()
         return text
@@ -185,9 +199,72 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
 
+Key = tuple[str, int]  # a request's id and which of its n choices
+
+
+def key_of(msg: ReqOutput | ReqStart) -> Key:
+    return msg.rid, msg.index
+
+
+def ends_on_stop_token(finish: Finish | None) -> bool:
+    """The scheduler ended the request on a stop token (EOS or stop_token_ids): its last id."""
+    return finish is not None and finish.kind == FinishKind.STOP and finish.matched is None
+
+
 def is_whole(read_text: str, full_text: str) -> bool:
     """The new ids added text and it does not end inside an unfinished character."""
     return len(full_text) > len(read_text) and not full_text.endswith(REPLACEMENT_CHAR)
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable character for each byte, inverted (character -> byte): bytes
+    that print as themselves keep their character, the others map to 256 and up in order."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+    return {c: b for b, c in chars.items()}
+
+
+class TokenTexts:
+    """One token's text (decoded alone, special tokens shown) and its exact bytes (from the
+    byte-level alphabet, so a token holding part of a character still has its true bytes),
+    cached per id: logprobs name the same few thousand tokens over and over."""
+
+    MAX_CACHED = 65536
+
+    def __init__(self, tokenizer: TokenDecoder):
+        self.tokenizer = tokenizer
+        self.alphabet = byte_level_alphabet()
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self.cache.get(token_id)
+        if hit is None:
+            if len(self.cache) >= self.MAX_CACHED:
+                self.cache.clear()
+            hit = self.cache[token_id] = self._look_up(token_id)
+        return hit
+
+    def _look_up(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        piece = getattr(self.tokenizer, "convert_ids_to_tokens", lambda _: None)(token_id)
+        if isinstance(piece, str) and piece and all(c in self.alphabet for c in piece):
+            return text, [self.alphabet[c] for c in piece]
+        return text, list(text.encode("utf-8"))
+
+    def entry(self, token_id: int, logprob: float) -> TokenText:
+        text, raw = self(token_id)
+        return TokenText(token_id, text, raw, logprob)
+
+    def logprobs(self, entries: list[TokenLogprobs] | None) -> list[OutputLogprobs] | None:
+        if entries is None:
+            return None
+        return [
+            OutputLogprobs(
+                self.entry(e.token_id, e.logprob), [self.entry(t, lp) for t, lp in e.top]
+            )
+            for e in entries
+        ]
 
 
 class DetokenizerManager:
@@ -200,8 +277,10 @@ class DetokenizerManager:
 
     def __init__(self, tokenizer: TokenDecoder):
         self.tokenizer = tokenizer
-        self.states: dict[str, IncrementalDetokenizer] = {}
-        self.stopped: dict[str, None] = {}  # ordered set of rids waiting for the scheduler's finish
+        self.states: dict[Key, IncrementalDetokenizer] = {}
+        self.starts: dict[Key, ReqStart] = {}
+        self.token_texts = TokenTexts(tokenizer)
+        self.stopped: dict[Key, None] = {}  # ordered set of choices awaiting the scheduler's finish
 
     def handle(self, msg: object) -> object:
         if isinstance(msg, BatchTokenOut):
@@ -215,9 +294,9 @@ class DetokenizerManager:
         return BatchStrOut(outputs=[out for out in outputs if out is not None])
 
     def _detokenize(self, out: ReqOutput) -> StrOutput | None:
-        if out.rid in self.stopped:
+        if key_of(out) in self.stopped:
             if out.finish_reason is not None:
-                del self.stopped[out.rid]
+                del self.stopped[key_of(out)]
             return None
         try:
             text, finish = self._step(out)
@@ -225,18 +304,29 @@ class DetokenizerManager:
             logger.exception("detokenizing request %s failed", out.rid)
             text, finish = "", Finish.error(f"detokenizer: {exc!r}")
             self._drop(out)
-        return self._str_output(out, text, finish)
+        output = self._str_output(out, text, finish)
+        output.logprobs = self.token_texts.logprobs(out.logprobs)
+        return output
 
     def start(self, start: ReqStart) -> None:
         """A request was admitted: its constants arrive once, here."""
-        self.stopped.pop(start.rid, None)
-        self.states[start.rid] = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=start.skip_special_tokens, stop=start.stop
+        self.stopped.pop(key_of(start), None)
+        self.starts[key_of(start)] = start
+        self.states[key_of(start)] = IncrementalDetokenizer(
+            self.tokenizer,
+            skip_special_tokens=start.skip_special_tokens,
+            stop=start.stop,
+            include_stop=start.include_stop_str_in_output,
         )
 
     def _step(self, out: ReqOutput) -> tuple[str, Finish | None]:
-        state = self.states.get(out.rid) or self._new_state(out)
-        text = state.step(out.new_token_ids, final=out.finish_reason is not None)
+        state = self.states.get(key_of(out)) or self._new_state(out)
+        start = self.starts[key_of(out)]
+        ids = out.new_token_ids
+        if ends_on_stop_token(out.finish_reason) and not start.include_stop_str_in_output:
+            ids = ids[:-1]  # a stop token ends the text without appearing in it
+        armed = out.completion_tokens >= start.min_tokens
+        text = state.step(ids, final=out.finish_reason is not None, armed=armed)
         if state.matched_stop is not None:
             self._drop(out)
             return text, Finish(FinishKind.STOP, matched=state.matched_stop)
@@ -247,14 +337,15 @@ class DetokenizerManager:
     def _new_state(self, out: ReqOutput) -> IncrementalDetokenizer:
         """Defaults for a request whose start was not seen (none is lost on the ordered socket;
         this keeps a stray output harmless)."""
-        self.start(ReqStart(out.rid))
-        return self.states[out.rid]
+        self.start(ReqStart(out.rid, index=out.index))
+        return self.states[key_of(out)]
 
     def _drop(self, out: ReqOutput) -> None:
         """Forget the request; if the scheduler still runs it, ignore what it sends later."""
-        self.states.pop(out.rid, None)
+        self.states.pop(key_of(out), None)
+        self.starts.pop(key_of(out), None)
         if out.finish_reason is None:
-            self.stopped[out.rid] = None
+            self.stopped[key_of(out)] = None
             if len(self.stopped) > MAX_STOPPED_RIDS:
                 del self.stopped[next(iter(self.stopped))]
 
@@ -262,6 +353,7 @@ class DetokenizerManager:
     def _str_output(out: ReqOutput, text: str, finish: Finish | None) -> StrOutput:
         return StrOutput(
             rid=out.rid,
+            index=out.index,
             text=text,
             token_ids=list(out.new_token_ids),
             prompt_tokens=out.prompt_tokens,

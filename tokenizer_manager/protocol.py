@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from runtime.sampler import SEED_RANGE
+from runtime.sampler import MAX_N, SEED_RANGE
 
 
 class APIError(Exception):
@@ -154,7 +154,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = 1  # more than 1: refused (COMMON_REFUSED) until choices fork in the engine
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices forked from one prefill
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
@@ -230,6 +230,9 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
 
 
 # ---------------------------------------------------------------------- refusals
@@ -237,12 +240,11 @@ class GenerateRequest(BaseModel):
 INERT = (None, False, [], {}, "")  # values that ask for nothing, for every refused field
 
 STRUCTURED = "structured outputs are not built yet"
-LOGPROBS = "logprobs are not built yet"
+LOGPROBS = "only the output tokens' logprobs are built, as token strings"
 DISAGG = "disaggregated serving is not built"
 
 # Fields both APIs refuse: name -> (further values that ask for nothing, the reason).
 COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "only n=1 is supported"),
     "best_of": ((1,), "best_of is not supported"),
     "use_beam_search": ((), "beam search is not supported"),
     "length_penalty": ((1, 1.0), "length_penalty only applies to beam search"),
@@ -293,8 +295,6 @@ COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     **COMMON_REFUSED,
-    "logprobs": ((), LOGPROBS),
-    "top_logprobs": ((0,), LOGPROBS),
     "tool_choice": (("none", "auto"), "only none and auto: the others need constrained decoding"),
     "functions": ((), "functions are not supported; send tools"),
     "function_call": (("none", "auto"), "functions are not supported; send tools"),
@@ -314,7 +314,6 @@ CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 COMPLETION_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     **COMMON_REFUSED,
-    "logprobs": ((), LOGPROBS),
     "suffix": ((), "suffix (fill-in-the-middle) is not supported"),
     "prompt_embeds": ((), "prompt embeddings are not accepted"),
 }

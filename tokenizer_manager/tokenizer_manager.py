@@ -38,6 +38,7 @@ from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
 from runtime.sampler import SamplingParams
+from runtime.sampling_controls import bad_words_token_ids
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget
 from runtime.transport import SharedTensor, to_frames
@@ -62,7 +63,6 @@ from tokenizer_manager.protocol import APIError
 logger = get_logger(__name__)
 
 T = TypeVar("T")
-
 
 
 def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
@@ -97,8 +97,14 @@ def with_placeholders(text: str, media: list[MediaRef]) -> str:
 class ReqState:
     timeline: RequestTimeline
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False
+    finished: bool = False  # every choice has ended
     started: bool = False  # an output arrived: no longer queued
+    n: int = 1  # choices
+    ended: set[int] = field(default_factory=set)  # choices that have ended
+
+    def end(self, index: int) -> None:
+        self.ended.add(index)
+        self.finished = len(self.ended) == self.n
 
 
 @dataclass
@@ -189,14 +195,14 @@ class TokenizerManager:
 
     def _route(self, out: StrOutput) -> None:
         state = self.states.get(out.rid)
-        if state is None or state.finished:
+        if state is None or out.index in state.ended:
             return
         state.started = True
         if out.finish_reason is not None:
-            state.finished = True
-            # A stop string or a detokenizer failure ends the request before the scheduler does.
+            state.end(out.index)
+            # A stop string or a detokenizer failure ends the choice before the scheduler does.
             if out.finish_reason.matched is not None or out.finish_reason.is_error:
-                self._send(AbortReq(out.rid))
+                self._send(AbortReq(out.rid, out.index))
         state.queue.put_nowait(out)
 
     def fail_all(self, reason: str) -> None:
@@ -204,9 +210,9 @@ class TokenizerManager:
         self.fatal = reason
         finish = Finish.error(reason, 503, "server_shutdown")
         for rid, state in list(self.states.items()):
-            if not state.finished:
-                state.finished = True
-                state.queue.put_nowait(StrOutput(rid, "", [], 0, 0, 0, finish))
+            for index in sorted(set(range(state.n)) - state.ended):
+                state.end(index)
+                state.queue.put_nowait(StrOutput(rid, "", [], 0, 0, 0, finish, index=index))
 
     def _send(self, msg: object) -> None:
         shared: list[SharedTensor] = []
@@ -356,6 +362,8 @@ class TokenizerManager:
         if problem:
             raise APIError(problem, param="messages", code="context_length_exceeded")
         ids, mm = build_multimodal_inputs(input_ids, media, self.config)
+        if params.bad_words:
+            params.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         return TokenizedGenerateReq(rid, ids, params, mm, stream)
 
     # ------------------------------------------------------------------ requests
@@ -364,6 +372,8 @@ class TokenizerManager:
     ) -> AsyncIterator[StrOutput]:
         """Send to the scheduler and yield outputs until finished; abort if abandoned.
         `arrival` (perf_counter) is when the HTTP request came in: latencies count from it.
+        With n > 1 the outputs of the n choices interleave (`StrOutput.index`); it ends when
+        every choice has.
 
         Inside the server the request gets a unique id (the client's id plus a serial number), so
         a client that reuses an id after its request ended never meets that request's leftovers
@@ -373,19 +383,20 @@ class TokenizerManager:
             self.last_progress = time.monotonic()
         rid = f"{req.rid}-{next(self._serial)}"
         timeline = RequestTimeline(self.metrics, arrival or time.perf_counter())
-        state = self.states[rid] = ReqState(timeline)
+        n = req.sampling_params.n
+        state = self.states[rid] = ReqState(timeline, n=n)
         self.client_rids.add(req.rid)
         self._send(dataclasses.replace(req, rid=rid))
         try:
-            while True:
+            ended = 0
+            while ended < n:
                 out = await state.queue.get()
                 timeline.output(len(out.token_ids))
-                timeline.scheduler_stages(out.stages)
-                if out.finish_reason is not None:
-                    if out.finish_reason.completed:
-                        timeline.finish(out.prompt_tokens)
-                    yield out
-                    return
+                if out.index == 0:  # every choice times its own prefill; the first one counts
+                    timeline.scheduler_stages(out.stages)
+                ended += out.finish_reason is not None
+                if ended == n and out.finish_reason.completed:
+                    timeline.finish(out.prompt_tokens)
                 yield out
         finally:
             if not state.finished:

@@ -58,6 +58,14 @@ class ApiContext:
     reasoning_parser: str | None = None  # --reasoning-parser
 
 
+def by_choice(outputs: list[StrOutput], n: int) -> list[list[StrOutput]]:
+    """An engine request's outputs per choice, in order (its n choices interleave)."""
+    choices: list[list[StrOutput]] = [[] for _ in range(n)]
+    for out in outputs:
+        choices[out.index].append(out)
+    return choices
+
+
 class Serving(ABC, Generic[R]):
     """One API: request `R` in, a JSON response or an SSE stream out."""
 
@@ -71,10 +79,12 @@ class Serving(ABC, Generic[R]):
         tokenized = [await self.tm.tokenize_request(inp) for inp in inputs]  # all checked first
         streams = [self.tm.generate(t, arrival) for t in tokenized]
         firsts = await first_outputs(streams)
+        n = tokenized[0].sampling_params.n
         if inputs[0].stream:
-            body = sse(self.stream_writer(rid, req), firsts, streams, self.usage)
+            body = sse(self.stream_writer(rid, req), firsts, streams, self.usage, n)
             return StreamingResponse(body, media_type="text/event-stream")
-        choices = await collect_all(firsts, streams)
+        per_request = await collect_all(firsts, streams)
+        choices = [c for outputs in per_request for c in by_choice(outputs, n)]
         self.usage.record([outputs[-1] for outputs in choices])
         return JSONResponse(self.response(rid, req, choices))
 
@@ -94,4 +104,5 @@ class Serving(ABC, Generic[R]):
 
     @abstractmethod
     def response(self, rid: str, req: R, choices: list[list[StrOutput]]) -> dict[str, Any]:
-        """The JSON response; `choices` holds each choice's outputs, in order."""
+        """The JSON response; `choices` holds each choice's outputs, in order (prompt i's
+        choice j at i * n + j)."""

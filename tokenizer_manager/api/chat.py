@@ -10,6 +10,7 @@ from runtime.io_struct import StrOutput
 from runtime.sampler import SamplingParams
 from tokenizer_manager.api.base import check_model
 from tokenizer_manager.api.fields import refuse_fields, unsupported
+from tokenizer_manager.api.logprobs import chat_logprobs
 from tokenizer_manager.api.openai_common import (
     Envelope,
     OpenAIServing,
@@ -181,16 +182,22 @@ class ChatStream:
     then usage if asked. Each tool call goes out whole in one delta once its block closes."""
 
     def __init__(
-        self, envelope: Envelope, usage: tuple[bool, bool], shape: ReplyShape = ReplyShape()
+        self,
+        envelope: Envelope,
+        usage: tuple[bool, bool],
+        shape: ReplyShape = ReplyShape(),
+        n: int = 1,
     ) -> None:
         self.envelope = envelope
         self.include_usage, self.continuous_usage = usage
         self.shape = shape
+        self.n = n
         self.splitters: dict[int, ReplySplitter] = {}  # one per choice
 
     def opening(self) -> list[dict[str, Any]]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        return [self.envelope.wrap([choice], None, chunk=True)]
+        delta = {"role": "assistant", "content": ""}
+        choices = [{"index": i, "delta": delta, "finish_reason": None} for i in range(self.n)]
+        return [self.envelope.wrap([choice], None, chunk=True) for choice in choices]
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
         reason = finish_reason(out)
@@ -198,9 +205,11 @@ class ChatStream:
         delta = splitter.delta(out.text, reason is not None)
         if reason is not None and splitter.called:
             reason = "tool_calls"
-        if not delta and reason is None:
+        if not delta and reason is None and not out.logprobs:
             return []
         choice = {"index": index, "delta": delta, "finish_reason": reason}
+        if out.logprobs is not None:
+            choice["logprobs"] = chat_logprobs([out])
         usage = [out] if self.continuous_usage else None
         return [self.envelope.wrap([choice], usage, chunk=True)]
 
@@ -227,7 +236,14 @@ def chat_message(shape: ReplyShape, text: str) -> tuple[dict[str, Any], bool]:
 def chat_choice(index: int, outputs: list[StrOutput], shape: ReplyShape) -> dict[str, Any]:
     message, called = chat_message(shape, "".join(o.text for o in outputs))
     reason = "tool_calls" if called else finish_reason(outputs[-1])
-    return {"index": index, "message": message, "finish_reason": reason}
+    logprobs = chat_logprobs(outputs)
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def check_top_logprobs(req: ChatCompletionRequest) -> None:
+    """top_logprobs asks for alternatives of the logprobs it needs (OpenAI's rule)."""
+    if req.top_logprobs and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 class ChatServing(OpenAIServing[ChatCompletionRequest]):
@@ -241,7 +257,11 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         refuse_fields(req, CHAT_REFUSED)
         check_template_inputs(self.tm, req.tools, req.documents)
         self.check_reasoning(req)
-        engine = engine_values(req, self.ctx.defaults)
+        check_top_logprobs(req)
+        engine = engine_values(req, self.ctx.defaults) | {
+            "logprobs": (req.top_logprobs or 0) if req.logprobs else None,
+            "n": req.n,
+        }
         cap = req.max_completion_tokens or req.max_tokens
         return GenerateInput(
             self.request_id(req),
@@ -267,7 +287,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         return openai_sampling(req, cap, room, self.ctx.defaults, engine)
 
     def stream_writer(self, rid: str, req: ChatCompletionRequest) -> ChatStream:
-        return ChatStream(self.envelope(rid), stream_usage(req), self.shape(req))
+        return ChatStream(self.envelope(rid), stream_usage(req), self.shape(req), req.n)
 
     def response(
         self, rid: str, req: ChatCompletionRequest, choices: list[list[StrOutput]]

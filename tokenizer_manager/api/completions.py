@@ -8,6 +8,7 @@ from runtime.io_struct import StrOutput
 from runtime.sampler import SamplingParams
 from tokenizer_manager.api.base import check_model
 from tokenizer_manager.api.fields import refuse_fields
+from tokenizer_manager.api.logprobs import CompletionLogprobs
 from tokenizer_manager.api.openai_common import (
     Envelope,
     OpenAIServing,
@@ -35,8 +36,15 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def completion_choice(index: int, text: str, reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+def completion_choice(
+    index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def echo_of(echoes: list[str], index: int, n: int) -> str:
+    """Choice `index`'s prompt as echoed ("" without echo): choice j of prompt i is i * n + j."""
+    return echoes[index // n] if echoes else ""
 
 
 class CompletionStream:
@@ -44,23 +52,34 @@ class CompletionStream:
     choice's `index` is its prompt's), then usage if asked."""
 
     def __init__(
-        self, envelope: Envelope, usage: tuple[bool, bool], echoes: list[str] | None = None
+        self,
+        envelope: Envelope,
+        usage: tuple[bool, bool],
+        echoes: list[str] | None = None,
+        n: int = 1,
     ) -> None:
         self.envelope = envelope
         self.include_usage, self.continuous_usage = usage
         self.echoes = echoes or []
+        self.n = n
+        self.logprobs: dict[int, CompletionLogprobs] = {}  # per choice: text_offset runs on
 
     def opening(self) -> list[dict[str, Any]]:
+        choices = range(len(self.echoes) * self.n)
         return [
-            self.envelope.wrap([completion_choice(i, text, None)], None, chunk=True)
-            for i, text in enumerate(self.echoes)
+            self.envelope.wrap(
+                [completion_choice(i, echo_of(self.echoes, i, self.n), None)], None, chunk=True
+            )
+            for i in choices
         ]
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
         reason = finish_reason(out)
-        if not out.text and reason is None:
+        if not out.text and reason is None and not out.logprobs:
             return []
-        choice = completion_choice(index, out.text, reason)
+        offsets = len(echo_of(self.echoes, index, self.n))
+        logprobs = self.logprobs.setdefault(index, CompletionLogprobs(offsets)).build([out])
+        choice = completion_choice(index, out.text, reason, logprobs)
         usage = [out] if self.continuous_usage else None
         return [self.envelope.wrap([choice], usage, chunk=True)]
 
@@ -77,7 +96,7 @@ class CompletionServing(OpenAIServing[CompletionRequest]):
         check_model(self.tm, req.model)
         self.ctx.unknown.check(req, COMPLETION_REFUSED)
         refuse_fields(req, COMPLETION_REFUSED)
-        engine = engine_values(req, self.ctx.defaults)
+        engine = engine_values(req, self.ctx.defaults) | {"logprobs": req.logprobs, "n": req.n}
         prompts = prompt_list(req.prompt)
         rid = self.request_id(req)
         rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
@@ -110,16 +129,16 @@ class CompletionServing(OpenAIServing[CompletionRequest]):
         return openai_sampling(req, req.max_tokens, room, self.ctx.defaults, engine)
 
     def stream_writer(self, rid: str, req: CompletionRequest) -> CompletionStream:
-        return CompletionStream(self.envelope(rid), stream_usage(req), self.echoes(req))
+        return CompletionStream(self.envelope(rid), stream_usage(req), self.echoes(req), req.n)
 
     def response(
         self, rid: str, req: CompletionRequest, choices: list[list[StrOutput]]
     ) -> dict[str, Any]:
-        echoes = self.echoes(req) or [""] * len(choices)
-        built = [
-            completion_choice(
-                i, echo + "".join(o.text for o in outputs), finish_reason(outputs[-1])
-            )
-            for i, (echo, outputs) in enumerate(zip(echoes, choices))
-        ]
+        echoes = self.echoes(req)
+        built = []
+        for i, outputs in enumerate(choices):
+            echo = echo_of(echoes, i, req.n)
+            text = echo + "".join(o.text for o in outputs)
+            logprobs = CompletionLogprobs(len(echo)).build(outputs)
+            built.append(completion_choice(i, text, finish_reason(outputs[-1]), logprobs))
         return self.envelope(rid).wrap(built, [c[-1] for c in choices], chunk=False)

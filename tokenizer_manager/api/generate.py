@@ -8,7 +8,7 @@ from typing import Any
 from runtime.io_struct import StrOutput
 from runtime.model_config import GenerationDefaults
 from runtime.multimodal import Modality
-from runtime.sampler import SamplingParams
+from runtime.sampler import MAX_LOGPROBS, SamplingParams
 from tokenizer_manager.api.base import Serving, checked
 from tokenizer_manager.api.fields import (
     Refusals,
@@ -17,6 +17,7 @@ from tokenizer_manager.api.fields import (
     sampler_has,
     unsupported,
 )
+from tokenizer_manager.api.logprobs import native_logprobs
 from tokenizer_manager.api.openai_common import ENGINE_FIELDS
 from tokenizer_manager.mm_processor import MediaRef
 from tokenizer_manager.protocol import APIError, GenerateRequest, new_id
@@ -53,8 +54,11 @@ NATIVE_REFUSED: Refusals = {
 }
 
 
-def native_sampling(raw: dict[str, Any], room: int, defaults: GenerationDefaults) -> SamplingParams:
-    """`sampling_params` as SamplingParams; a name tessera does not know is a 400."""
+def native_sampling(
+    raw: dict[str, Any], room: int, defaults: GenerationDefaults, logprobs: int | None = None
+) -> SamplingParams:
+    """`sampling_params` as SamplingParams; a name tessera does not know is a 400.
+    `logprobs`: top_logprobs_num when return_logprob is set, else None."""
     values = {RENAMED.get(k, k): v for k, v in raw.items()}
     known = NATIVE_SAMPLING | NATIVE_ENGINE.keys() | NATIVE_REFUSED.keys()
     unknown = set(values) - known
@@ -71,6 +75,7 @@ def native_sampling(raw: dict[str, Any], room: int, defaults: GenerationDefaults
         if name != "repetition_penalty" or sampler_has(name):
             values.setdefault(name, min(default, room) if name == "max_new_tokens" else default)
     values.setdefault("max_new_tokens", min(128, room))
+    values["logprobs"] = logprobs
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
     try:
@@ -79,9 +84,11 @@ def native_sampling(raw: dict[str, Any], room: int, defaults: GenerationDefaults
         raise APIError(str(e), param="sampling_params") from e
 
 
-def native_body(rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
+def native_body(
+    rid: str, outputs: list[StrOutput], text_in_logprobs: bool = False
+) -> dict[str, Any]:
     last = outputs[-1]
-    return {
+    body = {
         "text": "".join(o.text for o in outputs),
         "output_ids": [t for o in outputs for t in o.token_ids],
         "meta_info": {
@@ -92,13 +99,25 @@ def native_body(rid: str, outputs: list[StrOutput]) -> dict[str, Any]:
             "finish_reason": last.finish_reason and last.finish_reason.to_json(),
         },
     }
+    if any(out.logprobs is not None for out in outputs):
+        body["meta_info"].update(native_logprobs(outputs, text_in_logprobs))
+    return body
+
+
+def native_logprobs_num(req: GenerateRequest) -> int | None:
+    if not req.return_logprob:
+        return None
+    if not 0 <= req.top_logprobs_num <= MAX_LOGPROBS:
+        raise APIError(f"top_logprobs_num must be in [0, {MAX_LOGPROBS}]", param="top_logprobs_num")
+    return req.top_logprobs_num
 
 
 class NativeStream:
     """Each event is the whole response so far (SGLang's /generate stream)."""
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, text_in_logprobs: bool = False) -> None:
         self.rid = rid
+        self.text_in_logprobs = text_in_logprobs
         self.outputs: list[StrOutput] = []
 
     def opening(self) -> list[dict[str, Any]]:
@@ -106,7 +125,7 @@ class NativeStream:
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
         self.outputs.append(out)
-        return [native_body(self.rid, self.outputs)]
+        return [native_body(self.rid, self.outputs, self.text_in_logprobs)]
 
     def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
         return []
@@ -120,7 +139,9 @@ class GenerateServing(Serving[GenerateRequest]):
         return GenerateInput(
             req.rid or new_id("gen"),
             req.stream,
-            lambda room: native_sampling(req.sampling_params, room, self.ctx.defaults),
+            lambda room: native_sampling(
+                req.sampling_params, room, self.ctx.defaults, native_logprobs_num(req)
+            ),
             req.sampling_params.get("max_new_tokens"),
             text=req.text,
             input_ids=req.input_ids,
@@ -128,9 +149,9 @@ class GenerateServing(Serving[GenerateRequest]):
         )
 
     def stream_writer(self, rid: str, req: GenerateRequest) -> NativeStream:
-        return NativeStream(rid)
+        return NativeStream(rid, req.return_text_in_logprobs)
 
     def response(
         self, rid: str, req: GenerateRequest, choices: list[list[StrOutput]]
     ) -> dict[str, Any]:
-        return native_body(rid, choices[0])
+        return native_body(rid, choices[0], req.return_text_in_logprobs)

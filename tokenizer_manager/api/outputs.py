@@ -42,14 +42,14 @@ async def collect_until_done(first: StrOutput, stream: AsyncIterator[StrOutput])
     request's generator sends the abort as it closes."""
     outputs = [first]
     try:
-        if first.finish_reason is None:
-            async for out in stream:
-                outputs.append(out)
+        async for out in stream:  # ends after the last choice's finish
+            outputs.append(out)
     finally:
         await stream.aclose()
-    err = finish_error(outputs[-1])
-    if err is not None:
-        raise err
+    for out in outputs:
+        err = finish_error(out)
+        if err is not None:
+            raise err
     return outputs
 
 

@@ -38,18 +38,22 @@ async def sse(
     firsts: list[StrOutput],
     streams: list[AsyncIterator[StrOutput]],
     usage: UsageRecorder,
+    n: int = 1,
 ) -> AsyncIterator[bytes]:
-    """Events for the outputs of one request's streams (one per prompt or choice, `index` in
-    the chunks); an error finish becomes an error event before `[DONE]` (no usage then); every
-    stream is closed (which aborts its request) however it ends."""
-    lasts = list(firsts)
+    """Events for the outputs of one request's streams (one per prompt, each with n choices:
+    prompt i's choice j is `index` i * n + j in the chunks); an error finish becomes an error
+    event before `[DONE]` (no usage then); every stream is closed (which aborts its request)
+    however it ends."""
+    lasts: dict[int, StrOutput] = {}  # each choice's latest output
     try:
         for payload in writer.opening():
             yield event(payload)
-        for index, first in enumerate(firsts):
-            for payload in writer.chunks(first, index):
+        for stream_index, first in enumerate(firsts):
+            lasts[stream_index * n + first.index] = first
+            for payload in writer.chunks(first, stream_index * n + first.index):
                 yield event(payload)
-        async for index, out in merged(streams):
+        async for stream_index, out in merged(streams):
+            index = stream_index * n + out.index
             lasts[index] = out
             err = finish_error(out)
             if err is not None:
@@ -58,8 +62,9 @@ async def sse(
                 return
             for payload in writer.chunks(out, index):
                 yield event(payload)
-        usage.record(lasts)
-        for payload in writer.closing(lasts):
+        finals = [lasts[i] for i in sorted(lasts)]
+        usage.record(finals)
+        for payload in writer.closing(finals):
             yield event(payload)
         yield DONE
     finally:

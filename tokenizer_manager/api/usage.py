@@ -29,16 +29,18 @@ class UsageRecorder:
         self.counters = counters
 
     def record(self, lasts: list[StrOutput]) -> None:
-        """`lasts`: the final output of each of the request's engine requests."""
-        self.counters.prompt_tokens += sum(last.prompt_tokens for last in lasts)
-        self.counters.cached_tokens += sum(last.cached_tokens for last in lasts)
+        """`lasts`: the final output of each choice of the request's engine requests (the
+        choices of one engine request share its prompt: counted once, with its choice 0)."""
+        self.counters.prompt_tokens += sum(last.prompt_tokens for last in lasts if not last.index)
+        self.counters.cached_tokens += sum(last.cached_tokens for last in lasts if not last.index)
         self.counters.completion_tokens += sum(last.completion_tokens for last in lasts)
 
 
 def usage_json(lasts: list[StrOutput]) -> dict[str, Any]:
-    """OpenAI's usage object for the final outputs of a request's engine requests."""
+    """OpenAI's usage object for the final outputs of a request's choices (a prompt counts
+    once, with its choice 0)."""
     return usage(
-        sum(last.prompt_tokens for last in lasts),
+        sum(last.prompt_tokens for last in lasts if not last.index),
         sum(last.completion_tokens for last in lasts),
-        sum(last.cached_tokens for last in lasts),
+        sum(last.cached_tokens for last in lasts if not last.index),
     )
