@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from runtime.grammar.base import (
@@ -62,7 +61,10 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._accepted -= num_tokens
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        llg_torch.fill_next_token_bitmask(self._m, bitmask, row)
+        target = bitmask[row]
+        if bitmask.dtype != torch.int32 or not target.is_contiguous() or target.is_cuda:
+            raise ValueError("a bitmask row must be contiguous int32 in host memory")
+        self._m.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
     def is_terminated(self) -> bool:
         return self._m.is_stopped()
