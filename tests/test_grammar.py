@@ -328,3 +328,11 @@ def test_reasoning_matcher_constrains_after_thinking(compiler, tokenizer, stop_i
     assert matcher.accept_token(think_end)
     assert not matcher.accept_token(letters[0])  # and the grammar is back at its start
     assert all(matcher.accept_token(t) for t in digits)
+
+
+def test_fill_bitmask_refuses_a_wrong_buffer(compiler) -> None:
+    matcher = compiler.new_matcher(GrammarSpec("regex", "[0-9]+"))
+    with pytest.raises(ValueError):
+        matcher.fill_bitmask(torch.zeros(1, 16, dtype=torch.int64), 0)
+    with pytest.raises(ValueError):
+        matcher.fill_bitmask(allocate_bitmask(2, 2 * VOCAB)[:, ::2], 0)
