@@ -272,19 +272,20 @@ def run_case(engine: Engine, case: Case, tok: Tokenizer, args, res: Result) -> N
             res.invalid.append(f"{case.name}/{seed}: {text[:60]!r}")
 
 
-def bench_vocab(label: str, tok: Tokenizer, vocab: int, seeds: int) -> dict[str, Result]:
+ENGINES: dict[str, type[Engine]] = {"llguidance": LLGuidanceEngine, "xgrammar": XGrammarEngine}
+
+
+def bench_vocab(label: str, tok: Tokenizer, vocab: int, opts: argparse.Namespace) -> None:
     stops = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
-    args = argparse.Namespace(vocab=vocab, seeds=seeds, stops=stops)
-    results = {}
-    for cls in (LLGuidanceEngine, XGrammarEngine):
+    args = argparse.Namespace(vocab=vocab, seeds=opts.seeds, stops=stops)
+    for cls in (ENGINES[name] for name in opts.engines.split(",")):
         setup_start = time.perf_counter()
         engine = cls(tok, vocab, stops)
         setup_ms = (time.perf_counter() - setup_start) * 1000
-        res = results[cls.name] = Result()
+        res = Result()
         for case in cases():
             run_case(engine, case, tok, args, res)
         report(label, cls.name, setup_ms, res)
-    return results
 
 
 def pct(values: list[float], q: float) -> float:
@@ -313,12 +314,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--tokenizer", help="a tokenizer.json to use as the large vocabulary")
     parser.add_argument("--tiny-only", action="store_true", help="skip the large vocabulary")
+    parser.add_argument("--large-only", action="store_true", help="skip the tiny vocabulary")
+    parser.add_argument("--engines", default="llguidance,xgrammar", help="in this order")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    bench_vocab("tiny (512)", build_tokenizer(), 512, args.seeds)
+    if not args.large_only:
+        bench_vocab("tiny (512)", build_tokenizer(), 512, args)
     if not args.tiny_only:
         tok = large_tokenizer(args.tokenizer)
-        bench_vocab(f"large ({tok.get_vocab_size()})", tok, tok.get_vocab_size(), args.seeds)
+        bench_vocab(f"large ({tok.get_vocab_size()})", tok, tok.get_vocab_size(), args)
 
 
 if __name__ == "__main__":
