@@ -208,7 +208,14 @@ def test_apply_bitmask_widths() -> None:
         (GrammarSpec("regex", "a(b", "regex"), "regex"),
         (GrammarSpec("ebnf", 'root ::= "a" missing', "grammar"), "missing"),
         (GrammarSpec("ebnf", "start: ((", "grammar"), "ebnf"),
-        (GrammarSpec("structural_tag", "{}", "structural_tag"), "not supported"),
+        (GrammarSpec.structural_tag({"structures": []}, "structural_tag"), "structural_tag"),
+        (
+            GrammarSpec.structural_tag(
+                {"structures": [{"begin": "<x>", "schema": {}, "end": ""}], "triggers": ["<f"]},
+                "structural_tag",
+            ),
+            "none of the triggers",
+        ),
     ],
 )
 def test_invalid_constraint_is_a_clean_error(compiler, spec, needle) -> None:
@@ -336,3 +343,20 @@ def test_fill_bitmask_refuses_a_wrong_buffer(compiler) -> None:
         matcher.fill_bitmask(torch.zeros(1, 16, dtype=torch.int64), 0)
     with pytest.raises(ValueError):
         matcher.fill_bitmask(allocate_bitmask(2, 2 * VOCAB)[:, ::2], 0)
+
+
+def test_structural_tag_constrains_only_tagged_segments(compiler, tokenizer, stop_ids) -> None:
+    """Free text until a trigger; then `begin`, JSON by the schema and `end` are enforced."""
+    schema = SCHEMAS[0]
+    tag = {"structures": [{"begin": "<fn=get>", "schema": schema, "end": "</fn>"}]}
+    spec = GrammarSpec.structural_tag({**tag, "triggers": ["<fn="]})
+    for seed in range(3):
+        matcher = compiler.new_matcher(spec)
+        prompt = tokenizer.encode("Calling <fn=").ids
+        assert all(matcher.accept_token(t) for t in prompt)
+        assert matcher.jump_forward().text.startswith("get>{")
+        tokens = prompt + generate(matcher, seed, 1.0, stop_ids)
+        text = tokenizer.decode(tokens, skip_special_tokens=False)
+        found = re.fullmatch(r"Calling <fn=get>(.*?)</fn>(.*)", text, flags=re.DOTALL)
+        assert found, text
+        jsonschema.validate(json.loads(found.group(1)), schema)

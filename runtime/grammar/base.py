@@ -49,9 +49,18 @@ class GrammarSpec:
     def key(self) -> tuple[str, str]:
         return (self.kind, self.text)
 
+    @property
+    def text_json(self) -> dict:
+        """`text` parsed (schemas and structural tags are JSON objects)."""
+        return json.loads(self.text)
+
     @staticmethod
     def json_schema(schema: dict | str, param: str | None = None) -> GrammarSpec:
         return GrammarSpec("json_schema", canonical_json(schema, param), param)
+
+    @staticmethod
+    def structural_tag(tag: dict | str, param: str | None = None) -> GrammarSpec:
+        return GrammarSpec("structural_tag", canonical_json(tag, param), param)
 
     @staticmethod
     def choice(choices: list[str], param: str | None = None) -> GrammarSpec:

@@ -7,6 +7,7 @@ grammar error: the matcher enters an error state, which compile turns into a Gra
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import llguidance
@@ -142,6 +143,8 @@ class LLGuidanceBackend(GrammarBackend):
             return llguidance.grammar_from(spec.kind, spec.text)
         if spec.kind == "ebnf":
             return ebnf_grammar(spec)
+        if spec.kind == "structural_tag":
+            return structural_tag_grammar(spec)
         raise GrammarError(f"{spec.kind} is not supported by the llguidance backend", spec.param)
 
 
@@ -151,6 +154,32 @@ def ebnf_grammar(spec: GrammarSpec) -> str:
         return llguidance.grammar_from("grammar", spec.text)
     except ValueError as exc:
         raise GrammarError(f"invalid ebnf: {short_message(str(exc))}", spec.param) from None
+
+
+def structural_tag_grammar(spec: GrammarSpec) -> str:
+    """Free text in which each trigger starts a tagged segment: `begin`, JSON by `schema`, `end`.
+
+    The spec is `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`; each begin
+    must start with one of the triggers (the longest is taken)."""
+    try:
+        tags = [struct_tag(s, spec.text_json["triggers"]) for s in spec.text_json["structures"]]
+        if not tags:
+            raise ValueError("structures must not be empty")
+        grammar = llguidance.StructTag.to_grammar(tags, assume_special=False)
+    except (AssertionError, KeyError, TypeError, ValueError) as exc:
+        raise GrammarError(f"invalid structural_tag: {exc!s:.200}", spec.param) from None
+    return grammar if grammar.startswith("{") else llguidance.LLMatcher.grammar_from_lark(grammar)
+
+
+def struct_tag(structure: dict, triggers: list[str]) -> llguidance.StructTag:
+    begin = structure["begin"]
+    matching = [t for t in triggers if isinstance(t, str) and t and begin.startswith(t)]
+    if not matching:
+        raise ValueError(f"begin {begin!r} starts with none of the triggers")
+    schema = json.dumps(structure["schema"], separators=(",", ":"))
+    return llguidance.StructTag(
+        trigger=max(matching, key=len), begin=begin, grammar=schema, end=structure["end"]
+    )
 
 
 def short_message(message: str, limit: int = 300) -> str:
