@@ -360,3 +360,11 @@ def test_structural_tag_constrains_only_tagged_segments(compiler, tokenizer, sto
         found = re.fullmatch(r"Calling <fn=get>(.*?)</fn>(.*)", text, flags=re.DOTALL)
         assert found, text
         jsonschema.validate(json.loads(found.group(1)), schema)
+
+
+def test_apply_bitmask_every_row_constrained() -> None:
+    bitmask = torch.tensor([[0b0110], [0b1001]], dtype=torch.int32)
+    logits = torch.zeros(2, 4)
+    apply_bitmask(logits, BatchMask(bitmask, torch.tensor([0, 1])))
+    expected = [[False, True, True, False], [True, False, False, True]]
+    assert torch.isfinite(logits).tolist() == expected

@@ -27,7 +27,7 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 @dataclass
 class BatchMask:
-    """`bitmask[i]` is the mask of logits row `rows[i]`."""
+    """`bitmask[i]` is the mask of logits row `rows[i]` (rows ascending, each once)."""
 
     bitmask: torch.Tensor
     rows: torch.Tensor
@@ -61,6 +61,9 @@ def apply_bitmask(logits: torch.Tensor, mask: BatchMask | None) -> None:
     """In place: forbidden tokens of the masked rows get -inf; other rows are untouched."""
     if mask is None:
         return
-    allowed = unpack_bitmask(mask.bitmask.to(logits.device), logits.shape[-1])
+    forbidden = ~unpack_bitmask(mask.bitmask.to(logits.device), logits.shape[-1])
+    if mask.rows.numel() == logits.shape[0]:  # every row constrained: fill in place
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
     rows = mask.rows.to(logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(forbidden, float("-inf")))
