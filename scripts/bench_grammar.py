@@ -309,6 +309,21 @@ def report(label: str, engine: str, setup_ms: float, res: Result) -> None:
         print(f"{'':>27} {line}")
 
 
+def bench_apply(vocab: int, batch: int = 32, repeat: int = 20) -> None:
+    """`apply_bitmask` on a batch of `batch` logits rows with 0%, 50% and 100% constrained."""
+    cells = []
+    for share in (0.0, 0.5, 1.0):
+        rows = torch.arange(0, batch, 2 if share == 0.5 else 1)[: int(batch * share)]
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), (vocab + 31) // 32))
+        mask = BatchMask(bitmask.to(torch.int32), rows) if len(rows) else None
+        logits = torch.randn(batch, vocab)
+        start = time.thread_time_ns()
+        for _ in range(repeat):
+            apply_bitmask(logits, mask)
+        cells.append(f"{share:.0%} {(time.thread_time_ns() - start) / repeat / 1e6:.2f} ms")
+    print(f"apply_bitmask, {batch} rows x {vocab} logits, constrained: " + ", ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -316,13 +331,17 @@ def main() -> None:
     parser.add_argument("--tiny-only", action="store_true", help="skip the large vocabulary")
     parser.add_argument("--large-only", action="store_true", help="skip the tiny vocabulary")
     parser.add_argument("--engines", default="llguidance,xgrammar", help="in this order")
+    parser.add_argument("--apply-only", action="store_true", help="only time apply_bitmask")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.apply_only:
+        return bench_apply(QWEN2_VOCAB + len(SPECIAL_TOKENS))
     if not args.large_only:
         bench_vocab("tiny (512)", build_tokenizer(), 512, args)
     if not args.tiny_only:
         tok = large_tokenizer(args.tokenizer)
         bench_vocab(f"large ({tok.get_vocab_size()})", tok, tok.get_vocab_size(), args)
+        bench_apply(tok.get_vocab_size())
 
 
 if __name__ == "__main__":

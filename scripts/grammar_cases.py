@@ -1,9 +1,15 @@
 """Constraints shared by tests/test_grammar.py and scripts/bench_grammar.py: JSON schemas that
 cover nested objects, bounded arrays, enums, number ranges, anyOf, string patterns and $ref, plus
 regexes, a choice and an EBNF grammar. Every string is bounded or short-lived, so a noise model
-sampling from the masked distribution ends in a few hundred tokens."""
+sampling from the masked distribution ends in a few hundred tokens.
+
+    python scripts/grammar_cases.py > cases.json     # the constraints as JSON, for other tools
+"""
 
 from __future__ import annotations
+
+import argparse
+import json
 
 SCHEMAS: list[dict] = [
     {  # flat object: bounded string, integer range, boolean
@@ -129,3 +135,14 @@ CHOICES: list[str] = ['say "yes"', "no\\", "maybe later", "ünïcode"]
 # GBNF, as xgrammar and llama.cpp write it (llguidance converts it to Lark)
 EBNF = 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9]+'
 EBNF_PATTERN = r"\([0-9]+(\+[0-9]+)*\)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Print the benchmark constraints as JSON")
+    parser.parse_args()
+    cases = {"json_schema": SCHEMAS, "regex": REGEXES, "choice": CHOICES, "ebnf": EBNF}
+    print(json.dumps(cases, indent=1, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    main()
