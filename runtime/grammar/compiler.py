@@ -4,6 +4,8 @@
 loop never compile); `compile(spec)` waits for it up to the time limit. Equal specs share one
 compile and one cache entry; the cache keeps the most recently used `cache_size` grammars,
 failures included, so a hostile spec sent again is refused without compiling again.
+A compile past its deadline is reported at once but keeps its worker until the engine returns;
+the engine's own limits (`llguidance_backend.EngineLimits`) bound that work.
 """
 
 from __future__ import annotations
