@@ -37,6 +37,7 @@ setup(
         "httpx>=0.27",
         "httpcore>=1.0",
         "prometheus_client>=0.20",
+        "llguidance>=1.0",  # the grammar engine for structured outputs (runtime/grammar/)
     ],
     extras_require={
         # what only the tests and the benchmarks under scripts/ import
@@ -49,6 +50,8 @@ setup(
             "matplotlib",
             "aiohttp>=3.9",  # scripts/bench_serving.py's client
             "decord>=0.6.0; platform_machine == 'x86_64'",  # the video tests' reference reader
+            "jsonschema>=4",  # tests/test_grammar.py validates constrained outputs
+            "xgrammar>=0.2",  # scripts/bench_grammar.py compares it with llguidance
         ],
         "gpu": ["triton>=3.0", "flashinfer-python"],
     },
