@@ -99,6 +99,28 @@ class ServerArgs:
     max_request_bytes: int = _opt(
         "largest HTTP request body in bytes (413 beyond); default 64 MiB", default=64 << 20
     )
+    http_max_header_bytes: int = _opt(
+        "largest request line plus headers of one HTTP request, in bytes (431 beyond)",
+        default=64 << 10,
+    )
+    http_header_timeout: float = _opt(
+        "seconds from a request's first byte to the end of its headers (408 beyond)",
+        default=10.0,
+    )
+    http_body_timeout: float = _opt(
+        "seconds from a request's headers to the end of its body (408 beyond)", default=60.0
+    )
+    http_keep_alive_timeout: float = _opt(
+        "seconds an idle keep-alive connection stays open", default=5.0
+    )
+    http_max_connections: int = _opt(
+        "open HTTP connections; a connection beyond them gets 503 and is closed", default=1024
+    )
+    http_send_timeout: float = _opt(
+        "seconds a response may wait for a client that stopped reading; then the connection "
+        "is dropped and its request aborted",
+        default=30.0,
+    )
     served_model_name: str | None = _opt("model name reported by the API")
     log_level: str = _opt("log level", default="info")
     random_seed: int = _opt("seed for sampling without a per-request seed", default=0)
@@ -225,6 +247,17 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be at least 16")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
+        self.check_http()
+
+    def check_http(self) -> None:
+        if self.http_max_header_bytes < 1024:
+            raise ValueError("--http-max-header-bytes must be at least 1024")
+        if self.http_max_connections < 1:
+            raise ValueError("--http-max-connections must be at least 1")
+        timeouts = ["header", "body", "keep_alive", "send"]
+        for name in timeouts:
+            if getattr(self, f"http_{name}_timeout") <= 0:
+                raise ValueError(f"--http-{name.replace('_', '-')}-timeout must be positive")
 
 
 def _private_dir(path: str | None) -> str:
