@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.sampler import SEED_RANGE
 
+RID_MAX, RID_CHARS = 128, r"^[A-Za-z0-9._:-]+$"  # a client's request id: length and characters
+
 
 class APIError(Exception):
     """An error the client sees as OpenAI's {"error": {...}} JSON with an HTTP status."""
@@ -115,7 +117,7 @@ class GenerateRequest(BaseModel):
     image_data: str | list[str] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
-    rid: str | None = None
+    rid: str | None = Field(default=None, min_length=1, max_length=RID_MAX, pattern=RID_CHARS)
 
 
 def new_id(prefix: str) -> str:
