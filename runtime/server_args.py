@@ -116,6 +116,11 @@ class ServerArgs:
     http_max_connections: int = _opt(
         "open HTTP connections; a connection beyond them gets 503 and is closed", default=1024
     )
+    http_send_buffer_bytes: int = _opt(
+        "response bytes buffered per connection for a client that does not read, in the kernel "
+        "and again in the server (past them, writes wait for the client)",
+        default=256 << 10,
+    )
     http_send_timeout: float = _opt(
         "seconds a response may wait for a client that stopped reading; then the connection "
         "is dropped and its request aborted",
@@ -254,6 +259,8 @@ class ServerArgs:
             raise ValueError("--http-max-header-bytes must be at least 1024")
         if self.http_max_connections < 1:
             raise ValueError("--http-max-connections must be at least 1")
+        if self.http_send_buffer_bytes < 4096:
+            raise ValueError("--http-send-buffer-bytes must be at least 4096")
         timeouts = ["header", "body", "keep_alive", "send"]
         for name in timeouts:
             if getattr(self, f"http_{name}_timeout") <= 0:

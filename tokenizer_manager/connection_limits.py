@@ -1,7 +1,8 @@
 """The HTTP connection layer's bounds, as a subclass of uvicorn's httptools protocol: a request's
 head has a size limit (431) and a deadline (408), its body a deadline (408), the server a number
 of open connections (503, then closed), and a response write that the client does not take for
-a while drops the connection (which aborts its request, as a hang-up does). Keep-alive idle time
+a while drops the connection (which aborts its request, as a hang-up does); what such a client
+makes the server buffer is bounded per connection. Keep-alive idle time
 is uvicorn's own `timeout_keep_alive`. Each refusal costs a few bytes and a closed socket, never
 a task, so thousands of slow connections cannot slow `/health` or anyone's request.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ class ConnectionLimits:
     keep_alive_timeout: float = 5.0  # idle time between requests on one connection
     max_connections: int = 1024  # open connections; beyond: 503 and closed
     send_timeout: float = 30.0  # a response write blocked this long drops the connection
+    send_buffer_bytes: int = 256 << 10  # per connection: the kernel's send buffer, and ours
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> ConnectionLimits:
@@ -39,6 +42,7 @@ class ConnectionLimits:
             keep_alive_timeout=args.http_keep_alive_timeout,
             max_connections=args.http_max_connections,
             send_timeout=args.http_send_timeout,
+            send_buffer_bytes=args.http_send_buffer_bytes,
         )
 
 
@@ -77,7 +81,18 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             logger.debug("over %d connections: refused", self.limits.max_connections)
             self.refuse(503)
             return
+        self.bound_send_buffers(transport)
         self.arm_read_deadline(self.limits.header_timeout)
+
+    def bound_send_buffers(self, transport: asyncio.Transport) -> None:
+        """What a client that stops reading can make this server hold: the kernel's send
+        buffer (not grown past the limit: Linux would let it reach 4 MiB) and the transport's
+        (past it, writes pause and the send deadline starts)."""
+        size = self.limits.send_buffer_bytes
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        transport.set_write_buffer_limits(high=size)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm(self.read_deadline)

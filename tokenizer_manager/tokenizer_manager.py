@@ -344,7 +344,7 @@ class TokenizerManager:
         a client that reuses an id after its request ended never meets that request's leftovers
         in the scheduler or the detokenizer."""
         self.check_admission(req.rid)
-        if not self.states:
+        if not self.running():
             self.last_progress = time.monotonic()
         rid = f"{req.rid}-{next(self._serial)}"
         timeline = RequestTimeline(self.metrics, arrival or time.perf_counter())
@@ -389,9 +389,16 @@ class TokenizerManager:
             )
 
     def stalled(self) -> bool:
-        """Requests are in flight and nothing came back for --health-stall-timeout seconds."""
+        """Requests are running and nothing came back for --health-stall-timeout seconds. A
+        finished request whose client has not taken its output yet is not running: a stalled
+        client is not a stalled server."""
         quiet = time.monotonic() - self.last_progress
-        return bool(self.states) and quiet > self.args.health_stall_timeout
+        if quiet <= self.args.health_stall_timeout:
+            return False
+        return self.running()
+
+    def running(self) -> bool:
+        return any(not state.finished for state in self.states.values())
 
     async def _ask(self, msg: object, reply: type, timeout: float = 30.0) -> Any:
         async with self._reply_lock:
