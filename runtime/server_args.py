@@ -66,6 +66,10 @@ class ServerArgs:
     disable_radix_cache: bool = _opt("turn off prefix caching", default=False)
     mm_cache_size_mb: int = _opt("encoder output cache size (0 disables)", default=256)
     max_images_per_request: int = _opt("media items per request", default=16)
+    max_content_parts: int = _opt(
+        "messages plus content parts of one chat request (400 beyond, before validation)",
+        default=2048,
+    )
     mm_max_concurrent_calls: int = _opt("concurrent media preprocessing calls", default=32)
     mm_per_request_timeout: float = _opt(
         "seconds to fetch and preprocess one request's media", default=30.0
@@ -238,6 +242,8 @@ class ServerArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_content_parts < 1:
+            raise ValueError("--max-content-parts must be at least 1")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be at least 1")
         if not 0 <= self.fault_injection_rate <= 1:

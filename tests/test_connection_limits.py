@@ -4,6 +4,7 @@ tessera's bounded protocol on 127.0.0.1 (no scheduler: the front door only)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -192,3 +193,31 @@ def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout() -> None
         s.close()
     finally:
         srv.stop()
+
+
+def test_300k_content_parts_are_refused_without_stalling_health(server: ThreadServer) -> None:
+    """300,000 one-letter parts: a 400 naming the limit, parsed and counted off the event loop,
+    so /health keeps answering meanwhile (generous bound: it answers in milliseconds, and
+    validating this body on the loop holds it for seconds; parsing it in a thread still holds
+    the GIL for about 0.4 s here)."""
+    parts = [{"type": "text", "text": "a"}] * 300_000
+    body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": parts}]})
+    headers = {"content-type": "application/json"}
+    url = server.url + "/v1/chat/completions"
+    result: dict[str, httpx.Response] = {}
+    sender = threading.Thread(
+        target=lambda: result.update(r=httpx.post(url, content=body, headers=headers, timeout=120))
+    )
+    sender.start()
+    slowest = 0.0
+    while sender.is_alive():
+        start = time.monotonic()
+        assert health_ok(server)
+        slowest = max(slowest, time.monotonic() - start)
+    sender.join()
+    resp = result["r"]
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "messages" and error["code"] == "too_many_content_parts"
+    assert "2048" in error["message"]
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while the request was parsed"

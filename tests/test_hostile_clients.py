@@ -8,20 +8,24 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from make_tiny_checkpoint import make_checkpoint
 from stress import LaunchedServer, stop_and_time
+from test_connection_limits import closed_answer
 from test_server import idle_info
 
 SEND_S, STALL_S = 2, 0.5  # a finished request's stalled client outlives the stall timeout
+CONTEXT = 32768  # prompts of up to 2.6M characters are tokenized (this tokenizer: 80 per token)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
     folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("hostile") / "qwen2_vl")
     flags = ["--model-path", str(folder), "--device", "cpu", "--max-total-tokens", "8000"]
+    flags += ["--context-length", str(CONTEXT)]
     flags += ["--http-send-timeout", str(SEND_S), "--http-send-buffer-bytes", "4096"]
     flags += ["--health-stall-timeout", str(STALL_S)]
     srv = LaunchedServer(flags, tmp_path_factory.mktemp("log") / "server.log")
@@ -63,17 +67,6 @@ def stalled_stream(server: LaunchedServer, max_tokens: int) -> socket.socket:
     return sock
 
 
-def rest_of(sock: socket.socket) -> bytes:
-    sock.settimeout(10)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
-
-
 def wait_until_done(server: LaunchedServer, deadline_s: float) -> None:
     """Until no request is in flight at the API, checking /health is 200 all the while (every
     0.1 s; /server_info, whose answer counts as the scheduler's progress, once a second)."""
@@ -101,7 +94,7 @@ def test_a_client_that_stops_reading_is_aborted(server: LaunchedServer) -> None:
     after = info(server)["counters"]
     assert after["aborted"] == before["aborted"] + 1
     assert after["generated_tokens"] - before["generated_tokens"] < 3900
-    assert b"[DONE]" not in rest_of(sock)
+    assert b"[DONE]" not in closed_answer(sock, 10)
     sock.close()
     assert health(server) == 200
 
@@ -113,3 +106,42 @@ def test_a_finished_request_with_a_stalled_client_keeps_health_up(server: Launch
     wait_until_done(server, SEND_S + 120)
     sock.close()
     assert_kv_all_free(server)
+
+
+def post_chat(server: LaunchedServer, body: dict, done: list[str], name: str) -> httpx.Response:
+    resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    done.append(name)
+    return resp
+
+
+def test_a_40mb_prompt_is_refused_by_its_length_beside_a_small_request(
+    server: LaunchedServer,
+) -> None:
+    """Refused before tokenizing (today it took 84 s, and held everyone else that long): both
+    answers come within generous bounds."""
+    huge, done = chat("ab " * 13_400_000, max_tokens=1), []
+    with ThreadPoolExecutor(2) as pool:
+        started = time.monotonic()
+        big = pool.submit(post_chat, server, huge, done, "huge")
+        small = post_chat(server, chat("Hi", max_tokens=2, temperature=0), done, "small")
+        assert small.status_code == 200, small.text
+        refused = big.result()
+        took = time.monotonic() - started
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    assert took < 30, f"the 40 MB prompt was answered after {took:.0f} s"
+    assert health(server) == 200
+
+
+def test_a_long_prompt_does_not_delay_a_short_one(server: LaunchedServer) -> None:
+    """A prompt under the character bound but too long to fit takes its own tokenizing lane:
+    a short request sent just after it is answered first."""
+    words = " ".join(f"w{i}x" for i in range(200_000))  # 1.5M characters: seconds to tokenize
+    long_body, done = chat(words, max_tokens=1), []
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(post_chat, server, long_body, done, "long")
+        time.sleep(0.5)  # the long prompt is being tokenized
+        short = post_chat(server, chat("Hi", max_tokens=2, temperature=0), done, "short")
+        assert short.status_code == 200, short.text
+        assert long.result().json()["error"]["code"] == "context_length_exceeded"
+    assert done == ["short", "long"]

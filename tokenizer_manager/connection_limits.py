@@ -100,15 +100,17 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        """Feed the parser; a head still unfinished after more than the limit is refused (a
+        read is at most a few hundred KiB, so the parser never holds much more)."""
         if self.transport.is_closing():
             return
-        if self.head_bytes is not None:
+        reading_head = self.head_bytes is not None
+        super().data_received(data)
+        if reading_head and self.head_bytes is not None:  # the head did not end in `data`
             self.head_bytes += len(data)
             if self.head_bytes > self.limits.max_header_bytes:
                 logger.debug("request head over %d bytes: refused", self.limits.max_header_bytes)
                 self.refuse(431)
-                return
-        super().data_received(data)
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:

@@ -53,11 +53,13 @@ from tokenizer_manager.multimodal_inputs import (
     expand_placeholder_ids,
     expand_placeholders,
 )
+from tokenizer_manager.prompt_limits import max_prompt_chars
 from tokenizer_manager.protocol import APIError
 
 logger = get_logger(__name__)
 
 T = TypeVar("T")
+LONG_PROMPT_CHARS = 16_384  # prompts longer than this are tokenized in a lane of their own
 
 
 
@@ -135,6 +137,12 @@ class TokenizerManager:
         # One thread for a request's CPU work (chat template, tokenizing, hashing): off the
         # event loop, and one at a time, since a fast tokenizer is not safe to share.
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenize")
+        # Long prompts take a second thread with a tokenizer of its own (tokenizing releases
+        # the GIL), so short prompts never wait behind one; a prompt that cannot fit the
+        # context by its length alone is refused before either.
+        self._long = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenize-long")
+        self._long_tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.context_length)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -150,6 +158,7 @@ class TokenizerManager:
         if self.mm is not None:
             await self.mm.close()
         self._cpu.shutdown(wait=False, cancel_futures=True)
+        self._long.shutdown(wait=False, cancel_futures=True)
         self._ctx.destroy(linger=0)
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -210,7 +219,7 @@ class TokenizerManager:
         if prompt is None:
             ids, media = self.checked_ids(inp.input_ids or []), []
         else:
-            ids = await self.in_thread(self.encode, prompt)
+            ids = await self.encode_prompt(prompt)
             media = await self.prepare_media(refs, ids, inp.max_tokens)
             ids = await self.expand_ids(prompt, ids, media)
         params = inp.sampling(max(1, self.budget.room(len(ids))))
@@ -264,6 +273,8 @@ class TokenizerManager:
             raise APIError("this server has no media processor", status=500)
 
     def checked_ids(self, ids: list[int]) -> list[int]:
+        if len(ids) >= self.context_length:  # before walking them on the event loop
+            raise self.too_long(f"{len(ids)} prompt tokens")
         vocab = self.config.text.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise APIError(f"token ids must be in [0, {vocab})", param="prompt")
@@ -295,6 +306,26 @@ class TokenizerManager:
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt)["input_ids"]
+
+    async def encode_prompt(self, prompt: str) -> list[int]:
+        """Tokenize off the event loop: refused by its length when it cannot fit; a long
+        prompt in its own lane."""
+        if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+            raise self.too_long(f"a prompt of {len(prompt)} characters")
+        if len(prompt) <= LONG_PROMPT_CHARS:
+            return await self.in_thread(self.encode, prompt)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._long, self.encode_long, prompt)
+
+    def encode_long(self, prompt: str) -> list[int]:
+        return self._long_tokenizer(prompt)["input_ids"]
+
+    def too_long(self, what: str) -> APIError:
+        return APIError(
+            f"{what} cannot fit the context of {self.context_length} tokens",
+            param="messages",
+            code="context_length_exceeded",
+        )
 
     async def expand_ids(
         self, prompt: str, ids: list[int], media: list[PreparedMedia]
