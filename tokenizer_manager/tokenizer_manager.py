@@ -142,7 +142,7 @@ class TokenizerManager:
         # context by its length alone is refused before either.
         self._long = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenize-long")
         self._long_tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.context_length)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.budget.limit)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -273,7 +273,7 @@ class TokenizerManager:
             raise APIError("this server has no media processor", status=500)
 
     def checked_ids(self, ids: list[int]) -> list[int]:
-        if len(ids) >= self.context_length:  # before walking them on the event loop
+        if len(ids) >= self.budget.limit:  # before walking them on the event loop
             raise self.too_long(f"{len(ids)} prompt tokens")
         vocab = self.config.text.vocab_size
         if any(not 0 <= i < vocab for i in ids):
@@ -322,7 +322,8 @@ class TokenizerManager:
 
     def too_long(self, what: str) -> APIError:
         return APIError(
-            f"{what} cannot fit the context of {self.context_length} tokens",
+            f"{what} cannot fit the {self.budget.limit} tokens one request may hold (context "
+            f"length {self.context_length}, KV pool {self.budget.kv_tokens})",
             param="messages",
             code="context_length_exceeded",
         )
