@@ -14,7 +14,6 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 
 from runtime.logging_utils import get_logger
 from tokenizer_manager.api.base import Serving, model_name
@@ -72,13 +71,11 @@ def install_error_handlers(app: FastAPI) -> None:
         app.state.counters.client_errors += 1
         return error_response(validation_error(list(exc.errors())))
 
-    @app.exception_handler(ClientDisconnect)
-    async def on_hang_up(request: Request, exc: ClientDisconnect) -> Response:
-        """The client left (or was cut off by a connection limit) while sending its body."""
-        return Response(status_code=499)
-
     @app.exception_handler(Exception)
-    async def on_internal(request: Request, exc: Exception) -> JSONResponse:
+    async def on_internal(request: Request, exc: Exception) -> Response:
+        if await request.is_disconnected():  # e.g. cut off by a deadline while sending its body
+            logger.info("client gone from %s: %s", request.url.path, type(exc).__name__)
+            return Response(status_code=499)
         app.state.counters.server_errors += 1
         logger.exception("internal error on %s", request.url.path)
         return error_response(APIError(f"internal error: {type(exc).__name__}", status=500))
