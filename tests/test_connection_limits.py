@@ -150,11 +150,16 @@ def test_a_trickling_body_gets_408(server: ThreadServer) -> None:
 
 
 def test_connections_beyond_the_limit_are_refused_with_503(server: ThreadServer) -> None:
+    """Idle connections up to the limit; one more gets 503; the idle ones, which never send a
+    byte, are closed by the head deadline."""
     socks = [server.connect() for _ in range(LIMITS.max_connections)]
     try:
         with server.connect() as extra:
             answer = closed_answer(extra, 10)
         assert answer.startswith(b"HTTP/1.1 503")
+        for s in socks:
+            idle = closed_answer(s, HEAD_S + 10)
+            assert idle == b"" or idle.startswith(b"HTTP/1.1 408")
     finally:
         for s in socks:
             s.close()
