@@ -226,3 +226,17 @@ def test_300k_content_parts_are_refused_without_stalling_health(server: ThreadSe
     assert error["param"] == "messages" and error["code"] == "too_many_content_parts"
     assert "2048" in error["message"]
     assert slowest < 1.0, f"/health took {slowest:.2f} s while the request was parsed"
+
+
+def test_a_body_left_unsent_after_an_early_answer_gets_no_second_answer(
+    server: ThreadServer,
+) -> None:
+    """A 413 answered from the declared length; the client never sends the body: the body
+    deadline drops the connection without writing another response after the 413."""
+    with server.connect() as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 104857600\r\n\r\n{"
+        )
+        answer = closed_answer(s, BODY_S + 10)
+    assert answer.startswith(b"HTTP/1.1 413") and b"HTTP/1.1 408" not in answer

@@ -155,16 +155,19 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             handle.cancel()
 
     def refuse(self, status: int) -> None:
-        """Answer `status` when no response has started (else just drop) and close; a route
-        still reading the request sees a hang-up."""
+        """Answer `status` and close, when the connection is between responses; a route still
+        reading its request sees a hang-up. Where a response has begun (or, for a body that
+        stopped arriving, already ended) the connection is only dropped."""
         self.disarm(self.read_deadline)
         if self.transport.is_closing():
             return
         cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            if cycle.response_started:
-                self.transport.abort()
-                return
+        between = cycle is None or (cycle.response_complete and self.head_bytes is not None)
+        unanswered = cycle is not None and self.head_bytes is None and not cycle.response_started
+        if not (between or unanswered):
+            self.transport.abort()
+            return
+        if unanswered:
             cycle.disconnected = True  # the route writes nothing after this answer
             cycle.message_event.set()
         self.transport.write(_plain_response(status))
