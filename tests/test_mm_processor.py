@@ -25,7 +25,7 @@ import pytest
 from make_tiny_checkpoint import make_checkpoint
 from PIL import Image
 from video_reference import preprocess_video, read_frames
-from waits import process_dead, wait_until_async
+from waits import wait_until_async
 
 from runtime.multimodal import Modality
 from runtime.transport import from_frames, to_frames
@@ -284,11 +284,11 @@ def test_pixels_stay_inline_when_the_shared_file_cannot_be_written(tmp_path: Pat
 
 
 async def survive_a_worker_crash(mm: AsyncMMDataProcessor, pid: int, ref: MediaRef) -> list[int]:
-    """A worker killed while idle (as a decord crash would leave it) is replaced before the next
-    job is sent to it: the next request does not notice."""
+    """A worker killed while idle (as a decord crash would leave it) and a request sent at once,
+    while the worker may still look alive: its job runs on a fresh worker, the request does not
+    notice."""
     await mm.warmup()
     os.kill(pid, signal.SIGKILL)
-    assert await wait_until_async(lambda: process_dead(pid))  # dead, not only signalled
     assert (await mm.process([ref]))[0].modality == IMAGE
     await mm.warmup()
     return mm.worker_pids()
