@@ -21,13 +21,21 @@ CPU_DEFAULT_KV_TOKENS = 16384  # KV slots on CPU when --max-total-tokens is not 
 
 
 class ReqToTokenPool:
-    """Row r lists, in order, the KV slots that hold request r's tokens."""
+    """Row r lists, in order, the KV slots that hold request r's tokens.
+
+    One more row than `size`, `padding_row`, is never handed out and stays all zeros (KV slot
+    0, the padding slot): the rows that pad a static decode batch point there."""
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu"):
         self.size = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        shape = (size + 1, max_context_len)
+        self.req_to_token = torch.zeros(shape, dtype=torch.int64, device=device)
         self._free: list[int] = list(range(size))
+
+    @property
+    def padding_row(self) -> int:
+        return self.size
 
     @property
     def available_size(self) -> int:

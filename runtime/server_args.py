@@ -17,6 +17,8 @@ from runtime.logging_utils import get_logger
 
 logger = get_logger(__name__)
 
+MAX_DEFAULT_GRAPH_BS = 256  # captured decode sizes by default: up to this many requests
+
 
 def _opt(help: str, **kw) -> dataclasses.Field:  # noqa: A002 - mirrors argparse
     return field(default=kw.pop("default", None), metadata={"help": help, **kw})
@@ -54,6 +56,15 @@ class ServerArgs:
         "(auto: triton on CUDA, torch on CPU)",
         default="auto",
         choices=["auto", "torch", "triton"],
+    )
+    cuda_graph_max_bs: int | None = _opt(
+        "largest decode batch replayed as a CUDA graph (padded to 1, 2, 4, 8, 16, 24, ...); "
+        "larger batches run eagerly (default: --max-running-requests, at most 256)",
+        type=int,
+    )
+    disable_cuda_graph: bool = _opt(
+        "run every decode step eagerly (CUDA graphs are on by default on CUDA, off on CPU)",
+        default=False,
     )
     chunked_prefill_size: int = _opt("max prompt tokens of one request per step", default=2048)
     max_prefill_tokens: int = _opt("max prompt tokens of one prefill batch", default=8192)
@@ -151,6 +162,13 @@ class ServerArgs:
     def use_cuda(self) -> bool:
         return self.device == "cuda"
 
+    @property
+    def decode_graph_bs(self) -> int:
+        """The largest decode batch replayed as a CUDA graph; 0: none (CPU, or turned off)."""
+        if self.disable_cuda_graph or not self.use_cuda:
+            return 0
+        return self.cuda_graph_max_bs or min(self.max_running_requests, MAX_DEFAULT_GRAPH_BS)
+
     def ipc_name(self, what: str) -> str:
         return f"ipc://{os.path.join(self.ipc_dir or tempfile.gettempdir(), f'tessera-{what}')}"
 
@@ -240,6 +258,8 @@ class ServerArgs:
             raise ValueError("--mm-encoder-costs applies only to --mm-encoder-mode auto")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be at least 16")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs must be at least 1 (--disable-cuda-graph: none)")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
 

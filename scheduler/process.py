@@ -91,6 +91,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         max_context_len=context + 1,
         device=device,
         item_encoder=encoder_cache.wrap(model.encode_items, tp),
+        cuda_graph_max_bs=args.decode_graph_bs,
     )
     cfg = SchedulerConfig(
         max_running_requests=args.max_running_requests,

@@ -45,6 +45,8 @@ class AttentionMetadata:
 
     @staticmethod
     def from_batch(batch: ForwardBatch, device: torch.device) -> AttentionMetadata:
+        if batch.decode_tables is not None:
+            return AttentionMetadata.from_tables(batch)
         extend = batch.extend_lens_list
         starts = [0]
         for n in extend[:-1]:
@@ -61,6 +63,17 @@ class AttentionMetadata:
             req_pool_indices=as_tensor(batch.req_pool_indices_list),
             max_extend_len=max(extend, default=0),
         )
+
+
+    @staticmethod
+    def from_tables(batch: ForwardBatch) -> AttentionMetadata:
+        """A static decode's metadata, from its device tables alone (no host value read)."""
+        tables = batch.decode_tables
+        assert tables is not None
+        rows, lens = tables.req_pool_indices.int(), tables.seq_lens.int()
+        ones = torch.ones_like(lens)
+        starts = torch.arange(lens.numel(), dtype=torch.int32, device=lens.device)
+        return AttentionMetadata(starts, lens - 1, ones, lens, rows, max_extend_len=1)
 
 
 @triton.jit
