@@ -16,6 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from runtime.distributed import TPGroup
+from runtime.logging_utils import get_logger, log_rank0
+from runtime.memory_plan import MemoryNeeds, plan_memory
+
+logger = get_logger(__name__)
 
 CPU_DEFAULT_KV_TOKENS = 16384  # KV slots on CPU when --max-total-tokens is not given
 
@@ -94,17 +98,24 @@ class KVLayout:
 
 
 def kv_pool_tokens(
-    layout: KVLayout, tp: TPGroup, fixed: int | None, use_cuda: bool, mem_fraction: float
+    layout: KVLayout,
+    tp: TPGroup,
+    fixed: int | None,
+    use_cuda: bool,
+    mem_fraction: float,
+    needs: MemoryNeeds | None = None,
 ) -> int:
-    """`fixed` tokens if given, else a CPU default, else what GPU memory holds after the weights
-    at `mem_fraction` of the device (the minimum over ranks, so every rank has the same pool)."""
+    """`fixed` tokens if given, else a CPU default, else what the device's memory plan leaves
+    for KV (runtime/memory_plan.py: after the weights, the encoder cache and the headroom for
+    activations and communication), the minimum over ranks so every rank has the same pool."""
     if fixed:
         return fixed
     if not use_cuda:
         return CPU_DEFAULT_KV_TOKENS
     free, total = torch.cuda.mem_get_info()
-    budget = total * mem_fraction - (total - free)
-    tokens = torch.tensor([int(budget // layout.bytes_per_token)])
+    plan = plan_memory(total, free, needs or MemoryNeeds(0, 0, 0, 0), mem_fraction)
+    log_rank0(logger, tp.rank, "memory plan: %s", plan.describe())
+    tokens = torch.tensor([plan.kv_tokens(layout.bytes_per_token)])
     return int(tp.all_reduce_cpu(tokens, op="min").item())
 
 

@@ -70,7 +70,12 @@ class ServerArgs:
     max_prefill_tokens: int = _opt("max prompt tokens of one prefill batch", default=8192)
     max_running_requests: int = _opt("max requests decoding at once", default=64)
     max_total_tokens: int | None = _opt("KV pool size in tokens (default: from memory)", type=int)
-    mem_fraction_static: float = _opt("GPU memory share for weights + KV", default=0.85)
+    mem_fraction_static: float = _opt(
+        "GPU memory share for the weights, the encoder cache and the KV pool; the rest (or "
+        "more, when the estimated activation peak needs it) stays free for activations, CUDA "
+        "graphs and NCCL (docs/gpu.md)",
+        default=0.85,
+    )
     context_length: int | None = _opt("max prompt + output tokens per request", type=int)
     enable_mixed_chunk: bool = _opt(
         "mixed steps: the running decodes join each prefill step's forward as one-token "
@@ -258,6 +263,8 @@ class ServerArgs:
             raise ValueError("--mm-encoder-costs applies only to --mm-encoder-mode auto")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be at least 16")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError("--mem-fraction-static must be between 0 and 1")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("--cuda-graph-max-bs must be at least 1 (--disable-cuda-graph: none)")
         if self.max_request_bytes < 1024:
