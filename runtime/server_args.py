@@ -52,10 +52,11 @@ class ServerArgs:
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     attention_backend: str = _opt(
-        "kernels: torch, or triton for attention, RMSNorm, rotary and vision attention "
+        "kernels: torch, or triton for attention, RMSNorm, rotary and vision attention, or "
+        "flashinfer (CUDA only) for the decoder's attention with triton for the rest "
         "(auto: triton on CUDA, torch on CPU)",
         default="auto",
-        choices=["auto", "torch", "triton"],
+        choices=["auto", "torch", "triton", "flashinfer"],
     )
     cuda_graph_max_bs: int | None = _opt(
         "largest decode batch replayed as a CUDA graph (padded to 1, 2, 4, 8, 16, 24, ...); "
@@ -169,8 +170,9 @@ class ServerArgs:
 
     @property
     def decode_graph_bs(self) -> int:
-        """The largest decode batch replayed as a CUDA graph; 0: none (CPU, or turned off)."""
-        if self.disable_cuda_graph or not self.use_cuda:
+        """The largest decode batch replayed as a CUDA graph; 0: none (CPU, turned off, or the
+        FlashInfer backend, which plans each step on the host)."""
+        if self.disable_cuda_graph or not self.use_cuda or self.attention_backend == "flashinfer":
             return 0
         return self.cuda_graph_max_bs or min(self.max_running_requests, MAX_DEFAULT_GRAPH_BS)
 
@@ -214,6 +216,8 @@ class ServerArgs:
         backend = self.attention_backend
         if backend == "auto":
             backend = "torch" if device == "cpu" else _best_gpu_backend()
+        if backend == "flashinfer":
+            _check_flashinfer(device)
         ipc_dir = _private_dir(self.ipc_dir)
         out = dataclasses.replace(
             self,
@@ -308,6 +312,14 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _check_flashinfer(device: str) -> None:
+    from kernels.attention.flashinfer_backend import flashinfer_problem  # imports no flashinfer
+
+    problem = flashinfer_problem(device)
+    if problem:
+        raise ValueError(problem)
+
+
 def _best_gpu_backend() -> str:
-    # The FlashInfer backend is not built yet, so CUDA machines get the Triton kernels.
+    # The Triton kernels until the FlashInfer backend has been measured on a GPU (docs/gpu.md).
     return "triton"

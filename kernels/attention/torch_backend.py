@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.base import AttentionLayer
+from kernels.attention.base import AttentionLayer, store_kv
 
 if TYPE_CHECKING:
     from runtime.forward_batch import ForwardBatch
@@ -32,13 +32,7 @@ class TorchAttentionBackend:
         layer: AttentionLayer,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        kv = batch.kv_pool
-        kv.set_kv(
-            layer.layer_id,
-            batch.out_cache_loc,
-            k.view(-1, layer.num_kv_heads, layer.head_dim),
-            v.view(-1, layer.num_kv_heads, layer.head_dim),
-        )
+        store_kv(k, v, layer, batch)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         if batch.is_decode:
             return self._decode(q, layer, batch).view(-1, layer.num_heads * layer.head_dim)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.base import AttentionLayer
+from kernels.attention.base import AttentionLayer, store_kv
 
 if TYPE_CHECKING:
     from runtime.forward_batch import ForwardBatch
@@ -307,12 +307,9 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         if layer.num_heads % layer.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
-        kv = batch.kv_pool
-        shape = (-1, layer.num_kv_heads, layer.head_dim)
-        kv.set_kv(layer.layer_id, batch.out_cache_loc, k.view(shape), v.view(shape))
+        k_buf, v_buf = store_kv(k, v, layer, batch)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         meta = self.metadata(batch, q.device)
-        k_buf, v_buf = kv.k_buffers[layer.layer_id], kv.v_buffers[layer.layer_id]
         if batch.is_decode:
             out = decode_attention(
                 q, k_buf, v_buf, batch.req_to_token, meta.seq_lens, meta.req_pool_indices,
