@@ -39,6 +39,8 @@ def kv_layout(model: nn.Module) -> KVLayout:
 
 
 class ModelRunner:
+    graphs: DecodeGraphRunner | None = None  # static decodes (see __init__); None: never
+
     def __init__(
         self,
         model: nn.Module,
@@ -65,7 +67,6 @@ class ModelRunner:
         self.macs_per_token = sum(p.numel() for p in model.language_model.parameters())
         heads = model.language_model.model.layers[0].self_attn.layer.num_heads
         self.macs_per_context = 2 * layout.num_layers * heads * layout.head_dim
-        self.graphs = None
         if cuda_graph_max_bs:
             self.graphs = DecodeGraphRunner(
                 model, self.req_pool, self.kv_pool, cuda_graph_max_bs, device.startswith("cuda")

@@ -166,3 +166,16 @@ def test_static_decode_on_triton_kernels(tmp_path: Path) -> None:
     for a, b in zip(expected, got):
         assert_within_rounding(b, a, model_terms(model.config, 48))
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.gpu
+def test_decode_graphs_capture_and_replay_on_cuda(model: nn.Module) -> None:
+    """On CUDA each padded size is captured once, on first use, and replayed after: batches of
+    3 then 2 use the graphs of 4 and 2, and give the dynamic path's tokens."""
+    dynamic, static = new_runner(model, 0), new_runner(model, 8)
+    assert static.graphs is not None and static.graphs.capture
+    expected, got = decode_run(dynamic, 4), decode_run(static, 4)
+    assert sorted(static.graphs._graphs) == [2, 4]
+    for a, b in zip(expected, got):
+        assert_within_rounding(b, a, model_terms(model.config, 48))
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
