@@ -14,6 +14,7 @@ from runtime.cpus import threads_per_rank
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
 from runtime.io_struct import BatchTokenOut, ShutdownReq
 from runtime.logging_utils import configure_logging, get_logger
+from runtime.memory_plan import memory_needs
 from runtime.memory_pool import kv_pool_tokens
 from runtime.multimodal import Modality
 from runtime.sampler import Sampler
@@ -80,8 +81,11 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
     model = model or load_model(args, tp)
     device = str(next(model.parameters()).device)
     context = args.context_length or model.config.text.max_position_embeddings
+    layout = kv_layout(model)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    needs = memory_needs(model.config, weights, layout.dtype.itemsize, args)
     tokens = kv_pool_tokens(
-        kv_layout(model), tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static
+        layout, tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static, needs
     )
     encoder_cache = EncoderCache(args.mm_cache_size_mb * 2**20)
     runner = ModelRunner(
@@ -91,6 +95,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         max_context_len=context + 1,
         device=device,
         item_encoder=encoder_cache.wrap(model.encode_items, tp),
+        cuda_graph_max_bs=args.decode_graph_bs,
     )
     cfg = SchedulerConfig(
         max_running_requests=args.max_running_requests,
