@@ -37,6 +37,7 @@ setup(
         "httpx>=0.27",
         "httpcore>=1.0",
         "prometheus_client>=0.20",
+        "xxhash>=3.4",  # the 128-bit media digest (XXH3)
     ],
     extras_require={
         # what only the tests and the benchmarks under scripts/ import

@@ -12,6 +12,10 @@ Every item is fetched and header-checked before any is decoded: the images' toke
 checkpoint's resize rule over the header size) must fit what the context leaves, and the decoded
 bytes of the request are reserved in a budget shared by all requests (`MemoryBudget`).
 
+With `cache_bytes` > 0 (`--mm-processor-cache-gb`), items already processed come from a
+`ProcessedCache` by their digest (the encoded bytes and the processor settings, hashed on the
+loop): a resent image skips its worker and needs no decoded-bytes reservation.
+
 Errors: a client's bad media raises `MediaError` (400, param image_url / video_url). When a
 request's media take longer than `per_request_timeout`, the error is blamed on the client
 (400, code "media_timeout") if one of its items was still being fetched, since a slow or stalled
@@ -47,8 +51,14 @@ from tokenizer_manager.media_types import (
     ProcessorSpec,
     media_param,
 )
-from tokenizer_manager.media_worker import init_worker, process_image_bytes, process_video_bytes
+from tokenizer_manager.media_worker import (
+    init_worker,
+    media_digest,
+    process_image_bytes,
+    process_video_bytes,
+)
 from tokenizer_manager.multimodal_inputs import PreparedMedia
+from tokenizer_manager.processed_cache import ProcessedCache
 from tokenizer_manager.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 
 logger = get_logger(__name__)
@@ -161,6 +171,7 @@ class AsyncMMDataProcessor:
         video_min_pixels: int = VIDEO_MIN_PIXELS,
         video_max_pixels: int = VIDEO_MAX_PIXELS,
         shm_dir: str | None = None,
+        cache_bytes: int = 0,
     ):
         self.limits = limits
         # workers write pixels there (see runtime/transport.py: SharedTensor); None: inline
@@ -186,12 +197,16 @@ class AsyncMMDataProcessor:
         self._slots = asyncio.Semaphore(max_concurrent_calls)
         self._memory = MemoryBudget(max_inflight_bytes, max_wait=per_request_timeout / 2)
         self._closed = False
+        # processed items by digest; None: every item goes to a worker
+        self.cache = ProcessedCache(cache_bytes, shm_dir) if cache_bytes > 0 else None
         logger.info(
-            "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes",
+            "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes, "
+            "processed-item cache of %d MiB",
             io_workers,
             net_workers,
             fetches_per_request,
             cpu_workers,
+            self.cache.max_bytes >> 20 if self.cache else 0,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -199,6 +214,10 @@ class AsyncMMDataProcessor:
         """Wait until every CPU worker has started (and built its processor)."""
         if not await asyncio.to_thread(self._cpu.wait_ready):
             raise RuntimeError("the media worker processes did not start")
+
+    def cache_info(self) -> dict[str, int] | None:
+        """The processed-item cache's size and counters; None when it is off."""
+        return None if self.cache is None else self.cache.info()
 
     def worker_pids(self) -> list[int]:
         return self._cpu.pids()
@@ -217,6 +236,8 @@ class AsyncMMDataProcessor:
         self._io.shutdown(wait=False, cancel_futures=True)
         self._net.shutdown(wait=False, cancel_futures=True)
         self._fetcher.close()
+        if self.cache is not None:
+            self.cache.clear()
         sweep_media_files(self.shm_dir, os.getpid())
 
     async def __aenter__(self) -> AsyncMMDataProcessor:
@@ -267,13 +288,25 @@ class AsyncMMDataProcessor:
             [self._fetch_one(i, ref, state) for i, ref in enumerate(parts)]
         )
         check_image_tokens(fetched, max_image_tokens)
-        reserved = sum(item.decoded_bytes for item in fetched)
+        results = [self._cached(item) for item in fetched]
+        misses = [i for i, result in enumerate(results) if result is None]
+        reserved = sum(fetched[i].decoded_bytes for i in misses)
         await self._memory.acquire(reserved)
         try:
-            results = await _all_or_first_error([self._decode_one(item) for item in fetched])
+            decoded = await _all_or_first_error([self._decode_one(fetched[i]) for i in misses])
         finally:
             await self._memory.release(reserved)
+        for i, result in zip(misses, decoded):
+            results[i] = result
+            if self.cache is not None:
+                self.cache.put(result)
         return [result.to_prepared() for result in results]
+
+    def _cached(self, item: _Fetched) -> ProcessedMedia | None:
+        """The item from the processed-item cache (a copy this request owns), or None."""
+        if self.cache is None:
+            return None
+        return self.cache.get(media_digest(item.modality, item.data, self.spec))
 
     async def _fetch_one(self, index: int, ref: MediaRef, state: _RequestState) -> _Fetched:
         remote = _is_remote(ref.url)
@@ -340,6 +373,8 @@ def _is_remote(url: str) -> bool:
 
 async def _all_or_first_error(jobs: list[Any]) -> list[Any]:
     """Run the coroutines concurrently; on the first error cancel the rest and raise it."""
+    if not jobs:
+        return []
     tasks = [asyncio.ensure_future(job) for job in jobs]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
