@@ -73,7 +73,7 @@ def test_a_hit_returns_the_miss_without_a_worker(
             del out
             gc.collect()
             held = media_files(tmp_path)
-            return first, second, mm.cache_info(), kinds, held
+            return first, second, mm.cache.info(), kinds, held
 
     first, second, info, kinds, held = asyncio.run(run())
     np.testing.assert_array_equal(
@@ -100,7 +100,7 @@ def test_a_different_image_misses(checkpoint: str, tmp_path: Path) -> None:
         ) as mm:
             received(await mm.process([image_ref(1)]))
             received(await mm.process([image_ref(2)]))
-            return mm.cache_info()
+            return mm.cache.info()
 
     info = asyncio.run(run())
     assert info["hits"] == 0 and info["items"] == 2

@@ -199,6 +199,7 @@ class AsyncMMDataProcessor:
         self._closed = False
         # processed items by digest; None: every item goes to a worker
         self.cache = ProcessedCache(cache_bytes, shm_dir) if cache_bytes > 0 else None
+        self.pixel_bytes_sent = 0
         logger.info(
             "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes, "
             "processed-item cache of %d MiB",
@@ -215,9 +216,11 @@ class AsyncMMDataProcessor:
         if not await asyncio.to_thread(self._cpu.wait_ready):
             raise RuntimeError("the media worker processes did not start")
 
-    def cache_info(self) -> dict[str, int] | None:
-        """The processed-item cache's size and counters; None when it is off."""
-        return None if self.cache is None else self.cache.info()
+    def info(self) -> dict[str, object]:
+        """For /server_info: the pixel bytes handed to requests (each sent on to the ranks) and
+        the processed-item cache's size and counters (None when it is off)."""
+        cache = None if self.cache is None else self.cache.info()
+        return {"pixel_bytes_sent": self.pixel_bytes_sent, "processed_cache": cache}
 
     def worker_pids(self) -> list[int]:
         return self._cpu.pids()
@@ -300,6 +303,7 @@ class AsyncMMDataProcessor:
             results[i] = result
             if self.cache is not None:
                 self.cache.put(result)
+        self.pixel_bytes_sent += sum(int(result.pixel_values.nbytes) for result in results)
         return [result.to_prepared() for result in results]
 
     def _cached(self, item: _Fetched) -> ProcessedMedia | None:
