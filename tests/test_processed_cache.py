@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from make_tiny_checkpoint import make_checkpoint
-from test_mm_processor import data_url, hf_image, mp4_bytes, noise_image, png_bytes
+from test_mm_processor import _error_of, data_url, hf_image, mp4_bytes, noise_image, png_bytes
 
 from runtime.multimodal import Modality
 from runtime.transport import SharedTensor, from_frames, to_frames
 from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.media_types import MediaRef, ProcessedMedia
+from tokenizer_manager.media_types import MediaError, MediaRef, ProcessedMedia
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.multimodal_inputs import PreparedMedia
 from tokenizer_manager.processed_cache import ProcessedCache
@@ -146,3 +146,37 @@ def test_the_bound_leaves_three_quarters_of_shared_memory(tmp_path: Path) -> Non
     cache = ProcessedCache(1 << 62, str(tmp_path))
     assert cache.max_bytes == fs.f_blocks * fs.f_frsize // 4
     assert ProcessedCache(1 << 20, None).max_bytes == 1 << 20
+
+
+def test_client_ids_name_the_first_item_within_their_scope(checkpoint: str) -> None:
+    """An id serves the item first sent with it (even when other bytes come with it later: the
+    id is the client's promise), without its media; another scope's id never matches."""
+    first, other = image_ref(1), image_ref(2)
+
+    def named(ref: MediaRef, scope: str = "alice", url: str | None = None) -> MediaRef:
+        return MediaRef(ref.modality, ref.url if url is None else url, "photo-1", scope)
+
+    async def run() -> tuple[list, list, list, MediaError, MediaError]:
+        async with AsyncMMDataProcessor(checkpoint, MediaLimits(), cache_bytes=64 << 20) as mm:
+            sent = await mm.process([named(first)])
+            plain = await mm.process([other])  # the other image by content, for comparison
+            submit, mm._cpu.submit = mm._cpu.submit, refuse_jobs
+            by_id = await mm.process([named(first, url=""), named(other)])
+            mm._cpu.submit = submit
+            tenant = await mm.process([named(other, scope="bob")])
+            tenant += await mm.process([named(first, scope="bob", url="")])
+            unknown = await _error_of(mm.process([named(first, scope="carol", url="")]))
+        async with AsyncMMDataProcessor(checkpoint, MediaLimits(), cache_bytes=0) as off:
+            no_cache = await _error_of(off.process([named(first, url="")]))
+        return sent + plain, by_id, tenant, unknown, no_cache
+
+    (sent, plain), by_id, tenant, unknown, no_cache = asyncio.run(run())
+    for got in by_id:  # by id alone, and by id with other bytes: the first item both times
+        np.testing.assert_array_equal(got.pixel_values.numpy(), sent.pixel_values.numpy())
+        assert got.digest == sent.digest
+    for got in tenant:  # bob's "photo-1" is bob's image, sent or not
+        np.testing.assert_array_equal(got.pixel_values.numpy(), plain.pixel_values.numpy())
+        assert got.digest == plain.digest != sent.digest
+    for error in (unknown, no_cache):
+        assert (error.status, error.param, error.code) == (400, "uuid", "unknown_media_uuid")
+        assert "photo-1" in error.message

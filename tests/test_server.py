@@ -207,6 +207,24 @@ def test_a_resent_conversation_is_served_from_the_processed_cache(
     assert len(shm_media_files(server.proc.pid)) == after["items"]
 
 
+def test_a_client_media_id_stands_for_its_image(server: Server, oracle: dict) -> None:
+    """Parts with a `uuid`: sent once with the image, then by the id alone (no bytes), the
+    answer is HF's; an id the server does not know, without its image, is a 400 naming it."""
+    first = [image_part(img) | {"uuid": f"resent-{i}"} for i, img in enumerate(RESENT_IMAGES)]
+    by_id = [{"type": "image_url", "uuid": f"resent-{i}"} for i in range(2)]
+    text = {"type": "text", "text": "Compare."}
+    for parts in (first, by_id):
+        out = chat(server, [*parts, text]).choices[0].message.content
+        assert out == oracle["text"]["resent"]
+    unknown = {"type": "image_url", "image_url": None, "uuid": "never-sent"}
+    body = {"model": "qwen2_vl", "messages": [{"role": "user", "content": [unknown, text]}]}
+    reply = post_chat(server, body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "uuid" and "never-sent" in reply.text
+    body["messages"][0]["content"] = [{"type": "text", "text": "hi", "uuid": "x"}]
+    assert post_chat(server, body).status_code == 400
+
+
 def test_chat_video_equals_hf(server: Server, oracle: dict) -> None:
     url = "data:video/mp4;base64," + base64.b64encode(oracle["video"]).decode()
     content = [

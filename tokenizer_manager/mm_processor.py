@@ -38,7 +38,7 @@ from types import TracebackType
 from typing import Any
 
 from runtime.logging_utils import get_logger
-from runtime.multimodal import Modality
+from runtime.multimodal import Modality, item_tokens
 from runtime.transport import new_media_path, remove_file, sweep_media_files
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
 from tokenizer_manager.media import MediaLimits, load_media_bytes, open_image
@@ -287,12 +287,15 @@ class AsyncMMDataProcessor:
     async def _process_all(
         self, parts: list[MediaRef], state: _RequestState, max_image_tokens: int | None
     ) -> list[PreparedMedia]:
-        fetched = await _all_or_first_error(
-            [self._fetch_one(i, ref, state) for i, ref in enumerate(parts)]
-        )
-        check_image_tokens(fetched, max_image_tokens)
-        results = [self._cached(item) for item in fetched]
-        misses = [i for i, result in enumerate(results) if result is None]
+        results = [self._by_id(ref) for ref in parts]
+        todo = [i for i, result in enumerate(results) if result is None]
+        fetches = [self._fetch_one(i, parts[i], state) for i in todo]
+        fetched = dict(zip(todo, await _all_or_first_error(fetches)))
+        known = sum(self._image_tokens(result) for result in results if result is not None)
+        check_image_tokens(list(fetched.values()), max_image_tokens, known)
+        for i, item in fetched.items():
+            results[i] = self._cached(item)
+        misses = [i for i in todo if results[i] is None]
         reserved = sum(fetched[i].decoded_bytes for i in misses)
         await self._memory.acquire(reserved)
         try:
@@ -303,6 +306,8 @@ class AsyncMMDataProcessor:
             results[i] = result
             if self.cache is not None:
                 self.cache.put(result)
+        for i in todo:
+            self._remember(parts[i], results[i])
         self.pixel_bytes_sent += sum(int(result.pixel_values.nbytes) for result in results)
         return [result.to_prepared() for result in results]
 
@@ -311,6 +316,30 @@ class AsyncMMDataProcessor:
         if self.cache is None:
             return None
         return self.cache.get(media_digest(item.modality, item.data, self.spec))
+
+    def _by_id(self, ref: MediaRef) -> ProcessedMedia | None:
+        """The item the client's id names (nothing fetched), or None to fetch it; an unknown id
+        without media is the client's error."""
+        if ref.uuid is None:
+            return None
+        found = None if self.cache is None else self.cache.get_by_id(_media_id(ref))
+        if found is None and not ref.url:
+            raise MediaError(
+                f"media uuid {ref.uuid!r} is not known to this server: send the "
+                f"{ref.modality.value} with it",
+                param="uuid",
+                code="unknown_media_uuid",
+            )
+        return found
+
+    def _remember(self, ref: MediaRef, result: ProcessedMedia | None) -> None:
+        if ref.uuid is not None and self.cache is not None and result and result.digest:
+            self.cache.remember(_media_id(ref), result.digest)
+
+    def _image_tokens(self, item: ProcessedMedia) -> int:
+        if item.modality != Modality.IMAGE:
+            return 0
+        return item_tokens(item.grid_thw, self.spec.image.merge_size)
 
     async def _fetch_one(self, index: int, ref: MediaRef, state: _RequestState) -> _Fetched:
         remote = _is_remote(ref.url)
@@ -392,9 +421,14 @@ async def _all_or_first_error(jobs: list[Any]) -> list[Any]:
     return [task.result() for task in tasks]
 
 
-def check_image_tokens(fetched: list[_Fetched], limit: int | None) -> None:
-    """Refuse before decoding when the images' tokens (from their headers) exceed `limit`."""
-    tokens = sum(item.tokens or 0 for item in fetched)
+def _media_id(ref: MediaRef) -> tuple[str, str, str]:
+    return (ref.scope, ref.modality.value, ref.uuid or "")
+
+
+def check_image_tokens(fetched: list[_Fetched], limit: int | None, known: int = 0) -> None:
+    """Refuse before decoding when the images' tokens (from their headers, plus `known` tokens
+    of images taken by id) exceed `limit`."""
+    tokens = known + sum(item.tokens or 0 for item in fetched)
     if limit is not None and tokens > limit:
         raise MediaError(
             f"the images of this request take {tokens} tokens; only {max(0, limit)} fit in the "

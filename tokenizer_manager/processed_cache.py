@@ -1,5 +1,10 @@
 """ProcessedCache: preprocessed media items by identity, so a resent image skips its worker.
 
+Client media ids: a content part may name its item with a `uuid`; the id (within the caller's
+scope) is remembered for the first item sent with it, and later requests that give the id are
+served that item without their bytes being read, even when they send other bytes with it (the id
+is the client's promise that the item is the same). Ids of other scopes never match.
+
 Clients resend a conversation's images every turn. The item's identity is its digest
 (`media_worker.media_digest`: the encoded bytes plus every processor setting that shapes the
 pixels), computed on the event loop at memory speed; a hit skips decode, resize and
@@ -33,6 +38,9 @@ from tokenizer_manager.media_types import ProcessedMedia
 logger = get_logger(__name__)
 
 SHM_SHARE = 4  # the cache takes at most 1/SHM_SHARE of the shared memory it lives in
+MAX_IDS = 1 << 16  # client media ids remembered (least recently used forgotten first)
+
+MediaId = tuple[str, str, str]  # (scope, modality, the client's uuid)
 
 
 @dataclass
@@ -51,6 +59,7 @@ class ProcessedCache:
         self.nbytes = 0
         self.stats = CacheStats()
         self._items: OrderedDict[int, ProcessedMedia] = OrderedDict()
+        self._ids: OrderedDict[MediaId, int] = OrderedDict()  # client ids -> digests
 
     def __len__(self) -> int:
         return len(self._items)
@@ -91,6 +100,26 @@ class ProcessedCache:
             return
         self._items[item.digest] = _with_pixels(item, pixels)
         self.nbytes += size
+
+    def remember(self, media_id: MediaId, digest: int) -> None:
+        """Name an item by the client's id; the first item given an id keeps it."""
+        if media_id not in self._ids:
+            self._ids[media_id] = digest
+            if len(self._ids) > MAX_IDS:
+                self._ids.popitem(last=False)
+
+    def get_by_id(self, media_id: MediaId) -> ProcessedMedia | None:
+        """A copy of the item first named `media_id`, or None when the id is unknown or its item
+        was evicted (the id is then forgotten)."""
+        digest = self._ids.get(media_id)
+        if digest is None:
+            return None
+        item = self.get(digest)
+        if item is None:
+            del self._ids[media_id]
+            return None
+        self._ids.move_to_end(media_id)
+        return item
 
     def clear(self) -> None:
         """Drop every item and remove its file."""
