@@ -3,6 +3,7 @@
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --preset vit-heavy --out /tmp/vit-heavy
     python scripts/bench_multiturn.py --model-path /tmp/vit-heavy --json multiturn.json
     python scripts/bench_multiturn.py --hash-only          # XXH3-128 against SHA-256 only
+    python scripts/bench_multiturn.py --model-path DIR --frontend-only   # media front end only
 
 Starts one `launch.py` per configuration (default: the processed-item cache on, and off with
 `--mm-processor-cache-gb 0`). On each: `--conversations` conversations (4) run at once, each of
@@ -15,6 +16,11 @@ did not log as its own), and from /server_info the pixel bytes sent to the ranks
 many text-only conversations run the same turns with filler words in place of the images, so
 their cached prefix has the same length: their time to first token is the floor a turn with
 cached images can reach.
+
+First, without a server, the media front end alone (this process and its media workers) runs 8
+new images one at a time and then the same 8 again: CPU per image on a miss and on a hit. /proc
+counts CPU in 10 ms ticks: use enough images of a real size for the per-turn columns to mean
+anything (the smoke setting of the tests does not).
 
 Per configuration and turn it prints the median time to first token of the image and of the
 text-only conversations and their ratio, the main-process and media-worker CPU per image, and the
@@ -227,6 +233,45 @@ def hash_speeds(size_mb: float = 4.0, repeat: int = 20) -> dict[str, float]:
     return {"sha256_gb_s": sha, "xxh3_128_gb_s": xxh3, "xxh3_vs_sha256": xxh3 / sha}
 
 
+# ---------------------------------------------------------------- the front end alone
+
+
+def frontend_costs(model_path: str, size: int, images: int = 8) -> dict[str, float]:
+    """CPU ms per image of the media front end (this process plus its media workers) for new
+    images (misses) and the same images resent (hits), with /dev/shm as the server uses it."""
+    from runtime.multimodal import Modality
+    from runtime.transport import local_shm_dir
+    from tokenizer_manager.media import MediaLimits
+    from tokenizer_manager.media_types import MediaRef
+    from tokenizer_manager.mm_processor import AsyncMMDataProcessor
+
+    rng = np.random.default_rng(1)
+    refs = [MediaRef(Modality.IMAGE, image_url(rng, size)) for _ in range(images)]
+
+    async def run() -> dict[str, float]:
+        async with AsyncMMDataProcessor(
+            model_path, MediaLimits(), shm_dir=local_shm_dir(1), cache_bytes=1 << 30
+        ) as mm:
+            await mm.warmup()
+            out = {}
+            for name in ("miss", "hit"):
+                before = frontend_cpu_s(mm.worker_pids())
+                for ref in refs:  # one at a time, as the turns of a conversation send them
+                    await mm.process([ref])
+                out[f"{name}_cpu_ms_per_image"] = (
+                    (frontend_cpu_s(mm.worker_pids()) - before) * 1e3 / images
+                )
+            out["hit_vs_miss"] = out["hit_cpu_ms_per_image"] / out["miss_cpu_ms_per_image"]
+            return out
+
+    return asyncio.run(run())
+
+
+def frontend_cpu_s(workers: list[int]) -> float:
+    """CPU seconds of this process (every thread) and of the media workers."""
+    return time.process_time() + sum(proc_stat(pid).cpu_s for pid in workers)
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -240,6 +285,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hash-only", action="store_true", help="only the hash micro-benchmark")
+    p.add_argument(
+        "--frontend-only",
+        action="store_true",
+        help="only the media front end in this process: CPU per image on a miss and on a hit",
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-dir", type=Path, default=Path("bench_multiturn_logs"))
     p.add_argument("--json", type=Path, default=None)
@@ -264,9 +314,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     report: dict[str, Any] = {"hash": hash_speeds()}
     print(json.dumps(report["hash"]), flush=True)
+    if not args.hash_only and not args.model_path:
+        raise SystemExit("--model-path is required (or --hash-only)")
     if not args.hash_only:
-        if not args.model_path:
-            raise SystemExit("--model-path is required (or --hash-only)")
+        report["frontend"] = frontend_costs(args.model_path, args.image_size)
+        print(json.dumps(report["frontend"]), flush=True)
+    if not args.hash_only and not args.frontend_only:
         report["turns"] = run_servers(args)
         print(table(report["turns"]))
     if args.json is not None:

@@ -114,9 +114,19 @@ def shared_item(folder: Path, digest: int, value: float) -> ProcessedMedia:
     return ProcessedMedia(IMAGE, handle, (1, 2, 5), digest=digest)
 
 
-def test_the_cache_stays_within_its_byte_bound(tmp_path: Path) -> None:
+def no_links(src: str, dst: str) -> None:
+    raise OSError("hard links are not supported here")
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["linked", "copied"])
+def test_the_cache_stays_within_its_byte_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: bool
+) -> None:
     """A stream of distinct items: the cached files never take more than the bound, the least
-    recently used go first, and clear() removes every file."""
+    recently used go first, and clear() removes every file (the cache's files are links to the
+    requests' ones, or copies where links fail)."""
+    if not links:
+        monkeypatch.setattr(os, "link", no_links)
     cache = ProcessedCache(int(2.5 * ITEM_BYTES), str(tmp_path))
     for digest in range(1, 12):
         item = shared_item(tmp_path, digest, float(digest))

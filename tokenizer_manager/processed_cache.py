@@ -12,10 +12,12 @@ normalisation and hands the request a copy of the cached pixels.
 
 Where the pixels live: with shared memory, a cached item is a shared-memory file that the cache
 owns (named like every media file of this process, so a sweep at shutdown or by the next server
-removes it). A request never gets the cache's own file, because the ranks remove the files they
-receive (runtime/transport.py): a hit copies it to a new file the request owns (one memory copy,
-a fraction of a decode), a miss copies the worker's file into the cache. Without shared memory
-the cache holds the numpy arrays themselves (read-only inputs, shared with the requests).
+removes it). A request never gets the cache's own name, because the ranks remove the files they
+receive (runtime/transport.py): a miss links the worker's file under a name of the cache's, a hit
+links the cache's file under a new name the request owns. Links copy nothing (pixels are inputs,
+never written in place: invariant of transport.py), and the pages go when the last name does;
+where linking fails the bytes are copied. Without shared memory the cache holds the numpy arrays
+themselves (read-only inputs, shared with the requests).
 
 The size counts every cached pixel byte (files or arrays), at most `max_bytes` and, with shared
 memory, at most a quarter of it, so the cache never starves requests of shared memory; the least
@@ -140,9 +142,20 @@ class ProcessedCache:
         return self._copy_file(pixels)
 
     def _copy_file(self, source: SharedTensor) -> SharedTensor:
-        """A new owned file in this process's shared memory with the bytes of `source`."""
+        """A new owned name in this process's shared memory for the bytes of `source`: a hard
+        link (no copy; pixels are inputs, never written in place, so the names may share their
+        pages), or a copy where linking fails."""
         if self.shm_dir is None:
             raise OSError("a shared pixel file without a shared-memory folder")
+        path = new_media_path(self.shm_dir)
+        try:
+            os.link(source.path, path)
+        except OSError:
+            return self._write_copy(source)
+        return SharedTensor(path, source.shape, source.dtype)
+
+    def _write_copy(self, source: SharedTensor) -> SharedTensor:
+        assert self.shm_dir is not None
         array = np.memmap(source.path, np.dtype(source.dtype), "r", shape=source.shape)
         try:
             written = SharedTensor.write(array, new_media_path(self.shm_dir))
