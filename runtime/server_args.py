@@ -98,6 +98,11 @@ class ServerArgs:
     mm_max_fetches_per_request: int = _opt(
         "media URLs of one request fetched at once (of 16 fetch threads)", default=4
     )
+    mm_processor_cache_gb: float = _opt(
+        "processed media kept in the front end by digest, in GiB (at most a quarter of "
+        "/dev/shm), so a resent image skips decoding; 0 disables",
+        default=1.0,
+    )
     mm_max_inflight_mb: int = _opt(
         "decoded media bytes in flight across all requests, in MiB (beyond: wait, then 503)",
         default=4096,
@@ -294,6 +299,8 @@ class ServerArgs:
             raise ValueError("--fault-injection-rate must be in [0, 1]")
         if self.mm_cache_size_mb < 0:
             raise ValueError("--mm-cache-size-mb must be 0 (off) or positive")
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError("--mm-processor-cache-gb must be 0 (off) or positive")
         if self.mm_encoder_mode not in ("tp", "dp", "auto"):
             raise ValueError(f"--mm-encoder-mode {self.mm_encoder_mode!r}: tp, dp or auto")
         if self.mm_encoder_costs is not None and self.mm_encoder_mode != "auto":
