@@ -45,7 +45,9 @@ class RecordingMedia:
         self.patch_dim = patch_dim
         self.budgets: list[int | None] = []
 
-    async def process(self, refs: list[MediaRef], budget: int | None) -> list[PreparedMedia]:
+    async def process(
+        self, refs: list[MediaRef], budget: int | None, spec: object = None
+    ) -> list[PreparedMedia]:
         self.budgets.append(budget)
         pixels = torch.zeros(int(np.prod(GRID)), self.patch_dim)
         return [

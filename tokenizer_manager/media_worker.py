@@ -112,7 +112,8 @@ def process_image_bytes(
     data = input_bytes(data)
     image = decode_image(data, limits)
     check_media_shape(image.height, image.width, "image_url")
-    out = image_processor(spec.model_path)(images=[image], return_tensors="np")
+    size = {"shortest_edge": spec.image.min_pixels, "longest_edge": spec.image.max_pixels}
+    out = image_processor(spec.model_path)(images=[image], return_tensors="np", size=size)
     pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
     grid = tuple(int(x) for x in out["image_grid_thw"][0])
     digest = media_digest(Modality.IMAGE, data, spec)

@@ -98,6 +98,7 @@ class _RequestState:
 
     max_bytes: int
     fetch_slots: asyncio.Semaphore
+    spec: ProcessorSpec  # the server's, or the request's own (`media_settings.request_spec`)
     fetched_bytes: int = 0
     fetching: dict[int, Modality] = dataclasses.field(default_factory=dict)
 
@@ -253,9 +254,14 @@ class AsyncMMDataProcessor:
 
     # ------------------------------------------------------------------ processing
     async def process(
-        self, parts: list[MediaRef], max_image_tokens: int | None = None
+        self,
+        parts: list[MediaRef],
+        max_image_tokens: int | None = None,
+        spec: ProcessorSpec | None = None,
     ) -> list[PreparedMedia]:
-        """Fetch and preprocess every part; results keep the order of `parts`.
+        """Fetch and preprocess every part; results keep the order of `parts`. `spec` is the
+        request's own processor settings (the server's by default): it sizes, digests and so
+        keys in the cache every item of the request.
 
         `max_image_tokens` bounds the images' tokens together (what the context has left); it is
         checked from the headers, before any image is decoded. Raises the first MediaError (in
@@ -267,7 +273,9 @@ class AsyncMMDataProcessor:
         if not parts:
             return []
         state = _RequestState(
-            self.limits.max_request_bytes, asyncio.Semaphore(self.fetches_per_request)
+            self.limits.max_request_bytes,
+            asyncio.Semaphore(self.fetches_per_request),
+            spec or self.spec,
         )
         work = self._process_all(parts, state, max_image_tokens)
         try:
@@ -287,19 +295,20 @@ class AsyncMMDataProcessor:
     async def _process_all(
         self, parts: list[MediaRef], state: _RequestState, max_image_tokens: int | None
     ) -> list[PreparedMedia]:
-        results = [self._by_id(ref) for ref in parts]
+        results = [self._by_id(ref, state.spec) for ref in parts]
         todo = [i for i, result in enumerate(results) if result is None]
         fetches = [self._fetch_one(i, parts[i], state) for i in todo]
         fetched = dict(zip(todo, await _all_or_first_error(fetches)))
         known = sum(self._image_tokens(result) for result in results if result is not None)
         check_image_tokens(list(fetched.values()), max_image_tokens, known)
         for i, item in fetched.items():
-            results[i] = self._cached(item)
+            results[i] = self._cached(item, state.spec)
         misses = [i for i in todo if results[i] is None]
         reserved = sum(fetched[i].decoded_bytes for i in misses)
         await self._memory.acquire(reserved)
         try:
-            decoded = await _all_or_first_error([self._decode_one(fetched[i]) for i in misses])
+            jobs = [self._decode_one(fetched[i], state.spec) for i in misses]
+            decoded = await _all_or_first_error(jobs)
         finally:
             await self._memory.release(reserved)
         for i, result in zip(misses, decoded):
@@ -307,22 +316,22 @@ class AsyncMMDataProcessor:
             if self.cache is not None:
                 self.cache.put(result)
         for i in todo:
-            self._remember(parts[i], results[i])
+            self._remember(parts[i], results[i], state.spec)
         self.pixel_bytes_sent += sum(int(result.pixel_values.nbytes) for result in results)
         return [result.to_prepared() for result in results]
 
-    def _cached(self, item: _Fetched) -> ProcessedMedia | None:
+    def _cached(self, item: _Fetched, spec: ProcessorSpec) -> ProcessedMedia | None:
         """The item from the processed-item cache (a copy this request owns), or None."""
         if self.cache is None:
             return None
-        return self.cache.get(media_digest(item.modality, item.data, self.spec))
+        return self.cache.get(media_digest(item.modality, item.data, spec))
 
-    def _by_id(self, ref: MediaRef) -> ProcessedMedia | None:
+    def _by_id(self, ref: MediaRef, spec: ProcessorSpec) -> ProcessedMedia | None:
         """The item the client's id names (nothing fetched), or None to fetch it; an unknown id
         without media is the client's error."""
         if ref.uuid is None:
             return None
-        found = None if self.cache is None else self.cache.get_by_id(_media_id(ref))
+        found = None if self.cache is None else self.cache.get_by_id(_media_id(ref, spec))
         if found is None and not ref.url:
             raise MediaError(
                 f"media uuid {ref.uuid!r} is not known to this server: send the "
@@ -332,9 +341,9 @@ class AsyncMMDataProcessor:
             )
         return found
 
-    def _remember(self, ref: MediaRef, result: ProcessedMedia | None) -> None:
+    def _remember(self, ref: MediaRef, result: ProcessedMedia | None, spec: ProcessorSpec) -> None:
         if ref.uuid is not None and self.cache is not None and result and result.digest:
-            self.cache.remember(_media_id(ref), result.digest)
+            self.cache.remember(_media_id(ref, spec), result.digest)
 
     def _image_tokens(self, item: ProcessedMedia) -> int:
         if item.modality != Modality.IMAGE:
@@ -348,28 +357,29 @@ class AsyncMMDataProcessor:
         async with state.fetch_slots if remote else self._slots:
             state.fetching[index] = ref.modality
             if _decodes_quickly(ref.url):  # two thread hops cost more than the work
-                fetched = self._fetch(ref)
+                fetched = self._fetch(ref, state.spec)
             else:
-                fetched = await self._run(self._net if remote else self._io, self._fetch, ref)
+                pool = self._net if remote else self._io
+                fetched = await self._run(pool, self._fetch, ref, state.spec)
             del state.fetching[index]
         state.add_bytes(len(fetched.data), ref.modality)
         return fetched
 
-    def _fetch(self, ref: MediaRef) -> _Fetched:
+    def _fetch(self, ref: MediaRef, spec: ProcessorSpec) -> _Fetched:
         """I/O thread: the bytes, plus a header read for images (no pixels decoded yet)."""
         data = load_media_bytes(ref.url, self.limits, modality=ref.modality, fetcher=self._fetcher)
         if ref.modality == Modality.VIDEO:
-            return _Fetched(ref.modality, data, None, self.spec.video_bytes_bound())
+            return _Fetched(ref.modality, data, None, spec.video_bytes_bound())
         with open_image(data, self.limits) as image:
             width, height = image.size
-        return _Fetched(ref.modality, data, *self.spec.image_cost(height, width))
+        return _Fetched(ref.modality, data, *spec.image_cost(height, width))
 
-    async def _decode_one(self, item: _Fetched) -> ProcessedMedia:
+    async def _decode_one(self, item: _Fetched, spec: ProcessorSpec) -> ProcessedMedia:
         work = process_image_bytes if item.modality == Modality.IMAGE else process_video_bytes
         async with self._slots:
             path = new_media_path(self.shm_dir) if self.shm_dir else None
             source = share_input(item.data, self.shm_dir)
-            future = self._cpu.submit(work, source, self.spec, self.limits, path)
+            future = self._cpu.submit(work, source, spec, self.limits, path)
             done = False
             try:
                 result = await asyncio.wrap_future(future)
@@ -421,8 +431,11 @@ async def _all_or_first_error(jobs: list[Any]) -> list[Any]:
     return [task.result() for task in tasks]
 
 
-def _media_id(ref: MediaRef) -> tuple[str, str, str]:
-    return (ref.scope, ref.modality.value, ref.uuid or "")
+def _media_id(ref: MediaRef, spec: ProcessorSpec) -> tuple[str, str, str]:
+    """A client's id within its scope and the processor settings: an id names an item as
+    processed with one set of settings, never for another."""
+    settings = media_digest(ref.modality, b"", spec)
+    return (ref.scope, f"{ref.modality.value}|{settings:x}", ref.uuid or "")
 
 
 def check_image_tokens(fetched: list[_Fetched], limit: int | None, known: int = 0) -> None:

@@ -198,6 +198,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media_settings
     include_reasoning: bool = True  # vLLM; with --reasoning-parser
     separate_reasoning: bool = True  # SGLang; with --reasoning-parser
 
@@ -220,6 +221,7 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     tools: list[Tool] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media_settings
     return_token_strs: bool = False
 
 
@@ -236,6 +238,7 @@ class GenerateRequest(BaseModel):
     text: str | None = None
     input_ids: list[int] | None = None
     image_data: str | list[str] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media_settings
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = Field(default=None, min_length=1, max_length=RID_MAX, pattern=RID_CHARS)
@@ -293,7 +296,6 @@ COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_routed_experts": ((), "the served models have no experts"),
     "return_cached_tokens_details": ((), "usage.prompt_tokens_details.cached_tokens has them"),
     "custom_labels": ((), "metrics have no per-request labels"),
-    "mm_processor_kwargs": ((), "per-request media settings are not supported yet"),
     "add_special_tokens": ((), "the prompt is tokenized as the model's tokenizer does"),
     "max_repetition_pattern_size": ((), "repetition detection is not supported"),
     "min_repetition_pattern_size": ((), "repetition detection is not supported"),
@@ -325,10 +327,11 @@ COMPLETION_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     **COMMON_REFUSED,
     "suffix": ((), "suffix (fill-in-the-middle) is not supported"),
     "prompt_embeds": ((), "prompt embeddings are not accepted"),
+    "mm_processor_kwargs": ((), "completion prompts carry no media"),
 }
 
 TOKENIZE_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    name: COMMON_REFUSED[name] for name in ("add_special_tokens", "mm_processor_kwargs")
+    name: COMMON_REFUSED[name] for name in ("add_special_tokens",)
 } | {"chat_template": CHAT_REFUSED["chat_template"]}
 
 # Fields that describe the caller, not the answer: accepted, with nothing to do.

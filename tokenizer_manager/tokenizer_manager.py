@@ -42,7 +42,8 @@ from runtime.sampling_controls import bad_words_token_ids
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget
 from runtime.transport import SharedTensor, to_frames
-from tokenizer_manager.media_types import MediaError, MediaRef
+from tokenizer_manager.media_settings import checked_settings, request_spec
+from tokenizer_manager.media_types import MediaError, MediaRef, ProcessorSpec
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.multimodal_inputs import (
@@ -124,6 +125,7 @@ class GenerateInput:
     input_ids: list[int] | None = None
     media: list[MediaRef] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat: for the template
+    mm_processor_kwargs: dict[str, Any] | None = None  # the client's media settings, unchecked
 
 
 class TokenizerManager:
@@ -240,12 +242,13 @@ class TokenizerManager:
     async def prompt_ids(self, inp: GenerateInput) -> tuple[list[int], list[PreparedMedia]]:
         """The prompt's token ids, every media item expanded to its tokens (what /tokenize
         counts), and the prepared media."""
+        spec = self.media_spec(inp.mm_processor_kwargs)
         prompt, refs = await self.prompt_of(inp)
         self.check_media_count(refs)
         if prompt is None:
             return self.checked_ids(inp.input_ids or []), []
         ids = await self.encode_prompt(prompt)
-        media = await self.prepare_media(refs, ids, inp.max_tokens)
+        media = await self.prepare_media(refs, ids, inp.max_tokens, spec)
         return await self.expand_ids(prompt, ids, media), media
 
     async def prompt_of(self, inp: GenerateInput) -> tuple[str | None, list[MediaRef]]:
@@ -310,17 +313,31 @@ class TokenizerManager:
         _client_error(check_prompt_ids, ids, self.config, param="prompt")
         return list(ids)
 
+    def media_spec(self, raw: dict[str, Any] | None) -> ProcessorSpec | None:
+        """The request's processor settings (`mm_processor_kwargs`, checked against this
+        server's limits), or None for the server's own."""
+        if not raw:
+            return None
+        if self.mm is None:
+            raise APIError("this server has no media processor", param="mm_processor_kwargs")
+        return request_spec(self.mm.spec, checked_settings(raw, self.mm.spec))
+
     async def prepare_media(
-        self, refs: list[MediaRef], ids: list[int], max_tokens: int | None
+        self,
+        refs: list[MediaRef],
+        ids: list[int],
+        max_tokens: int | None,
+        spec: ProcessorSpec | None = None,
     ) -> list[PreparedMedia]:
-        """Fetch and preprocess `refs`; the images' tokens are checked against what the context
-        leaves the prompt `ids` (from their headers, before any is decoded)."""
+        """Fetch and preprocess `refs` (with the request's `spec`, else the server's); the
+        images' tokens are checked against what the context leaves the prompt `ids` (from their
+        headers, with the request's pixel bounds, before any is decoded)."""
         if not refs:
             return []
         start = time.perf_counter()
         budget = self.media_token_budget(ids, max_tokens)
         try:
-            media = await self.mm.process(refs, budget)
+            media = await self.mm.process(refs, budget, spec)
         except MediaError as e:
             raise APIError(str(e), status=e.status, param=e.param, code=e.code) from e
         self.metrics.stage.labels("media").observe(time.perf_counter() - start)

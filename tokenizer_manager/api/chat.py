@@ -270,6 +270,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
             cap,
             messages=[hf_message(i, m) for i, m in enumerate(req.messages)],
             template_kwargs=template_kwargs(req),
+            mm_processor_kwargs=req.mm_processor_kwargs,
         )
 
     def shape(self, req: ChatCompletionRequest) -> ReplyShape:

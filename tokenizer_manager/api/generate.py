@@ -146,6 +146,7 @@ class GenerateServing(Serving[GenerateRequest]):
             text=req.text,
             input_ids=req.input_ids,
             media=[MediaRef(Modality.IMAGE, url) for url in images],
+            mm_processor_kwargs=req.mm_processor_kwargs,
         )
 
     def stream_writer(self, rid: str, req: GenerateRequest) -> NativeStream:

@@ -52,7 +52,13 @@ class TokenizeServing:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if req.prompt is not None:
-            return GenerateInput(new_id("tok"), False, no_sampling, text=req.prompt)
+            return GenerateInput(
+                new_id("tok"),
+                False,
+                no_sampling,
+                text=req.prompt,
+                mm_processor_kwargs=req.mm_processor_kwargs,
+            )
         check_template_inputs(self.tm, req.tools, req.documents)
         return GenerateInput(
             new_id("tok"),
@@ -60,6 +66,7 @@ class TokenizeServing:
             no_sampling,
             messages=[hf_message(i, m) for i, m in enumerate(req.messages)],
             template_kwargs=template_kwargs(req),
+            mm_processor_kwargs=req.mm_processor_kwargs,
         )
 
 

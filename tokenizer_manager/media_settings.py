@@ -1,0 +1,101 @@
+"""Per-request media settings (`mm_processor_kwargs`): checked against the server's limits and
+applied to a copy of the server's `ProcessorSpec`.
+
+The keys are the ones HF's Qwen2-VL processors take: `min_pixels` and `max_pixels` (images and
+video frames), and for video `fps`, `min_frames` and `max_frames`. A request's spec is what its
+items are resized, sampled, digested and cached by: `media_worker.media_digest` hashes the whole
+spec, so an item processed with one setting never serves a request that asked for another (the
+processed-item cache, the encoder cache and the radix cache all key on that digest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from tokenizer_manager.media_types import ProcessorSpec
+from tokenizer_manager.protocol import APIError
+
+PARAM = "mm_processor_kwargs"
+PIXEL_KEYS = ("min_pixels", "max_pixels")
+FRAME_KEYS = ("min_frames", "max_frames")
+KEYS = (*PIXEL_KEYS, "fps", *FRAME_KEYS)
+MAX_FPS = 60.0
+
+
+def _bad(key: str, message: str) -> APIError:
+    return APIError(f"{PARAM}.{key}: {message}", param=f"{PARAM}.{key}", code="invalid_value")
+
+
+def _integer(key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(key, f"must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise _bad(key, f"must be in [{low}, {high}] on this server, got {value}")
+    return value
+
+
+def _fps(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad("fps", f"must be a number, got {value!r}")
+    if not 0 < value <= MAX_FPS:
+        raise _bad("fps", f"must be in (0, {MAX_FPS:g}] on this server, got {value}")
+    return float(value)
+
+
+def pixel_range(spec: ProcessorSpec) -> tuple[int, int]:
+    """The pixel bounds a request may ask for: one merged patch up to the server's own largest
+    bound (images' or videos')."""
+    return spec.factor**2, max(spec.image.max_pixels, spec.video.max_pixels)
+
+
+def checked_settings(raw: dict[str, Any] | None, spec: ProcessorSpec) -> dict[str, Any]:
+    """The request's settings, each checked against this server's limits (APIError 400 naming
+    `mm_processor_kwargs.<key>` otherwise; unknown keys are refused by name)."""
+    if not raw:
+        return {}
+    unknown = sorted(set(raw) - set(KEYS))
+    if unknown:
+        message = f"unknown key(s) {', '.join(unknown)}; supported: {', '.join(KEYS)}"
+        raise APIError(f"{PARAM}: {message}", param=f"{PARAM}.{unknown[0]}", code="invalid_value")
+    low, high = pixel_range(spec)
+    settings: dict[str, Any] = {k: _integer(k, raw[k], low, high) for k in PIXEL_KEYS if k in raw}
+    settings |= {k: _integer(k, raw[k], 1, spec.video.max_frames) for k in FRAME_KEYS if k in raw}
+    if "fps" in raw:
+        settings["fps"] = _fps(raw["fps"])
+    _check_order(settings, "min_pixels", "max_pixels")
+    _check_order(settings, "min_frames", "max_frames")
+    return settings
+
+
+def _check_order(settings: dict[str, Any], low: str, high: str) -> None:
+    if low in settings and high in settings and settings[low] > settings[high]:
+        raise _bad(low, f"must not exceed {high} ({settings[low]} > {settings[high]})")
+
+
+def request_spec(spec: ProcessorSpec, settings: dict[str, Any]) -> ProcessorSpec:
+    """The server's spec with the request's settings (the spec itself without any). Pixel bounds
+    apply to images and video frames; frame settings to videos only. A bound the request leaves
+    out keeps the server's, unless that would cross the one it gave."""
+    if not settings:
+        return spec
+    pixels = {k: settings[k] for k in PIXEL_KEYS if k in settings}
+    image = _bounded(spec.image, pixels)
+    frames = {k: settings[k] for k in ("fps", *FRAME_KEYS) if k in settings}
+    if "min_frames" not in frames and "max_frames" in frames:
+        frames["min_frames"] = min(spec.video.min_frames, frames["max_frames"])
+    video = _bounded(spec.video, pixels, **frames)
+    if video.min_frames > video.max_frames:
+        raise _bad("min_frames", f"must not exceed max_frames ({video.max_frames})")
+    return dataclasses.replace(spec, image=image, video=video)
+
+
+def _bounded(config: Any, pixels: dict[str, int], **other: Any) -> Any:
+    low = pixels.get("min_pixels", config.min_pixels)
+    high = pixels.get("max_pixels", config.max_pixels)
+    if "min_pixels" not in pixels:
+        low = min(low, high)
+    if "max_pixels" not in pixels:
+        high = max(low, high)
+    return dataclasses.replace(config, min_pixels=low, max_pixels=high, **other)
