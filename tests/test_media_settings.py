@@ -22,7 +22,7 @@ from vlm_cases import Checkpoint, load_hf, noise_image, run_hf
 from runtime.multimodal import Modality
 from tokenizer_manager.media import MediaLimits
 from tokenizer_manager.media_settings import checked_settings, request_spec
-from tokenizer_manager.media_types import MediaRef, ProcessorSpec
+from tokenizer_manager.media_types import MediaError, MediaRef, ProcessorSpec
 from tokenizer_manager.media_worker import process_image_bytes, process_video_bytes
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.multimodal_inputs import PreparedMedia
@@ -75,6 +75,8 @@ def hf_pixels(folder: str, image: Image.Image, **kwargs: int) -> tuple[np.ndarra
         ({"fps": 1000.0}, "mm_processor_kwargs.fps"),
         ({"max_frames": 10**6}, "mm_processor_kwargs.max_frames"),
         ({"min_frames": 8, "max_frames": 4}, "mm_processor_kwargs.min_frames"),
+        ({"num_frames": 10**6}, "mm_processor_kwargs.num_frames"),
+        ({"num_frames": 4, "fps": 1.0}, "mm_processor_kwargs.num_frames"),
         ({"size": {"longest_edge": 4}}, "mm_processor_kwargs.size"),
         ({"max_pixels": 3136, "do_resize": False}, "mm_processor_kwargs.do_resize"),
     ],
@@ -113,7 +115,9 @@ def test_request_pixel_limits_equal_hf_image_processor(
     assert mine.image_cost(PICTURE.height, PICTURE.width)[0] == int(np.prod(grid)) // 4
 
 
-@pytest.mark.parametrize("raw", [{"fps": 1.0}, {"max_frames": 4}, {"max_pixels": 56 * 56}])
+@pytest.mark.parametrize(
+    "raw", [{"fps": 1.0}, {"max_frames": 4}, {"num_frames": 5}, {"max_pixels": 56 * 56}]
+)
 def test_request_video_settings_are_honoured(spec: ProcessorSpec, raw: dict) -> None:
     """fps, the frame cap and the pixel bound of a request shape the video as the reference
     decoder and preprocessing do with those settings, and differ from the server's own."""
@@ -132,6 +136,14 @@ def test_request_video_settings_are_honoured(spec: ProcessorSpec, raw: dict) -> 
     assert out.second_per_grid_t == pytest.approx(2 / fps)
     np.testing.assert_array_equal(out.pixel_values, pixels.numpy())
     assert out.grid_thw != process_video_bytes(video, spec, MediaLimits()).grid_thw
+
+
+def test_more_frames_than_the_video_has_is_the_clients_error(spec: ProcessorSpec) -> None:
+    request = request_spec(spec, checked_settings({"num_frames": 60}, spec))
+    with pytest.raises(MediaError) as info:
+        process_video_bytes(mp4_bytes(), request, MediaLimits())  # 40 frames
+    assert info.value.status == 400 and info.value.param == "video_url"
+    assert "60 frames asked for" in info.value.message
 
 
 def test_one_image_at_two_sizes_is_two_items_never_reused(folder: str) -> None:

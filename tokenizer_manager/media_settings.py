@@ -2,11 +2,12 @@
 applied to a copy of the server's `ProcessorSpec`.
 
 The keys are the ones HF's Qwen2-VL processors take: `min_pixels` and `max_pixels` (images and
-video frames), and for video `fps`, `min_frames` and `max_frames`. A request's spec is what its
-items are resized, sampled, digested and cached by: `media_worker.media_digest` hashes the whole
-spec, so an item processed with one setting never serves a request that asked for another (the
-processed-item cache, the encoder cache and the radix cache all key on that digest).
-"""
+video frames), and for video `fps`, `num_frames` (a fixed count instead of `fps`, rounded as HF
+rounds it; the frames are spread as tessera spreads them at `fps`), `min_frames` and
+`max_frames`. A request's spec is what its items are resized, sampled, digested and cached by:
+`media_worker.media_digest` hashes the whole spec, so an item processed with one setting never
+serves a request that asked for another (the processed-item cache, the encoder cache and the
+radix cache all key on that digest)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tokenizer_manager.protocol import APIError
 PARAM = "mm_processor_kwargs"
 PIXEL_KEYS = ("min_pixels", "max_pixels")
 FRAME_KEYS = ("min_frames", "max_frames")
-KEYS = (*PIXEL_KEYS, "fps", *FRAME_KEYS)
+KEYS = (*PIXEL_KEYS, "fps", "num_frames", *FRAME_KEYS)
 MAX_FPS = 60.0
 
 
@@ -61,7 +62,10 @@ def checked_settings(raw: dict[str, Any] | None, spec: ProcessorSpec) -> dict[st
         raise APIError(f"{PARAM}: {message}", param=f"{PARAM}.{unknown[0]}", code="invalid_value")
     low, high = pixel_range(spec)
     settings: dict[str, Any] = {k: _integer(k, raw[k], low, high) for k in PIXEL_KEYS if k in raw}
-    settings |= {k: _integer(k, raw[k], 1, spec.video.max_frames) for k in FRAME_KEYS if k in raw}
+    frames = (*FRAME_KEYS, "num_frames")
+    settings |= {k: _integer(k, raw[k], 1, spec.video.max_frames) for k in frames if k in raw}
+    if "fps" in raw and "num_frames" in raw:
+        raise _bad("num_frames", "fps and num_frames are mutually exclusive")
     if "fps" in raw:
         settings["fps"] = _fps(raw["fps"])
     _check_order(settings, "min_pixels", "max_pixels")
@@ -82,7 +86,7 @@ def request_spec(spec: ProcessorSpec, settings: dict[str, Any]) -> ProcessorSpec
         return spec
     pixels = {k: settings[k] for k in PIXEL_KEYS if k in settings}
     image = _bounded(spec.image, pixels)
-    frames = {k: settings[k] for k in ("fps", *FRAME_KEYS) if k in settings}
+    frames = {k: settings[k] for k in ("fps", "num_frames", *FRAME_KEYS) if k in settings}
     if "min_frames" not in frames and "max_frames" in frames:
         frames["min_frames"] = min(spec.video.min_frames, frames["max_frames"])
     video = _bounded(spec.video, pixels, **frames)

@@ -89,15 +89,20 @@ def sample_frame_indices(
     max_frames: int = 768,
     temporal_patch_size: int = 2,
     clip_budget: bool = False,
+    num_frames: int | None = None,
 ) -> list[int]:
     """Indices of frames to keep: uniform over the video at `fps` frames per second.
 
     The count is clamped to [min_frames, max_frames] and to the video length, then rounded down to
     a multiple of `temporal_patch_size` (not with `clip_budget`, Qwen3-VL's rule). A video shorter
     than one temporal patch keeps all frames (preprocessing pads it by repeating the last one).
+    `num_frames` (a request's) asks for that many frames instead, rounded to whole temporal
+    patches as HF's Qwen2-VL video processor rounds it; more than the video has is a ValueError.
     """
     _check_sampling_args(total_frames, video_fps, fps)
-    if clip_budget:
+    if num_frames is not None:
+        count = _fixed_count(total_frames, num_frames, temporal_patch_size, clip_budget)
+    elif clip_budget:
         count = _clip_count(total_frames, video_fps, fps, min_frames, max_frames)
     else:
         count = _sample_count(
@@ -123,6 +128,13 @@ def _sample_count(
     wanted = total / video_fps * fps
     count = min(max(wanted, lower), upper, total)
     return math.floor(count / tps) * tps
+
+
+def _fixed_count(total: int, num_frames: int, tps: int, clip_budget: bool) -> int:
+    count = num_frames if clip_budget else max(tps, round(num_frames / tps) * tps)
+    if count > total:
+        raise ValueError(f"{count} frames asked for, the video has {total}")
+    return count
 
 
 def _clip_count(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> int:
@@ -230,6 +242,7 @@ class VideoProcessingConfig:
     min_frames: int = 4
     max_frames: int = 768
     clip_budget: bool = False  # Qwen3-VL: pixel bounds per clip, frame count not rounded
+    num_frames: int | None = None  # a request's fixed frame count (instead of fps)
 
     @classmethod
     def from_preprocessor_config(
@@ -248,7 +261,8 @@ class VideoProcessingConfig:
 
     def sampling_kwargs(self) -> dict[str, Any]:
         keys = ("fps", "min_frames", "max_frames", "temporal_patch_size", "clip_budget")
-        return {key: getattr(self, key) for key in keys}
+        fixed = {} if self.num_frames is None else {"num_frames": self.num_frames}
+        return {key: getattr(self, key) for key in keys} | fixed
 
 
 CLIP_BUDGET_PROCESSORS = ("Qwen3VLVideoProcessor",)
