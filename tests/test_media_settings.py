@@ -146,6 +146,26 @@ def test_more_frames_than_the_video_has_is_the_clients_error(spec: ProcessorSpec
     assert "60 frames asked for" in info.value.message
 
 
+def test_the_header_token_check_counts_the_requests_size(folder: str) -> None:
+    """The image tokens checked from the header, before decoding, are those of the request's
+    pixel bounds: the picture does not fit 10 tokens at the server's size, but fits at SMALL."""
+    ref = MediaRef(IMAGE, png_url(PICTURE))
+
+    async def run() -> tuple[str | None, list[PreparedMedia]]:
+        async with AsyncMMDataProcessor(folder, MediaLimits()) as mm:
+            small = request_spec(mm.spec, checked_settings(SMALL, mm.spec))
+            try:
+                await mm.process([ref], 10)
+                refused = None
+            except MediaError as exc:
+                refused = exc.code
+            return refused, await mm.process([ref], 10, spec=small)
+
+    refused, served = asyncio.run(run())
+    assert refused == "context_length_exceeded"
+    assert served[0].grid_thw == hf_pixels(folder, PICTURE, **SMALL)[1]
+
+
 def test_one_image_at_two_sizes_is_two_items_never_reused(folder: str) -> None:
     """The same bytes with other settings: another digest, grid and cache entry, also when the
     client names the item by the same uuid."""
