@@ -190,4 +190,3 @@ class ProcessedMedia:
             self.digest,
             self.frame_times,
         )
-

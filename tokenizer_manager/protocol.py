@@ -243,7 +243,6 @@ class GenerateRequest(BaseModel):
 
 INERT = (None, False, [], {}, "")  # values that ask for nothing, for every refused field
 
-STRUCTURED = "structured outputs are not built yet"
 LOGPROBS = "only the output tokens' logprobs are built, as token strings"
 DISAGG = "disaggregated serving is not built"
 
@@ -257,18 +256,8 @@ COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((), LOGPROBS),
     "return_tokens_as_token_ids": ((), LOGPROBS),
     "return_token_ids": ((), "token ids are returned by /generate"),
-    "response_format": (({"type": "text"},), STRUCTURED),
-    "structured_outputs": ((), STRUCTURED),
-    "guided_json": ((), STRUCTURED),
-    "guided_regex": ((), STRUCTURED),
-    "guided_choice": ((), STRUCTURED),
-    "guided_grammar": ((), STRUCTURED),
-    "guided_decoding_backend": ((), STRUCTURED),
-    "guided_whitespace_pattern": ((), STRUCTURED),
-    "structural_tag": ((), STRUCTURED),
-    "regex": ((), STRUCTURED),
-    "ebnf": ((), STRUCTURED),
-    "json_schema": ((), STRUCTURED),
+    "guided_decoding_backend": (("llguidance", "auto"), "the grammar engine is llguidance"),
+    "guided_whitespace_pattern": ((), "JSON is generated in its compact form"),
     "stop_regex": ((), "stop strings are matched literally"),
     "priority": ((), "requests are served first come, first served"),
     "logits_processors": ((), "custom logits processors are not supported"),

@@ -20,6 +20,7 @@ from tokenizer_manager.api.openai_common import (
 )
 from tokenizer_manager.api.outputs import finish_reason
 from tokenizer_manager.api.reasoning_parser import ReasoningStream, split_reasoning
+from tokenizer_manager.api.structured import OPENAI_READERS
 from tokenizer_manager.api.tool_parser import ParsedToolCall, ToolCallStream, parse_tool_calls
 from tokenizer_manager.protocol import (
     CHAT_REFUSED,
@@ -252,7 +253,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
 
     def to_input(self, req: ChatCompletionRequest) -> GenerateInput:
         check_model(self.tm, req.model)
-        self.ctx.unknown.check(req, CHAT_REFUSED)
+        self.ctx.unknown.check(req, CHAT_REFUSED.keys() | OPENAI_READERS.keys())
         check_unknown_message_fields(self, req)
         refuse_fields(req, CHAT_REFUSED)
         check_template_inputs(self.tm, req.tools, req.documents)
