@@ -16,6 +16,7 @@ from grammar_cases import CHOICES, EBNF, EBNF_PATTERN, REGEXES, SCHEMAS
 from make_tiny_checkpoint import make_checkpoint
 from test_openai_sampling import OneRankServer
 from test_server import Server, client, serve_then_check_teardown
+from test_tools import TOOLS_TEMPLATE
 
 MAX = 400
 PICKED = (0, 1, 3, 6, 9, 10)  # bounded schemas: greedy noise ends them too
@@ -24,6 +25,8 @@ PICKED = (0, 1, 3, 6, 9, 10)  # bounded schemas: greedy noise ends them too
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("structured") / "qwen2_vl")
+    template = {"chat_template": TOOLS_TEMPLATE}  # one that renders tools
+    (folder / "chat_template.json").write_text(json.dumps(template))
     log = tmp_path_factory.mktemp("log") / "server.log"
     yield from serve_then_check_teardown(OneRankServer(str(folder), log))
 
@@ -150,3 +153,75 @@ def test_sglang_invalid_schema_is_a_400_and_nothing_leaks(server) -> None:
     info = httpx.get(server.url + "/server_info", timeout=30).json()
     assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
     assert info["running"] == 0 and info["waiting"] == 0
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 8},
+                    "unit": {"enum": ["c", "f"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["a"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def check_calls(calls: list[Any], names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_required_and_named_tool_calls_parse_and_validate(server) -> None:
+    for seed in (1, 2, 3):
+        reply = chat(server, tools=TOOLS, tool_choice="required", temperature=1, seed=seed)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        check_calls(choice.message.tool_calls, set(PARAMETERS))
+        named = {"type": "function", "function": {"name": "add"}}
+        reply = chat(server, tools=TOOLS, tool_choice=named, temperature=1, seed=seed)
+        check_calls(reply.choices[0].message.tool_calls, {"add"})
+
+
+def test_streamed_required_tool_call(server) -> None:
+    stream = chat(
+        server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, stream=True
+    )
+    calls, reasons = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            calls += choice.delta.tool_calls or []
+            reasons.append(choice.finish_reason)
+    assert reasons[-1] == "tool_calls"
+    check_calls(calls, set(PARAMETERS))
+
+
+@pytest.mark.parametrize(
+    "choice", [{"type": "function", "function": {"name": "nope"}}, "always", {"type": "function"}]
+)
+def test_bad_tool_choice_is_a_400(server, choice) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": choice}
+    resp = post(server, "/v1/chat/completions", body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tool_choice", resp.text

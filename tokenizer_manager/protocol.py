@@ -186,7 +186,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Any = None  # "none" or "auto"; "required" and a named tool are refused
+    tool_choice: Any = None  # none, auto, required or a named function (api/tool_choice.py)
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -288,7 +288,6 @@ COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     **COMMON_REFUSED,
-    "tool_choice": (("none", "auto"), "only none and auto: the others need constrained decoding"),
     "functions": ((), "functions are not supported; send tools"),
     "function_call": (("none", "auto"), "functions are not supported; send tools"),
     "echo": ((), "chat echo is not supported"),
