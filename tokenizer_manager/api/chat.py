@@ -277,6 +277,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
             "n": req.n,
         }
         add_tool_grammar(req, engine)
+        self.check_grammar_with_reasoning(engine)
         cap = req.max_completion_tokens or req.max_tokens
         return GenerateInput(
             self.request_id(req),
@@ -289,6 +290,14 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
 
     def shape(self, req: ChatCompletionRequest) -> ReplyShape:
         return reply_shape(req, self.ctx.reasoning_parser)
+
+    def check_grammar_with_reasoning(self, engine: dict[str, Any]) -> None:
+        """A constraint would bind the thinking section too: refused until the grammar can
+        start after it."""
+        spec = engine.get("grammar")
+        if spec is not None and self.ctx.reasoning_parser is not None:
+            reason = "a constraint after the thinking section of --reasoning-parser is not built"
+            raise unsupported(spec.param or "response_format", reason)
 
     def check_reasoning(self, req: ChatCompletionRequest) -> None:
         """Without a reasoning parser the thinking stays in the content: it cannot be left out."""
