@@ -112,7 +112,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
     )
     radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
     eos, vocab = list(cfg.eos_token_ids), cfg.vocab_size
-    compiler = partial(checkpoint_compiler, args.model_path, vocab, eos) if tp.is_first else None
+    compiler = partial(checkpoint_compiler, args.model_path, vocab, eos)  # built by rank 0 only
     sampler = Sampler(seed=args.random_seed)
     return Scheduler(cfg, tp, runner, radix, encoder_cache, sampler, compiler)
 

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 from grammar_cases import CHOICES, REGEXES, SCHEMAS
 from make_tiny_checkpoint import make_checkpoint
+from scheduler_harness import SchedulerHarness
 from transformers import AutoTokenizer
 
 from runtime.distributed import TPGroup
@@ -182,3 +183,32 @@ def test_abort_and_invalid_grammar_free_their_state(folder, model) -> None:
     finish = run(scheduler, [bad])[("bad", 0)][1]
     assert finish.kind == FinishKind.ERROR and finish.status == 400
     assert "regex" in finish.detail
+
+
+def test_two_ranks_take_rank_zeros_grammar_decisions(folder, tokenizer) -> None:
+    """Only rank 0 holds matchers: the other rank admits, stops and fails as it says (its
+    tokens, the compiles it reports, the grammars that ended), and both end idle and clean."""
+    args = ServerArgs(
+        model_path=str(folder),
+        tp_size=2,
+        max_total_tokens=4000,
+        chunked_prefill_size=16,
+        context_length=1024,
+    )
+    reqs = [
+        request(f"t{i}", GrammarSpec.json_schema(SCHEMAS[i]), temperature=1.0, seed=i)
+        for i in (0, 3, 6)
+    ]
+    reqs.append(request("tbad", GrammarSpec("regex", "(unclosed", "regex")))
+    reqs.append(request("tfree", None, max_new_tokens=20, ignore_eos=True))
+    with SchedulerHarness(args) as harness:
+        results = harness.generate(reqs)
+        info = harness.info()
+    for i in (0, 3, 6):
+        out = results[f"t{i}"]
+        assert out["finish"]["type"] == "stop", out
+        text = tokenizer.decode([t for t in out["tokens"] if t not in (tokenizer.eos_token_id,)])
+        jsonschema.validate(json.loads(text), SCHEMAS[i])
+    assert results["tbad"]["finish"]["status"] == 400
+    assert len(results["tfree"]["tokens"]) == 20
+    assert info.kv_free + info.kv_evictable == info.kv_total
