@@ -384,39 +384,28 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    print(
-        f"device: {results['device']}, dtype {results['dtype']}, "
-        f"{results['prompt_tokens']} prompt tokens per request"
-    )
+    print(f"device: {results['device']}, dtype {results['dtype']}, "
+          f"{results['prompt_tokens']} prompt tokens per request")
     print(f"{'engine':<8} {'batch':>5} {'out tok/s':>11} {'TTFT ms':>9} {'decode ms':>10}")
     for b, r in results["tessera"].items():
         step = r["decode_step_median_s"]
         step_ms = f"{step * 1e3:10.2f}" if step else f"{'-':>10}"
-        print(
-            f"{'tessera':<8} {b:>5} {r['output_tokens_per_s']:11.1f} "
-            f"{r['ttft_mean_s'] * 1e3:9.1f} {step_ms}"
-        )
+        print(f"{'tessera':<8} {b:>5} {r['output_tokens_per_s']:11.1f} "
+              f"{r['ttft_mean_s'] * 1e3:9.1f} {step_ms}")
     for b, r in results.get("hf", {}).items():
-        print(
-            f"{'hf':<8} {b:>5} {r['output_tokens_per_s']:11.1f} {r['ttft_s'] * 1e3:9.1f} {'-':>10}"
-        )
+        print(f"{'hf':<8} {b:>5} {r['output_tokens_per_s']:11.1f} {r['ttft_s'] * 1e3:9.1f} "
+              f"{'-':>10}")
     f = results["floors"]
-    print(
-        f"copy bandwidth {f['copy_bandwidth_gb_s']:.1f} GB/s, matmul {f['matmul_tflop_s']:.2f} "
-        f"TFLOP/s, decode floor {f['decode_step_floor_s'] * 1e3:.3f} ms "
-        f"({f['decode_weight_bytes'] / 1e6:.1f} MB of weights)"
-    )
-    print(
-        f"vision: {f['vision_patches_per_s']:.0f} patches/s, floor "
-        f"{f['vision_patches_per_s_floor']:.0f} patches/s"
-    )
+    print(f"copy bandwidth {f['copy_bandwidth_gb_s']:.1f} GB/s, matmul {f['matmul_tflop_s']:.2f} "
+          f"TFLOP/s, decode floor {f['decode_step_floor_s'] * 1e3:.3f} ms "
+          f"({f['decode_weight_bytes'] / 1e6:.1f} MB of weights)")
+    print(f"vision: {f['vision_patches_per_s']:.0f} patches/s, floor "
+          f"{f['vision_patches_per_s_floor']:.0f} patches/s")
     for name, value in results["ratios"].items():
         print(f"{name:<32} {value:8.2f}")
     if "greedy_match" in results:
-        print(
-            f"greedy outputs equal to HF: {results['greedy_match']} "
-            f"({results['greedy_same_prefix']}/{results['greedy_tokens_compared']} tokens)"
-        )
+        print(f"greedy outputs equal to HF: {results['greedy_match']} "
+              f"({results['greedy_same_prefix']}/{results['greedy_tokens_compared']} tokens)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

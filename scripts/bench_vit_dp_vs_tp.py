@@ -263,14 +263,8 @@ def mode_loads(mode: str, runner: Runner, grids_list: list[list[list[int]]]) -> 
 
 
 def summarize(
-    workload: str,
-    mode: str,
-    times: list[float],
-    n_items: float,
-    loads: list[int],
-    nbytes: int,
-    plans: dict[str, int],
-    rounds: list[dict[str, int]],
+    workload: str, mode: str, times: list[float], n_items: float, loads: list[int],
+    nbytes: int, plans: dict[str, int], rounds: list[dict[str, int]],
 ) -> ModeResult:
     times_ms = sorted(t * 1e3 for t in times)
     p90 = times_ms[min(len(times_ms) - 1, int(round(0.9 * (len(times_ms) - 1))))]
@@ -323,7 +317,8 @@ def run_rank(args: argparse.Namespace, model_path: str, base: TPGroup, device: s
             results += [asdict(r) for r in run_workload(name, runner, cfg, args, device, dtype)]
             workloads += [name] * (len(runner.auto.history or []) - len(workloads))
     history = [{"workload": w, **asdict(c)} for w, c in zip(workloads, runner.auto.history or [])]
-    return {"calibration": json.loads(costs.to_json()), "results": results, "auto_history": history}
+    return {"calibration": json.loads(costs.to_json()), "results": results,
+            "auto_history": history}
 
 
 def run_workload(
@@ -347,18 +342,8 @@ def run_workload(
         group = runner.tp_tower.tp if mode == "tp" else runner.groups[mode]
         loads = mode_loads(mode, runner, grids_list)
         plans = dict(runner.auto.plan_counts) if mode == "auto" else {}
-        out.append(
-            summarize(
-                name,
-                mode,
-                times[mode],
-                n_items,
-                loads,
-                group.counter[0] // runs,
-                plans,
-                rounds if mode == "auto" else [],
-            )
-        )
+        out.append(summarize(name, mode, times[mode], n_items, loads, group.counter[0] // runs,
+                             plans, rounds if mode == "auto" else []))
     return out
 
 

@@ -164,25 +164,20 @@ def check_serve(opts: argparse.Namespace) -> str:
             server.wait_healthy(opts.timeout)
             client = OpenAI(base_url=server.url + "/v1", api_key="none")
             image = {"url": png_data_url(opts.image_size)}
-            content = [
-                {"type": "image_url", "image_url": image},
-                {"type": "text", "text": "What is in the picture?"},
-            ]
+            content = [{"type": "image_url", "image_url": image},
+                       {"type": "text", "text": "What is in the picture?"}]
             out = client.chat.completions.create(
                 model=client.models.list().data[0].id,
                 messages=[{"role": "user", "content": content}],
-                max_tokens=opts.new_tokens,
-                temperature=0.0,
+                max_tokens=opts.new_tokens, temperature=0.0,
             )
         finally:
             stopped = stop_and_time(server)
     usage = out.usage
     if not out.choices or usage is None or usage.completion_tokens < 1:
         raise AssertionError(f"no completion: {out}")
-    return (
-        f"--tp {opts.tp}: {usage.prompt_tokens} prompt + {usage.completion_tokens} "
-        f"completion tokens, stopped in {stopped:.1f} s"
-    )
+    return (f"--tp {opts.tp}: {usage.prompt_tokens} prompt + {usage.completion_tokens} "
+            f"completion tokens, stopped in {stopped:.1f} s")
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], str]] = {
@@ -214,12 +209,8 @@ def visible_gpus() -> int:
 
 
 def write_report(path: Path, env: dict[str, Any], results: list[CheckResult], note: str) -> None:
-    report = {
-        "environment": env,
-        "ok": bool(results) and all(r.ok for r in results),
-        "note": note,
-        "checks": [asdict(r) for r in results],
-    }
+    report = {"environment": env, "ok": bool(results) and all(r.ok for r in results),
+              "note": note, "checks": [asdict(r) for r in results]}
     path.write_text(json.dumps(report, indent=2))
 
 
@@ -230,7 +221,8 @@ def format_table(results: list[CheckResult]) -> str:
         rows.append((r.name, "PASS" if r.ok else "FAIL", f"{r.seconds:.1f}", first[:100]))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3]
+        for row in rows
     )
 
 
@@ -259,10 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     env, report = environment(), Path(opts.json)
     if not visible_gpus():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        note = (
-            f"no CUDA device is visible (torch {torch.__version__}, {build}): run "
-            "gpu_check on a GPU node; nothing was checked"
-        )
+        note = (f"no CUDA device is visible (torch {torch.__version__}, {build}): run "
+                "gpu_check on a GPU node; nothing was checked")
         write_report(report, env, [], note)
         print(f"gpu_check: {note}", file=sys.stderr)
         return 2

@@ -121,7 +121,9 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for m in messages:
         content = m.get("content") or ""
         if isinstance(content, list):
-            content = [{"type": "image"} if p.get("type") == "image_url" else p for p in content]
+            content = [
+                {"type": "image"} if p.get("type") == "image_url" else p for p in content
+            ]
         out.append({"role": m["role"], "content": content})
     return out
 

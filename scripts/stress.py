@@ -393,9 +393,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument(
-        "--requests",
-        type=int,
-        default=0,
+        "--requests", type=int, default=0,
         help="requests per client instead of --minutes (a load of fixed size, however fast)",
     )
     parser.add_argument("--mean-gap", type=float, default=0.3, help="seconds between requests")
@@ -403,9 +401,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-queued", type=int, default=8)
     parser.add_argument("--fault-injection-rate", type=float, default=0.01)
     parser.add_argument(
-        "--stop-seconds",
-        type=float,
-        default=10.0,
+        "--stop-seconds", type=float, default=10.0,
         help="how long stopping the server may take (it is killed after 30 s)",
     )
     return parser.parse_args(argv)

@@ -145,9 +145,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def send_expired(self) -> None:
         """The client took nothing for the send timeout: drop the connection; the route sees a
         hang-up (its request is aborted) and the buffered response is freed."""
-        logger.info(
-            "a client stopped reading for %.0f s: connection dropped", self.limits.send_timeout
-        )
+        logger.info("a client stopped reading for %.0f s: connection dropped",
+                    self.limits.send_timeout)
         self.transport.abort()
 
     @staticmethod

@@ -190,3 +190,4 @@ class ProcessedMedia:
             self.digest,
             self.frame_times,
         )
+
