@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.grammar.base import GrammarSpec
 from runtime.sampling_controls import SamplingState, apply_controls
 
 _MASK64 = 2**64 - 1
@@ -69,6 +70,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's and k alternatives
     include_stop_str_in_output: bool = False
     n: int = 1  # choices forked from one prefill
+    grammar: GrammarSpec | None = None  # structured output: the constraint (runtime/grammar/)
 
     @property
     def is_greedy(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+from functools import partial
 from multiprocessing.connection import Connection
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from runtime.allocator import keep_freed_memory
 from runtime.cpus import threads_per_rank
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
+from runtime.grammar import checkpoint_compiler
 from runtime.io_struct import BatchTokenOut, ShutdownReq
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.memory_plan import memory_needs
@@ -114,7 +116,10 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         },
     )
     radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
-    return Scheduler(cfg, tp, runner, radix, encoder_cache, Sampler(seed=args.random_seed))
+    eos, vocab = list(cfg.eos_token_ids), cfg.vocab_size
+    compiler = partial(checkpoint_compiler, args.model_path, vocab, eos)  # built by rank 0 only
+    sampler = Sampler(seed=args.random_seed)
+    return Scheduler(cfg, tp, runner, radix, encoder_cache, sampler, compiler)
 
 
 def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:

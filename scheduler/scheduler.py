@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.distributed import TPGroup
+from runtime.grammar import apply_bitmask
 from runtime.io_struct import (
     AbortReq,
     FinishKind,
@@ -41,6 +42,7 @@ from runtime.sampler import RowControls, Sampler, SamplingParams, token_logprobs
 from runtime.token_budget import TokenBudget
 from scheduler.encoder_cache import EncoderCache
 from scheduler.faults import FaultInjector, check_inputs
+from scheduler.grammar_state import CompilerFactory, GrammarStates
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req
@@ -82,6 +84,7 @@ class Scheduler:
         radix: RadixCache,
         encoder_cache: EncoderCache,
         sampler: Sampler,
+        grammar_compiler: CompilerFactory | None = None,
     ):
         self.cfg, self.tp, self.runner = cfg, tp, runner
         self.radix, self.encoder_cache, self.sampler = radix, encoder_cache, sampler
@@ -93,6 +96,7 @@ class Scheduler:
         self._started: list[ReqStart] = []
         self._touched: dict[int, Req] = {}  # by id(req): a reused rid never hides another's output
         self._was_idle = True
+        self.grammar = GrammarStates(tp, grammar_compiler)
         self.faults = FaultInjector(
             cfg.fault_injection_rate, cfg.random_seed, raises_here=tp.rank == tp.size - 1
         )
@@ -161,6 +165,8 @@ class Scheduler:
         """Why this request can never run here ("" when it can): refused up front, not retried."""
         if req.prompt_len == 0:
             return "empty prompt"
+        if problem := self.grammar.refusal(req):
+            return problem
         for name, ids in req.params.token_ids_named().items():
             if any(not 0 <= t < self.cfg.vocab_size for t in ids):
                 return f"{name} names a token id outside the vocabulary [0, {self.cfg.vocab_size})"
@@ -188,6 +194,9 @@ class Scheduler:
     def schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
         if not self.waiting and self.chunked is None:
             return None
+        for req, problem in self.grammar.poll(self.waiting):
+            req.refused = True
+            self.fail(req, problem)
         adder = self.make_adder()
         reqs, lens = [], []
         if self.chunked is not None:
@@ -198,7 +207,7 @@ class Scheduler:
             lens.append(n)
             self.chunked = None
         for req in self.ordered_waiting():
-            if not ready(req):
+            if not (ready(req) and self.grammar.is_ready(req)):
                 continue
             evictable = self.radix.evictable_size
             if not self.admit(req):
@@ -382,7 +391,8 @@ class Scheduler:
         if self.tp.is_first:
             picked = self.sample(reqs, logits)
             logprobs = token_logprobs(logits, [r.params for r in reqs], picked[0])
-        tokens, errors = self.tp.broadcast_pyobj(picked)
+            picked = (*picked, self.grammar.advance(reqs, *picked))
+        tokens, errors, ended = self.tp.broadcast_pyobj(picked)
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             if i in errors:
                 self.fail(req, errors[i])
@@ -390,6 +400,8 @@ class Scheduler:
             if i in logprobs:
                 req.logprobs.append(logprobs[i])
             req.append_token(int(token))
+            if i in ended and not req.finished:
+                req.finish = FinishKind.STOP  # the grammar can only end here
             self.counters.generated_tokens += 1
             self.touch(req)
             if req.finished:
@@ -398,6 +410,10 @@ class Scheduler:
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], dict[int, str]]:
         params = [r.params for r in reqs]
         steps = [len(r.token_ids) - r.prompt_len for r in reqs]
+        mask = self.grammar.mask(reqs, logits.shape[-1])
+        if mask is not None:
+            logits = logits.clone()
+            apply_bitmask(logits, mask)
         if not any(p.uses_controls for p in params):
             return self.sampler.sample_safe(logits, params, steps)
         controls = RowControls([r.sampling for r in reqs], [r.stop_ids for r in reqs])
@@ -490,6 +506,8 @@ class Scheduler:
             logprobs = req.logprobs[req.sent_len :] if req.params.logprobs is not None else None
             req.sent_len = len(req.output_ids)
             finish = req.outcome() if req.finished else None
+            if req.finished:
+                self.grammar.drop(req)
             outputs.append(
                 ReqOutput(
                     req.rid,

@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from make_tiny_checkpoint import save_generation_config
 
+from runtime.grammar import GrammarSpec
 from runtime.io_struct import Finish, FinishKind, StrOutput, TokenizedGenerateReq
 from runtime.server_args import ServerArgs
 from tokenizer_manager.api.fields import sampler_has
@@ -255,9 +256,13 @@ def test_native_sampling_names(fake: FakeManager, http: TestClient) -> None:
     body = {"text": "hi", "sampling_params": {"sampling_seed": 7, "max_new_tokens": 3}}
     assert http.post("/generate", json=body).status_code == 200
     assert fake.params[0].seed == 7
-    bad = {"text": "hi", "sampling_params": {"regex": "a+"}}
+    constrained = {"text": "hi", "sampling_params": {"regex": "a+"}}
+    assert http.post("/generate", json=constrained).status_code == 200
+    assert fake.params[1].grammar == GrammarSpec("regex", "a+")
+    bad = {"text": "hi", "sampling_params": {"custom_params": {"a": 1}}}
     resp = http.post("/generate", json=bad)
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "sampling_params.regex"
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "sampling_params.custom_params"
 
 
 def sse_events(resp: Any) -> list[dict]:

@@ -197,3 +197,12 @@ def test_without_a_parser_thinking_stays_content_and_cannot_be_dropped() -> None
     body = {"messages": ASK, "include_reasoning": False}
     resp = http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "include_reasoning"
+
+
+def test_a_constraint_with_a_reasoning_parser_is_refused_naming_it() -> None:
+    """It would bind the thinking section too: a 400 rather than a constrained thought."""
+    http = thinking_server(reasoning_parser="qwen3")
+    for field, value in (("response_format", {"type": "json_object"}), ("tool_choice", "required")):
+        body = {"messages": ASK, "tools": [WEATHER], field: value}
+        resp = http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text

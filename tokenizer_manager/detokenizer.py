@@ -207,8 +207,12 @@ def key_of(msg: ReqOutput | ReqStart) -> Key:
 
 
 def ends_on_stop_token(finish: Finish | None) -> bool:
-    """The scheduler ended the request on a stop token (EOS or stop_token_ids): its last id."""
-    return finish is not None and finish.kind == FinishKind.STOP and finish.matched is None
+    """The scheduler ended the request on a stop token (EOS or stop_token_ids, named in
+    `detail`): its last id. A grammar that ended on its own last token names none: that token
+    is output."""
+    if finish is None or finish.kind != FinishKind.STOP:
+        return False
+    return finish.matched is None and finish.detail != ""
 
 
 def is_whole(read_text: str, full_text: str) -> bool:

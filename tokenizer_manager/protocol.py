@@ -191,7 +191,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Any = None  # "none" or "auto"; "required" and a named tool are refused
+    tool_choice: Any = None  # none, auto, required or a named function (api/tool_choice.py)
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -251,7 +251,6 @@ class GenerateRequest(BaseModel):
 
 INERT = (None, False, [], {}, "")  # values that ask for nothing, for every refused field
 
-STRUCTURED = "structured outputs are not built yet"
 LOGPROBS = "only the output tokens' logprobs are built, as token strings"
 DISAGG = "disaggregated serving is not built"
 
@@ -265,18 +264,8 @@ COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((), LOGPROBS),
     "return_tokens_as_token_ids": ((), LOGPROBS),
     "return_token_ids": ((), "token ids are returned by /generate"),
-    "response_format": (({"type": "text"},), STRUCTURED),
-    "structured_outputs": ((), STRUCTURED),
-    "guided_json": ((), STRUCTURED),
-    "guided_regex": ((), STRUCTURED),
-    "guided_choice": ((), STRUCTURED),
-    "guided_grammar": ((), STRUCTURED),
-    "guided_decoding_backend": ((), STRUCTURED),
-    "guided_whitespace_pattern": ((), STRUCTURED),
-    "structural_tag": ((), STRUCTURED),
-    "regex": ((), STRUCTURED),
-    "ebnf": ((), STRUCTURED),
-    "json_schema": ((), STRUCTURED),
+    "guided_decoding_backend": (("llguidance", "auto"), "the grammar engine is llguidance"),
+    "guided_whitespace_pattern": ((), "JSON is generated in its compact form"),
     "stop_regex": ((), "stop strings are matched literally"),
     "priority": ((), "requests are served first come, first served"),
     "logits_processors": ((), "custom logits processors are not supported"),
@@ -306,7 +295,6 @@ COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     **COMMON_REFUSED,
-    "tool_choice": (("none", "auto"), "only none and auto: the others need constrained decoding"),
     "functions": ((), "functions are not supported; send tools"),
     "function_call": (("none", "auto"), "functions are not supported; send tools"),
     "echo": ((), "chat echo is not supported"),

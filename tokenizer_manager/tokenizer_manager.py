@@ -42,6 +42,7 @@ from runtime.sampling_controls import bad_words_token_ids
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget
 from runtime.transport import SharedTensor, to_frames
+from tokenizer_manager.grammar_check import GrammarCheck
 from tokenizer_manager.media_settings import checked_settings, request_spec
 from tokenizer_manager.media_types import MediaError, MediaRef, ProcessorSpec
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
@@ -164,6 +165,9 @@ class TokenizerManager:
         self._long = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenize-long")
         self._long_tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.budget.limit)
+        self.grammar = GrammarCheck(
+            args.model_path, self.config.text.vocab_size, self.config.eos_token_ids
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -180,6 +184,7 @@ class TokenizerManager:
             await self.mm.close()
         self._cpu.shutdown(wait=False, cancel_futures=True)
         self._long.shutdown(wait=False, cancel_futures=True)
+        self.grammar.close()
         self._ctx.destroy(linger=0)
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -237,6 +242,8 @@ class TokenizerManager:
         media count and budgets, media preparation, placeholder expansion, the context check."""
         ids, media = await self.prompt_ids(inp)
         params = inp.sampling(max(1, self.budget.room(len(ids))))
+        if params.grammar is not None:
+            await self.grammar.check(params.grammar)
         return await self.in_thread(self.build_request, inp.rid, ids, media, params, inp.stream)
 
     async def prompt_ids(self, inp: GenerateInput) -> tuple[list[int], list[PreparedMedia]]:

@@ -6,6 +6,8 @@ Floor 2: imports nothing from scheduler/ or tokenizer_manager/. `make_backend` p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from runtime.grammar.base import (
     KINDS,
     GrammarBackend,
@@ -30,6 +32,7 @@ __all__ = [
     "JumpForward",
     "ReasoningMatcher",
     "apply_bitmask",
+    "checkpoint_compiler",
     "fill_batch",
     "make_backend",
 ]
@@ -44,3 +47,12 @@ def make_backend(
 
         return LLGuidanceBackend(tokenizer_json, vocab_size, stop_token_ids)
     raise ValueError(f"unknown grammar engine {engine!r} (available: llguidance)")
+
+
+def checkpoint_compiler(
+    model_path: str, vocab_size: int, stop_token_ids: list[int], engine: str = "llguidance"
+) -> GrammarCompiler:
+    """A compiler for the checkpoint at `model_path` (its `tokenizer.json`), with the default
+    limits: what the front end validates with and the entry rank compiles with."""
+    tokenizer_json = (Path(model_path) / "tokenizer.json").read_text(encoding="utf-8")
+    return GrammarCompiler(make_backend(engine, tokenizer_json, vocab_size, stop_token_ids))

@@ -20,6 +20,8 @@ from tokenizer_manager.api.openai_common import (
 )
 from tokenizer_manager.api.outputs import finish_reason
 from tokenizer_manager.api.reasoning_parser import ReasoningStream, split_reasoning
+from tokenizer_manager.api.structured import OPENAI_READERS
+from tokenizer_manager.api.tool_choice import forced_tools, tool_call_grammar
 from tokenizer_manager.api.tool_parser import ParsedToolCall, ToolCallStream, parse_tool_calls
 from tokenizer_manager.protocol import (
     CHAT_REFUSED,
@@ -109,7 +111,7 @@ def check_unknown_message_fields(serving: ChatServing, req: ChatCompletionReques
 @dataclass(frozen=True)
 class ReplyShape:
     """How a reply's text is split: its thinking section (a --reasoning-parser rule, when the
-    request separates reasoning) and its tool calls (tools with tool_choice "auto")."""
+    request separates reasoning) and its tool calls (tools with any tool_choice but "none")."""
 
     reasoning: str | None = None
     include_reasoning: bool = True
@@ -121,7 +123,7 @@ def reply_shape(req: ChatCompletionRequest, rule: str | None) -> ReplyShape:
     return ReplyShape(
         reasoning=rule if req.separate_reasoning else None,
         include_reasoning=req.include_reasoning,
-        tools=bool(req.tools) and req.tool_choice in (None, "auto"),
+        tools=bool(req.tools) and req.tool_choice != "none",
         parallel=req.parallel_tool_calls is not False,
     )
 
@@ -240,6 +242,18 @@ def chat_choice(index: int, outputs: list[StrOutput], shape: ReplyShape) -> dict
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
+def add_tool_grammar(req: ChatCompletionRequest, engine: dict[str, Any]) -> None:
+    """tool_choice required or named: the reply must be tool calls (a grammar, so no other
+    structured-output constraint may come with it)."""
+    forced = forced_tools(req.tools, req.tool_choice)
+    if forced is None:
+        return
+    if "grammar" in engine:
+        message = "tool_choice required or named cannot be combined with response_format"
+        raise APIError(message, param="tool_choice")
+    engine["grammar"] = tool_call_grammar(forced, req.parallel_tool_calls is not False)
+
+
 def check_top_logprobs(req: ChatCompletionRequest) -> None:
     """top_logprobs asks for alternatives of the logprobs it needs (OpenAI's rule)."""
     if req.top_logprobs and not req.logprobs:
@@ -252,7 +266,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
 
     def to_input(self, req: ChatCompletionRequest) -> GenerateInput:
         check_model(self.tm, req.model)
-        self.ctx.unknown.check(req, CHAT_REFUSED)
+        self.ctx.unknown.check(req, CHAT_REFUSED.keys() | OPENAI_READERS.keys())
         check_unknown_message_fields(self, req)
         refuse_fields(req, CHAT_REFUSED)
         check_template_inputs(self.tm, req.tools, req.documents)
@@ -262,6 +276,8 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
             "logprobs": (req.top_logprobs or 0) if req.logprobs else None,
             "n": req.n,
         }
+        add_tool_grammar(req, engine)
+        self.check_grammar_with_reasoning(engine)
         cap = req.max_completion_tokens or req.max_tokens
         return GenerateInput(
             self.request_id(req),
@@ -275,6 +291,14 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
 
     def shape(self, req: ChatCompletionRequest) -> ReplyShape:
         return reply_shape(req, self.ctx.reasoning_parser)
+
+    def check_grammar_with_reasoning(self, engine: dict[str, Any]) -> None:
+        """A constraint would bind the thinking section too: refused until the grammar can
+        start after it."""
+        spec = engine.get("grammar")
+        if spec is not None and self.ctx.reasoning_parser is not None:
+            reason = "a constraint after the thinking section of --reasoning-parser is not built"
+            raise unsupported(spec.param or "response_format", reason)
 
     def check_reasoning(self, req: ChatCompletionRequest) -> None:
         """Without a reasoning parser the thinking stays in the content: it cannot be left out."""

@@ -17,6 +17,7 @@ from tokenizer_manager.api.openai_common import (
     stream_usage,
 )
 from tokenizer_manager.api.outputs import finish_reason
+from tokenizer_manager.api.structured import OPENAI_READERS
 from tokenizer_manager.protocol import COMPLETION_REFUSED, APIError, CompletionRequest
 from tokenizer_manager.tokenizer_manager import GenerateInput
 
@@ -94,7 +95,7 @@ class CompletionServing(OpenAIServing[CompletionRequest]):
     def to_inputs(self, req: CompletionRequest) -> tuple[str, list[GenerateInput]]:
         """One internal request per prompt; the response carries one choice per prompt."""
         check_model(self.tm, req.model)
-        self.ctx.unknown.check(req, COMPLETION_REFUSED)
+        self.ctx.unknown.check(req, COMPLETION_REFUSED.keys() | OPENAI_READERS.keys())
         refuse_fields(req, COMPLETION_REFUSED)
         engine = engine_values(req, self.ctx.defaults) | {"logprobs": req.logprobs, "n": req.n}
         prompts = prompt_list(req.prompt)

@@ -19,6 +19,7 @@ from tokenizer_manager.api.fields import (
 )
 from tokenizer_manager.api.logprobs import native_logprobs
 from tokenizer_manager.api.openai_common import ENGINE_FIELDS
+from tokenizer_manager.api.structured import NATIVE_READERS, read_constraint
 from tokenizer_manager.mm_processor import MediaRef
 from tokenizer_manager.protocol import APIError, GenerateRequest, new_id
 from tokenizer_manager.tokenizer_manager import GenerateInput
@@ -44,10 +45,6 @@ NATIVE_ENGINE = {
 }
 NATIVE_REFUSED: Refusals = {
     "n": ((1,), "only n=1 is supported"),
-    "regex": ((), "structured outputs are not built yet"),
-    "json_schema": ((), "structured outputs are not built yet"),
-    "ebnf": ((), "structured outputs are not built yet"),
-    "structural_tag": ((), "structured outputs are not built yet"),
     "custom_params": ((), "custom logits processors are not supported"),
     "stream_interval": ((1,), "every output is streamed as it comes"),
     "spaces_between_special_tokens": ((True,), "special tokens are decoded as they are"),
@@ -60,10 +57,15 @@ def native_sampling(
     """`sampling_params` as SamplingParams; a name tessera does not know is a 400.
     `logprobs`: top_logprobs_num when return_logprob is set, else None."""
     values = {RENAMED.get(k, k): v for k, v in raw.items()}
-    known = NATIVE_SAMPLING | NATIVE_ENGINE.keys() | NATIVE_REFUSED.keys()
+    known = NATIVE_SAMPLING | NATIVE_ENGINE.keys() | NATIVE_REFUSED.keys() | NATIVE_READERS.keys()
     unknown = set(values) - known
     if unknown:
         raise APIError(f"unknown sampling params {sorted(unknown)}", param="sampling_params")
+    grammar = read_constraint(values, NATIVE_READERS, "sampling_params.")
+    for name in NATIVE_READERS:
+        values.pop(name, None)
+    if grammar is not None:
+        values["grammar"] = grammar
     for name, (inert, reason) in NATIVE_REFUSED.items():
         if not asks_nothing(values.pop(name, None), inert):
             raise unsupported(f"sampling_params.{name}", reason)

@@ -10,6 +10,7 @@ from runtime.model_config import GenerationDefaults
 from runtime.sampler import SamplingParams
 from tokenizer_manager.api.base import R, Serving, checked, model_name
 from tokenizer_manager.api.fields import engine_value, sampler_has
+from tokenizer_manager.api.structured import openai_constraint
 from tokenizer_manager.api.usage import usage_json
 from tokenizer_manager.protocol import APIError, SamplingFields, new_id, now
 
@@ -89,6 +90,9 @@ def engine_values(req: SamplingFields, defaults: GenerationDefaults) -> dict[str
         value = getattr(req, name)
         if value is not None and value != inert:
             values |= engine_value(name, attribute, convert(name, value))
+    grammar = openai_constraint(req)
+    if grammar is not None:
+        values["grammar"] = grammar
     default = defaults.repetition_penalty
     if req.repetition_penalty is None and default is not None and sampler_has("repetition_penalty"):
         values["repetition_penalty"] = default

@@ -1,0 +1,23 @@
+"""scripts/bench_structured.py at smoke size: every row measured, masks timed only where
+requests are constrained (a side-by-side report: no timing is asserted)."""
+
+from __future__ import annotations
+
+import bench_structured
+import pytest
+from make_tiny_checkpoint import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("bench") / "ck")
+    argv = ["--model-path", str(folder), "--requests", "4", "--max-new-tokens", "8"]
+    return bench_structured.main(argv)
+
+
+def test_every_share_is_measured_side_by_side(results: dict) -> None:
+    for share in ("0%", "50%", "100%"):
+        assert results[share]["tokens"] > 0 and results[share]["tokens_per_s"] > 0
+    assert results["0%"]["tokens"] == 4 * 8  # unconstrained rows run to max_new_tokens
+    assert results["0%"]["mask_us_per_token"] == 0.0  # no constraint: no mask at all
+    assert results["50%"]["mask_us_per_token"] > 0 and results["100%"]["mask_us_per_token"] > 0

@@ -1,0 +1,214 @@
+"""Structured outputs in the scheduler, in-process on one rank, on a tiny random checkpoint whose
+output is noise: only the grammar mask makes it valid. Each test also checks that every grammar
+state and every KV slot is given back once the scheduler is idle."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+from grammar_cases import CHOICES, REGEXES, SCHEMAS
+from make_tiny_checkpoint import make_checkpoint
+from scheduler_harness import SchedulerHarness
+from transformers import AutoTokenizer
+
+from runtime.distributed import TPGroup
+from runtime.grammar import GrammarSpec
+from runtime.io_struct import AbortReq, FinishKind, ReqOutput, TokenizedGenerateReq
+from runtime.sampler import SamplingParams
+from runtime.server_args import ServerArgs
+from scheduler.process import build_scheduler
+from scheduler.scheduler import Scheduler
+from vision.vlm import build_model
+
+MAX_NEW = 400
+# Schemas with a number of unbounded precision: greedy noise repeats its likeliest digit for ever
+# (a correct "length" finish), so they run sampled only.
+UNBOUNDED_NUMBERS = {4, 7}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("structured") / "ck")
+
+
+@pytest.fixture(scope="module")
+def model(folder: Path):
+    return build_model(str(folder), TPGroup(), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder: Path):
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def make_scheduler(folder: Path, model, kv_tokens: int = 8000) -> Scheduler:
+    args = ServerArgs(
+        model_path=str(folder),
+        device="cpu",
+        max_total_tokens=kv_tokens,
+        max_running_requests=32,
+        max_prefill_tokens=1024,
+        chunked_prefill_size=16,
+        context_length=1024,
+    )
+    return build_scheduler(args, TPGroup(), model)
+
+
+def request(
+    rid: str, spec: GrammarSpec | None, prompt_len: int = 24, **params: object
+) -> TokenizedGenerateReq:
+    key = sum(ord(c) * 31**k for k, c in enumerate(rid))
+    prompt = [(key + j * 7) % 300 + 20 for j in range(prompt_len)]
+    values = {"temperature": 0.0, "max_new_tokens": MAX_NEW, **params}
+    return TokenizedGenerateReq(rid, prompt, SamplingParams(grammar=spec, **values))
+
+
+def run(scheduler: Scheduler, reqs: list[TokenizedGenerateReq]) -> dict[tuple[str, int], list]:
+    """(rid, choice) -> [tokens, finish], once the scheduler is idle."""
+    outputs: dict[tuple[str, int], list] = {}
+    result = scheduler.step(reqs)
+    for _ in range(5000):
+        collect(outputs, result.outputs)
+        if scheduler.idle:
+            break
+        result = scheduler.step([])
+    assert scheduler.idle
+    assert scheduler.grammar.held() == 0
+    kv = scheduler.runner.kv_pool
+    assert kv.available_size + scheduler.radix.evictable_size == kv.size
+    return outputs
+
+
+def collect(outputs: dict[tuple[str, int], list], new: list[ReqOutput]) -> None:
+    for out in new:
+        entry = outputs.setdefault((out.rid, out.index), [[], None])
+        entry[0].extend(out.new_token_ids)
+        entry[1] = out.finish_reason or entry[1]
+
+
+def text_of(tokenizer, tokens: list[int], eos: tuple[int, ...]) -> str:
+    return tokenizer.decode([t for t in tokens if t not in eos])
+
+
+def test_schemas_validate_and_stop_at_both_temperatures(folder, model, tokenizer) -> None:
+    scheduler = make_scheduler(folder, model)
+    reqs = []
+    for i, schema in enumerate(SCHEMAS):
+        spec = GrammarSpec.json_schema(schema, "response_format")
+        if i not in UNBOUNDED_NUMBERS:
+            reqs.append(request(f"s{i}-greedy", spec))
+        reqs += [request(f"s{i}-t1-{seed}", spec, temperature=1.0, seed=seed) for seed in (1, 2)]
+    outputs = run(scheduler, reqs)
+    eos = scheduler.cfg.eos_token_ids
+    for req in reqs:
+        tokens, finish = outputs[(req.rid, 0)]
+        assert finish.kind == FinishKind.STOP, (req.rid, finish)
+        schema = SCHEMAS[int(req.rid[1:].split("-")[0])]
+        jsonschema.validate(json.loads(text_of(tokenizer, tokens, eos)), schema)
+
+
+def test_regex_choice_and_n_choices_each_follow_the_grammar(folder, model, tokenizer) -> None:
+    scheduler = make_scheduler(folder, model)
+    reqs = [
+        request(f"re{i}", GrammarSpec("regex", p), temperature=1.0, seed=i, n=2)
+        for i, p in enumerate(REGEXES)
+    ]
+    reqs.append(request("choice", GrammarSpec.choice(CHOICES), temperature=1.0, seed=5, n=6))
+    outputs = run(scheduler, reqs)
+    eos = scheduler.cfg.eos_token_ids
+    for i, pattern in enumerate(REGEXES):
+        for index in range(2):
+            tokens, finish = outputs[(f"re{i}", index)]
+            assert finish.kind == FinishKind.STOP
+            assert re.fullmatch(pattern, text_of(tokenizer, tokens, eos))
+    picked = {text_of(tokenizer, outputs[("choice", k)][0], eos) for k in range(6)}
+    assert picked <= set(CHOICES)
+
+
+def test_max_tokens_first_is_length_and_unconstrained_rows_are_untouched(folder, model) -> None:
+    scheduler = make_scheduler(folder, model)
+    free = request("free", None, ignore_eos=True, max_new_tokens=30)
+    alone = run(scheduler, [free])[("free", 0)][0]
+    spec = GrammarSpec.json_schema(SCHEMAS[1])
+    outputs = run(scheduler, [request("cut", spec, max_new_tokens=3), free])
+    assert outputs[("cut", 0)][1].kind == FinishKind.LENGTH
+    assert len(outputs[("cut", 0)][0]) == 3
+    assert outputs[("free", 0)][0] == alone  # a constrained neighbour changes nothing
+
+
+DIGITS = {  # about 60 tokens long: three such requests outgrow the small pool
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+    "minItems": 30,
+    "maxItems": 30,
+}
+
+
+def test_retraction_keeps_constrained_outputs_valid_and_leaks_nothing(
+    folder, model, tokenizer
+) -> None:
+    roomy = make_scheduler(folder, model)
+    # two are admitted (8 prompt tokens and half of 100 outputs reserved each), then outgrow it
+    tight = make_scheduler(folder, model, kv_tokens=120)
+    spec = GrammarSpec.json_schema(DIGITS)
+    reqs = [
+        request(f"d{i}", spec, 8, temperature=1.0, seed=i, max_new_tokens=100) for i in range(3)
+    ]
+    expected = run(roomy, reqs)
+    outputs = run(tight, reqs)
+    assert tight.counters.retractions > 0
+    assert outputs == expected  # a retracted request's matcher resumes exactly where it was
+    for req in reqs:
+        tokens, finish = outputs[(req.rid, 0)]
+        assert finish.kind == FinishKind.STOP
+        jsonschema.validate(json.loads(text_of(tokenizer, tokens, tight.cfg.eos_token_ids)), DIGITS)
+
+
+def test_abort_and_invalid_grammar_free_their_state(folder, model) -> None:
+    scheduler = make_scheduler(folder, model)
+    spec = GrammarSpec.json_schema(SCHEMAS[0])
+    result = scheduler.step([request("a", spec, temperature=1.0, seed=1)])
+    for _ in range(3):
+        result = scheduler.step([])
+    assert scheduler.grammar.held() == 1
+    outputs: dict[tuple[str, int], list] = {}
+    collect(outputs, result.outputs)
+    collect(outputs, scheduler.step([AbortReq("a")]).outputs)
+    assert outputs[("a", 0)][1].kind == FinishKind.ABORT
+    bad = request("bad", GrammarSpec("regex", "(unclosed", "regex"))
+    finish = run(scheduler, [bad])[("bad", 0)][1]
+    assert finish.kind == FinishKind.ERROR and finish.status == 400
+    assert "regex" in finish.detail
+
+
+def test_two_ranks_take_rank_zeros_grammar_decisions(folder, tokenizer) -> None:
+    """Only rank 0 holds matchers: the other rank admits, stops and fails as it says (its
+    tokens, the compiles it reports, the grammars that ended), and both end idle and clean."""
+    args = ServerArgs(
+        model_path=str(folder),
+        tp_size=2,
+        max_total_tokens=4000,
+        chunked_prefill_size=16,
+        context_length=1024,
+    )
+    reqs = [
+        request(f"t{i}", GrammarSpec.json_schema(SCHEMAS[i]), temperature=1.0, seed=i)
+        for i in (0, 3, 6)
+    ]
+    reqs.append(request("tbad", GrammarSpec("regex", "(unclosed", "regex")))
+    reqs.append(request("tfree", None, max_new_tokens=20, ignore_eos=True))
+    with SchedulerHarness(args) as harness:
+        results = harness.generate(reqs)
+        info = harness.info()
+    for i in (0, 3, 6):
+        out = results[f"t{i}"]
+        assert out["finish"]["type"] == "stop", out
+        text = tokenizer.decode([t for t in out["tokens"] if t not in (tokenizer.eos_token_id,)])
+        jsonschema.validate(json.loads(text), SCHEMAS[i])
+    assert results["tbad"]["finish"]["status"] == 400
+    assert len(results["tfree"]["tokens"]) == 20
+    assert info.kv_free + info.kv_evictable == info.kv_total
