@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import multiprocessing as mp
 import os
 import signal
@@ -20,13 +19,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from runtime.allocator import keep_freed_memory  # noqa: E402
-from runtime.logging_utils import configure_logging, get_logger  # noqa: E402
-from runtime.server_args import ServerArgs  # noqa: E402
+from runtime.allocator import keep_freed_memory
+from runtime.logging_utils import configure_logging, get_logger
+from runtime.server_args import ServerArgs
 
 logger = get_logger("tessera.launch")
 
@@ -46,12 +41,9 @@ def ensure_tiny_checkpoint() -> str:
     """Generate the built-in tiny random Qwen2-VL checkpoint once; reuse it afterwards."""
     folder = tiny_checkpoint_dir()
     if not (folder / "model.safetensors").is_file():
-        spec = importlib.util.spec_from_file_location(
-            "make_tiny_checkpoint", ROOT / "scripts" / "make_tiny_checkpoint.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.make_checkpoint("qwen2_vl", folder)
+        from runtime.tiny_checkpoint import make_checkpoint  # torch and tokenizers: only here
+
+        make_checkpoint("qwen2_vl", folder)
         logger.info("generated the built-in tiny random Qwen2-VL checkpoint in %s", folder)
     logger.info(
         "no --model-path given: serving the built-in tiny random Qwen2-VL checkpoint "

@@ -38,7 +38,6 @@ class ForwardBatch:
     req_pool: ReqToTokenPool
     kv_pool: KVPool
     mm_inputs: list[MultimodalInputs | None] = field(default_factory=list)
-    return_all_logits: bool = False
     decode_tail: int = 0
 
     @property

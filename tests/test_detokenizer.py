@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import zmq
-from make_tiny_checkpoint import build_tokenizer, save_tokenizer
 from transformers import AutoTokenizer
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
@@ -28,6 +27,7 @@ from runtime.io_struct import (
 )
 from runtime.sampler import TokenLogprobs
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import build_tokenizer, save_tokenizer
 from tokenizer_manager import detokenizer
 from tokenizer_manager.detokenizer import (
     MAX_HELD_TOKENS,

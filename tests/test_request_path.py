@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from make_tiny_checkpoint import make_checkpoint
 from PIL import Image
 
 from runtime.io_struct import Finish, FinishKind, StrOutput, TokenizedGenerateReq
 from runtime.multimodal import Modality, item_tokens
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 from runtime.token_budget import TokenBudget
 from tokenizer_manager.http_server import create_app
 from tokenizer_manager.media import MediaLimits

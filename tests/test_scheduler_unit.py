@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from make_tiny_checkpoint import make_checkpoint
 from vlm_cases import Checkpoint, gradient_image
 
 from runtime.distributed import TPGroup
 from runtime.io_struct import TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 from scheduler import model_runner
 from scheduler.process import build_scheduler
 from scheduler.req import Req

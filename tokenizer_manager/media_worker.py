@@ -73,10 +73,6 @@ def init_worker(model_path: str) -> None:
     image_processor(model_path)
 
 
-def worker_ready() -> bool:
-    return True
-
-
 def media_digest(modality: Modality, data: bytes, spec: ProcessorSpec) -> int:
     """The item's identity: SHA-256 over the encoded bytes and every setting that shapes its
     features (the checkpoint's processor, resize bounds, frame sampling), kept to 128 bits (the

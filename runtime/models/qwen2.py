@@ -161,9 +161,7 @@ class Qwen2ForCausalLM(nn.Module):
         self, embeds: torch.Tensor, batch: ForwardBatch, deepstack: torch.Tensor | None = None
     ) -> torch.Tensor:
         hidden = self.model(embeds, batch, deepstack)
-        if not batch.return_all_logits:
-            hidden = hidden[batch.last_token_indices]
-        return self.lm_head(hidden)
+        return self.lm_head(hidden[batch.last_token_indices])
 
     STACKED = {
         "q_proj": ("qkv_proj", "q"),
