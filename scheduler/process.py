@@ -18,6 +18,7 @@ from runtime.memory_pool import kv_pool_tokens
 from runtime.multimodal import Modality
 from runtime.sampler import Sampler
 from runtime.server_args import ServerArgs
+from runtime.token_budget import context_length
 from runtime.transport import (
     Frame,
     broadcast_frames,
@@ -79,7 +80,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
     benchmarks all build schedulers here (`model`: an already loaded model, else loaded now)."""
     model = model or load_model(args, tp)
     device = str(next(model.parameters()).device)
-    context = args.context_length or model.config.text.max_position_embeddings
+    context = context_length(args, model.config)
     tokens = kv_pool_tokens(
         kv_layout(model), tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static
     )

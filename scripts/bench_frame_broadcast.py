@@ -45,7 +45,7 @@ def request(images: int, patches: int) -> TokenizedGenerateReq:
             torch.randn(patches, PATCH_DIM),
             hash=i + 1,
             offsets=[(i * 10, i * 10 + 5)],
-            model_specific_data={"image_grid_thw": torch.tensor([1, 24, patches // 24])},
+            grid_thw=(1, 24, patches // 24),
         )
         for i in range(images)
     ]

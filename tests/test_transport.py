@@ -32,8 +32,7 @@ from runtime.transport import (
 
 def request(rid: str, pixels: torch.Tensor) -> TokenizedGenerateReq:
     item = MultimodalDataItem(
-        Modality.IMAGE, pixels, hash=7, offsets=[(1, 3)],
-        model_specific_data={"image_grid_thw": torch.tensor([1, 2, 4])},
+        Modality.IMAGE, pixels, hash=7, offsets=[(1, 3)], grid_thw=(1, 2, 4)
     )  # fmt: skip
     mm = MultimodalInputs([item], torch.zeros(3, 3, dtype=torch.long))
     return TokenizedGenerateReq(rid, [1, 2, 3], SamplingParams(max_new_tokens=4), mm)
@@ -42,14 +41,14 @@ def request(rid: str, pixels: torch.Tensor) -> TokenizedGenerateReq:
 def test_tensors_go_out_of_band_and_come_back_equal() -> None:
     pixels = torch.randn(64, 1176)
     frames = to_frames(request("a", pixels))
-    assert len(frames) == 4  # the pickle, the pixels, the grid, the positions
+    assert len(frames) == 3  # the pickle, the pixels, the positions (the grid is plain ints)
     assert memoryview(frames[0]).nbytes < 4096  # the pixels are not inside the pickle
     assert memoryview(frames[1]).nbytes == pixels.numel() * 4
     pixels[0, 0] = 123.0  # frames are views of the tensor's memory: no copy was made
     back = from_frames([bytes(f) for f in frames])
     got = back.mm_inputs.items[0]
     assert got.feature[0, 0] == 123.0 and torch.equal(got.feature, pixels)
-    assert got.image_grid_thw.tolist() == [1, 2, 4] and back.rid == "a"
+    assert got.grid_thw == (1, 2, 4) and back.rid == "a"
 
 
 def test_non_contiguous_bfloat16_and_plain_messages() -> None:
@@ -139,7 +138,7 @@ def test_a_shared_tensor_travels_by_name_and_its_file_has_one_owner(tmp_path) ->
     assert handle.owned  # a received handle owns the file
     shared: list[SharedTensor] = []
     frames = to_frames(request("a", handle), shared)
-    assert shared == [handle] and len(frames) == 3  # no pixel frame: the name is in the pickle
+    assert shared == [handle] and len(frames) == 2  # the pickle and the positions: no pixel frame
     handle.hand_off()  # sent: dropping the sender's handle removes nothing
     del handle
     gc.collect()

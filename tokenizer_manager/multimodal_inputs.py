@@ -172,20 +172,14 @@ def digest_int(digest: hashlib._Hash) -> int:
     return int.from_bytes(digest.digest()[:DIGEST_BYTES], "little")
 
 
-def _grid_key(modality: Modality) -> str:
-    return "image_grid_thw" if modality == Modality.IMAGE else "video_grid_thw"
-
-
 def make_item(media: PreparedMedia, spans: list[MRopeItem]) -> MultimodalDataItem:
-    data: dict[str, object] = {_grid_key(media.modality): torch.tensor([media.grid_thw])}
-    if media.second_per_grid_t is not None:
-        data["second_per_grid_t"] = media.second_per_grid_t
     item = MultimodalDataItem(
         modality=media.modality,
         feature=media.pixel_values,
         hash=content_hash(media),
         offsets=[(span.start, span.end) for span in spans],
-        model_specific_data=data,
+        grid_thw=tuple(media.grid_thw),
+        second_per_grid_t=media.second_per_grid_t,
     )
     item.set_pad_value()
     return item

@@ -40,9 +40,9 @@ from runtime.multimodal import Modality
 from runtime.sampler import SamplingParams
 from runtime.sampling_controls import bad_words_token_ids
 from runtime.server_args import ServerArgs
-from runtime.token_budget import TokenBudget
+from runtime.token_budget import TokenBudget, context_length
 from runtime.transport import SharedTensor, to_frames
-from tokenizer_manager.media_types import MediaError, MediaRef
+from tokenizer_manager.media_types import MediaRef
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.multimodal_inputs import (
@@ -138,7 +138,7 @@ class TokenizerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.chat_template = load_chat_template(args.model_path, self.tokenizer)
         self.mm = mm
-        self.context_length = args.context_length or self.config.text.max_position_embeddings
+        self.context_length = context_length(args, self.config)
         # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
         self.budget = TokenBudget(self.context_length, kv_total or self.context_length)
         self.states: dict[str, ReqState] = {}
@@ -309,10 +309,7 @@ class TokenizerManager:
             return []
         start = time.perf_counter()
         budget = self.media_token_budget(ids, max_tokens)
-        try:
-            media = await self.mm.process(refs, budget)
-        except MediaError as e:
-            raise APIError(str(e), status=e.status, param=e.param, code=e.code) from e
+        media = await self.mm.process(refs, budget)  # a MediaError is the client's APIError
         self.metrics.stage.labels("media").observe(time.perf_counter() - start)
         return media
 
