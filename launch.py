@@ -152,7 +152,7 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     import uvicorn
 
     from runtime.cpus import usable_cpus
-    from runtime.transport import local_shm_dir
+    from runtime.transport.shm import local_shm_dir
     from tokenizer_manager.http_server import create_app
     from tokenizer_manager.media import MediaLimits
     from tokenizer_manager.mm_processor import AsyncMMDataProcessor

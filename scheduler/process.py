@@ -19,13 +19,9 @@ from runtime.multimodal import Modality
 from runtime.sampler import Sampler
 from runtime.server_args import ServerArgs
 from runtime.token_budget import context_length
-from runtime.transport import (
-    Frame,
-    broadcast_frames,
-    from_frames,
-    local_shm_dir,
-    release_loaded,
-)
+from runtime.transport.broadcast import broadcast_frames, release_loaded
+from runtime.transport.frames import Frame, from_frames
+from runtime.transport.shm import local_shm_dir
 from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner, kv_layout
 from scheduler.radix_cache import RadixCache
@@ -49,7 +45,7 @@ class SchedulerChannel:
         self.send_sock.connect(args.detokenizer_ipc)
 
     def recv_all(self, wait_ms: int) -> list[list[Frame]]:
-        """Every waiting message, each as its frames (see runtime/transport.py), not decoded."""
+        """Every waiting message, each as its frames (runtime/transport/frames.py), undecoded."""
         msgs: list[list[Frame]] = []
         if wait_ms and not self.recv_sock.poll(wait_ms):
             return msgs

@@ -20,7 +20,7 @@ from runtime.io_struct import (
     TokenizedGenerateReq,
 )
 from runtime.server_args import ServerArgs
-from runtime.transport import to_frames
+from runtime.transport.frames import to_frames
 from scheduler.process import run_scheduler_process
 
 

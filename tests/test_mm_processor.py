@@ -28,7 +28,7 @@ from waits import process_dead, wait_until_async
 
 from runtime.multimodal import Modality
 from runtime.tiny_checkpoint import make_checkpoint
-from runtime.transport import from_frames, to_frames
+from runtime.transport.frames import from_frames, to_frames
 from tokenizer_manager.media import MediaError, MediaLimits
 from tokenizer_manager.media_fetch import MediaUrlPolicy
 from tokenizer_manager.media_types import MediaRef, ProcessorSpec

@@ -1,4 +1,4 @@
-"""runtime/transport.py: messages with tensors travel as frames, tensors out of band, and the
+"""runtime/transport/: messages with tensors travel as frames, tensors out of band, and the
 entry rank's frames reach every rank unchanged."""
 
 from __future__ import annotations
@@ -13,20 +13,18 @@ import pytest
 import torch
 from dist_utils import run_on_ranks
 
-from runtime import transport
 from runtime.io_struct import AbortReq, TokenizedGenerateReq
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
 from runtime.sampler import SamplingParams
-from runtime.transport import (
+from runtime.transport import shm
+from runtime.transport.broadcast import broadcast_frames, release_loaded
+from runtime.transport.frames import from_frames, to_frames
+from runtime.transport.shm import (
     MEDIA_PREFIX,
     MapBudget,
     SharedTensor,
-    broadcast_frames,
-    from_frames,
     new_media_path,
-    release_loaded,
     sweep_media_files,
-    to_frames,
 )
 
 
@@ -213,21 +211,21 @@ def test_a_mapped_input_outlives_its_file_and_gives_its_budget_back(tmp_path) ->
     pixels = np.arange(4096, dtype=np.float32).reshape(64, 64)
     path = new_media_path(str(tmp_path))
     SharedTensor.write(pixels, path)
-    before = transport.MAPPED.mapped
+    before = shm.MAPPED.mapped
     tensor = SharedTensor(path, (64, 64), "float32", owned=False).load()
-    assert transport.MAPPED.mapped == before + pixels.nbytes  # mapped, not read
+    assert shm.MAPPED.mapped == before + pixels.nbytes  # mapped, not read
     os.remove(path)  # what rank 0 does once every rank has it
     assert torch.equal(tensor, torch.from_numpy(pixels))
     del tensor
     gc.collect()
-    assert transport.MAPPED.mapped == before
+    assert shm.MAPPED.mapped == before
 
 
 def test_past_the_mapping_budget_inputs_are_read(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     budget = MapBudget()
     budget.take(str(tmp_path / "x"), 0)  # sizes the budget from the file system
     budget._limit = 3 * 1024  # room for one 2 kB input, not two
-    monkeypatch.setattr(transport, "MAPPED", budget)
+    monkeypatch.setattr(shm, "MAPPED", budget)
     arrays = [np.full((16, 32), i, np.float32) for i in range(2)]
     paths = [new_media_path(str(tmp_path)) for _ in arrays]
     for array, path in zip(arrays, paths):
@@ -245,7 +243,7 @@ def test_past_the_mapping_budget_inputs_are_read(tmp_path, monkeypatch) -> None:
 def test_a_short_file_is_an_error_and_takes_no_budget(tmp_path) -> None:  # noqa: ANN001
     path = new_media_path(str(tmp_path))
     SharedTensor.write(np.ones(8, np.float32), path)
-    before = transport.MAPPED.mapped
+    before = shm.MAPPED.mapped
     with pytest.raises(OSError, match="shorter"):
         SharedTensor(path, (16,), "float32", owned=False).load()  # claims 64 of 32 bytes
-    assert transport.MAPPED.mapped == before
+    assert shm.MAPPED.mapped == before

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from runtime.multimodal import Modality, item_tokens
-from runtime.transport import SharedTensor
+from runtime.transport.shm import SharedTensor
 from tokenizer_manager.multimodal_inputs import PreparedMedia
 from tokenizer_manager.protocol import APIError
 from tokenizer_manager.video_processor import (

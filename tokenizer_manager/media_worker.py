@@ -23,7 +23,7 @@ import numpy as np
 from runtime.allocator import keep_freed_memory
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
-from runtime.transport import SharedTensor
+from runtime.transport.shm import SharedTensor
 from tokenizer_manager.media import MediaLimits, decode_image
 from tokenizer_manager.media_types import (
     MediaFile,

@@ -35,7 +35,7 @@ from typing import Any
 
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
-from runtime.transport import new_media_path, remove_file, sweep_media_files
+from runtime.transport.shm import new_media_path, remove_file, sweep_media_files
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
 from tokenizer_manager.media import MediaLimits, load_media_bytes, open_image
 from tokenizer_manager.media_fetch import MediaFetcher
@@ -163,7 +163,7 @@ class AsyncMMDataProcessor:
         shm_dir: str | None = None,
     ):
         self.limits = limits
-        # workers write pixels there (see runtime/transport.py: SharedTensor); None: inline
+        # workers write pixels there (see runtime/transport/shm.py: SharedTensor); None: inline
         self.shm_dir = shm_dir
         if sweep_media_files(shm_dir):
             logger.info("removed media files that stopped servers left in %s", shm_dir)

@@ -25,7 +25,7 @@ import torch
 from runtime.model_config import ModelConfig
 from runtime.mrope import MRopeItem, compute_mrope_positions_from_items, find_mrope_items
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs, item_tokens
-from runtime.transport import SharedTensor
+from runtime.transport.shm import SharedTensor
 
 PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
 PLACEHOLDER_RE = re.compile("(<\\|image_pad\\|>|<\\|video_pad\\|>)")

@@ -41,7 +41,8 @@ from runtime.sampler import SamplingParams
 from runtime.sampling_controls import bad_words_token_ids
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget, context_length
-from runtime.transport import SharedTensor, to_frames
+from runtime.transport.frames import to_frames
+from runtime.transport.shm import SharedTensor
 from tokenizer_manager.media_types import MediaRef
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor
