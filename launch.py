@@ -153,6 +153,7 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
 
     from runtime.cpus import usable_cpus
     from runtime.transport.shm import local_shm_dir
+    from tokenizer_manager.connection_limits import ConnectionLimits, uvicorn_config
     from tokenizer_manager.http_server import create_app
     from tokenizer_manager.media import MediaLimits
     from tokenizer_manager.mm_processor import AsyncMMDataProcessor
@@ -177,8 +178,13 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     loop = asyncio.get_running_loop()
     supervisor.on_fatal(lambda reason: fail_everything(loop, tm, mm, reason))
     app = create_app(tm)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2
+    config = uvicorn_config(
+        app,
+        args.host,
+        args.port,
+        ConnectionLimits.from_server_args(args),
+        log_level=args.log_level,
+        timeout_graceful_shutdown=2,
     )
     try:
         logger.info("serving on http://%s:%d", args.host, args.port)

@@ -70,6 +70,10 @@ class ServerArgs:
     disable_radix_cache: bool = _opt("turn off prefix caching", default=False)
     mm_cache_size_mb: int = _opt("encoder output cache size (0 disables)", default=256)
     max_images_per_request: int = _opt("media items per request", default=16)
+    max_content_parts: int = _opt(
+        "messages plus content parts of one chat request (400 beyond, before validation)",
+        default=2048,
+    )
     mm_max_concurrent_calls: int = _opt("concurrent media preprocessing calls", default=32)
     mm_per_request_timeout: float = _opt(
         "seconds to fetch and preprocess one request's media", default=30.0
@@ -107,6 +111,33 @@ class ServerArgs:
     )
     max_request_bytes: int = _opt(
         "largest HTTP request body in bytes (413 beyond); default 64 MiB", default=64 << 20
+    )
+    http_max_header_bytes: int = _opt(
+        "largest request line plus headers of one HTTP request, in bytes (431 beyond)",
+        default=64 << 10,
+    )
+    http_header_timeout: float = _opt(
+        "seconds from a request's first byte to the end of its headers (408 beyond)",
+        default=10.0,
+    )
+    http_body_timeout: float = _opt(
+        "seconds from a request's headers to the end of its body (408 beyond)", default=60.0
+    )
+    http_keep_alive_timeout: float = _opt(
+        "seconds an idle keep-alive connection stays open", default=5.0
+    )
+    http_max_connections: int = _opt(
+        "open HTTP connections; a connection beyond them gets 503 and is closed", default=1024
+    )
+    http_send_buffer_bytes: int = _opt(
+        "response bytes buffered per connection for a client that does not read, in the kernel "
+        "and again in the server (past them, writes wait for the client)",
+        default=256 << 10,
+    )
+    http_send_timeout: float = _opt(
+        "seconds a response may wait for a client that stopped reading; then the connection "
+        "is dropped and its request aborted",
+        default=30.0,
     )
     served_model_name: str | None = _opt("model name reported by the API")
     generation_config: str = _opt(
@@ -228,6 +259,8 @@ class ServerArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_content_parts < 1:
+            raise ValueError("--max-content-parts must be at least 1")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be at least 1")
         if not 0 <= self.fault_injection_rate <= 1:
@@ -242,6 +275,19 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be at least 16")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
+        self.check_http()
+
+    def check_http(self) -> None:
+        if self.http_max_header_bytes < 1024:
+            raise ValueError("--http-max-header-bytes must be at least 1024")
+        if self.http_max_connections < 1:
+            raise ValueError("--http-max-connections must be at least 1")
+        if self.http_send_buffer_bytes < 4096:
+            raise ValueError("--http-send-buffer-bytes must be at least 4096")
+        timeouts = ["header", "body", "keep_alive", "send"]
+        for name in timeouts:
+            if getattr(self, f"http_{name}_timeout") <= 0:
+                raise ValueError(f"--http-{name.replace('_', '-')}-timeout must be positive")
 
 
 def _private_dir(path: str | None) -> str:

@@ -6,12 +6,21 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from waits import process_dead, wait_until
 
-from tokenizer_manager.cpu_pool import CpuTimeExceeded, JobTimeout, WorkerDied, WorkerPool
+from tokenizer_manager.cpu_pool import (
+    JOB_ATTEMPTS,
+    CpuTimeExceeded,
+    JobTimeout,
+    WorkerDied,
+    WorkerPool,
+)
+
+KILL_ROUNDS = 8  # each round races a SIGKILL against the next job
 
 
 @pytest.fixture()
@@ -103,3 +112,93 @@ def test_errors_come_back_and_shutdown_ends_busy_workers() -> None:
     assert busy.done() and all(gone(pid) for pid in pids)
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(divmod, 1, 1)
+
+
+def test_a_worker_killed_while_idle_costs_no_job() -> None:
+    """SIGKILL returns before the worker is gone: a job submitted right after finds it still
+    looking alive. The job never started there, so it runs on a fresh worker instead."""
+    pool = WorkerPool(1, job_timeout=60.0)
+    try:
+        assert pool.wait_ready(60)
+        for _ in range(KILL_ROUNDS):
+            (pid,) = pool.pids()
+            os.kill(pid, signal.SIGKILL)
+            assert pool.submit(divmod, 7, 2).result(120) == (3, 1)
+            assert pool.pids() != [pid]
+    finally:
+        pool.shutdown()
+
+
+def mark_and_exit(path: str) -> None:
+    """Note one call in the file at `path`, then end this process at once."""
+    with open(path, "a") as f:
+        f.write("x")
+    os._exit(3)
+
+
+def mark_and_spin(path: str) -> None:
+    """Note one call in the file at `path`, then spin until the CPU deadline ends the process."""
+    with open(path, "a") as f:
+        f.write("x")
+    spin()
+
+
+class KillsOnLoad:
+    """An argument whose unpickling ends the process: its job can never start on any worker."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self) -> tuple[Callable[[str], None], tuple[str]]:
+        return mark_and_exit, (self.path,)
+
+
+def calls(path: Path) -> int:
+    return len(path.read_text()) if path.exists() else 0
+
+
+def test_a_job_that_kills_its_worker_while_running_fails_once(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    marks = tmp_path / "marks"
+    with pytest.raises(WorkerDied, match="while preprocessing"):
+        pool.submit(mark_and_exit, str(marks)).result(60)
+    assert calls(marks) == 1  # its own error, not retried
+    assert pool.submit(divmod, 5, 5).result(60) == (1, 0)
+
+
+def test_a_job_past_its_cpu_time_is_not_retried(tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    pool = WorkerPool(1, job_timeout=120.0, cpu_seconds=0.3)
+    try:
+        with pytest.raises(CpuTimeExceeded):
+            pool.submit(mark_and_spin, str(marks)).result(120)
+        assert calls(marks) == 1
+    finally:
+        pool.shutdown()
+
+
+def test_workers_dying_before_a_job_starts_are_retried_a_bounded_number_of_times(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    marks = tmp_path / "marks"
+    with pytest.raises(WorkerDied, match="before taking"):
+        pool.submit(len, KillsOnLoad(str(marks))).result(120)
+    assert calls(marks) == JOB_ATTEMPTS
+    assert pool.submit(divmod, 9, 4).result(60) == (2, 1)
+    assert pool.wait_ready(60) and len(pool.pids()) == 2
+
+
+class FailsOnLoad:
+    """An argument whose unpickling raises: the worker reads the job but cannot run it."""
+
+    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
+        return int, ("not a number",)
+
+
+def test_a_job_that_cannot_be_read_fails_with_its_own_error(pool: WorkerPool) -> None:
+    before = pool.pids()
+    with pytest.raises(ValueError, match="not a number"):
+        pool.submit(len, FailsOnLoad()).result(60)
+    assert pool.submit(divmod, 9, 4).result(60) == (2, 1)
+    assert pool.pids() == before  # no worker died for it

@@ -107,3 +107,10 @@ def test_api_key_file(tmp_path: Path) -> None:
     key.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         ServerArgs.from_cli(["--api-key-file", str(key), "--device", "cpu"])
+
+
+@pytest.mark.parametrize("rid", ["r" * (1 << 20), "r" * 129, "a b", "a\nb", "é", ""])
+def test_rid_has_a_length_and_character_limit(rid: str) -> None:
+    resp = client(limit=4 << 20).post("/generate", json={"text": "hi", "rid": rid})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "rid"

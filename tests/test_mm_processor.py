@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from video_reference import preprocess_video, read_frames
-from waits import process_dead, wait_until_async
+from waits import wait_until_async
 
 from runtime.multimodal import Modality
 from runtime.tiny_checkpoint import make_checkpoint
@@ -284,11 +284,11 @@ def test_pixels_stay_inline_when_the_shared_file_cannot_be_written(tmp_path: Pat
 
 
 async def survive_a_worker_crash(mm: AsyncMMDataProcessor, pid: int, ref: MediaRef) -> list[int]:
-    """A worker killed while idle (as a decord crash would leave it) is replaced before the next
-    job is sent to it: the next request does not notice."""
+    """A worker killed while idle (as a decord crash would leave it) and a request sent at once,
+    while the worker may still look alive: its job runs on a fresh worker, the request does not
+    notice."""
     await mm.warmup()
     os.kill(pid, signal.SIGKILL)
-    assert await wait_until_async(lambda: process_dead(pid))  # dead, not only signalled
     assert (await mm.process([ref]))[0].modality == IMAGE
     await mm.warmup()
     return mm.worker_pids()
@@ -548,3 +548,29 @@ def test_an_overrunning_job_fails_its_request_and_says_so(checkpoint: str, video
     assert (err.status, err.param, err.code) == (400, "video_url", "media_processing_timeout")
     assert "took longer than" in str(err)
     assert len(after) == 1 and after != before
+
+
+def test_large_data_urls_are_decoded_off_the_event_loop(checkpoint: str) -> None:
+    """Decoding base64 and reading an image header grows with the URL: only a small data: URL
+    is handled on the event loop; a megabyte-sized one goes to a thread (issue 26, item 5)."""
+    small = data_url(png_bytes(noise_image((56, 56), seed=2)), "image/png")
+    noisy = noise_image((640, 640), seed=3)
+    large = data_url(png_bytes(noisy), "image/png")
+    assert len(large) > 1 << 20  # incompressible noise: well past a megabyte of base64
+
+    async def run() -> dict[str, bool]:
+        loop_thread = threading.current_thread()
+        on_loop: dict[str, bool] = {}
+        async with AsyncMMDataProcessor(checkpoint, MediaLimits(), cpu_workers=1) as mm:
+            fetch = mm._fetch
+
+            def recording_fetch(ref: MediaRef) -> object:
+                on_loop[ref.url] = threading.current_thread() is loop_thread
+                return fetch(ref)
+
+            mm._fetch = recording_fetch
+            await mm.process([MediaRef(IMAGE, small), MediaRef(IMAGE, large)], 100_000)
+        return on_loop
+
+    on_loop = asyncio.run(run())
+    assert on_loop == {small: True, large: False}

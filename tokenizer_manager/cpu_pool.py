@@ -12,8 +12,13 @@ Here each worker process has its own pipe and its own feeder thread in the paren
   and disarms it after, so a job spinning in native code (a decoder on a hostile image) gets
   SIGPROF, whose default action ends the process; only that job fails, with `CpuTimeExceeded`,
   and the worker is replaced;
-- a worker that dies during a job fails only that job (`WorkerDied`) and is replaced; one found
-  dead while idle is replaced before the next job is sent to it.
+- a worker that dies during a job fails only that job (`WorkerDied`) and is replaced;
+- a worker that was dead before it took a job is the pool's problem, not the job's: the job runs
+  on a fresh worker instead. A worker says `STARTED` as soon as it has read a job, so the parent
+  knows which side of that line a death fell on. (No check before sending can be enough: SIGKILL
+  is delivered asynchronously, and a killed process keeps its pipe open and cannot be reaped
+  until its last thread has exited.) After `JOB_ATTEMPTS` workers in a row die before taking the
+  same job, it fails with `WorkerDied`.
 
 Jobs are plain module-level functions over picklable arguments, as with ProcessPoolExecutor.
 """
@@ -24,10 +29,11 @@ import multiprocessing
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from runtime.logging_utils import get_logger
@@ -36,6 +42,8 @@ logger = get_logger(__name__)
 
 START_TIMEOUT = 120.0  # seconds a fresh worker may take to import and run its initializer
 STOP_TIMEOUT = 5.0  # seconds a worker gets to exit before it is killed
+JOB_ATTEMPTS = 3  # workers a job may find dead before it fails
+STARTED = "started"  # a worker's word that it has read a job and runs it now
 
 
 class JobTimeout(Exception):
@@ -66,8 +74,13 @@ def _worker_main(
             job = conn.recv()
         except (EOFError, OSError):
             return
+        except Exception as exc:  # noqa: BLE001 - a job that cannot be read is that job's error
+            conn.send(STARTED)
+            _send_reply(conn, (False, exc))
+            continue
         if job is None:
             return
+        conn.send(STARTED)
         fn, fn_args = job
         cpu_deadline(cpu_seconds)
         try:
@@ -125,7 +138,9 @@ class _Worker:
         self.ready.set()
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
+        """Not reaped (waitpid) and its sentinel not yet closed by its exit."""
+        process = self.process
+        return process is not None and process.is_alive() and not wait([process.sentinel], 0)
 
     def kill(self) -> None:
         self.ready.clear()
@@ -156,16 +171,56 @@ class _Worker:
         self.kill()
 
     def run(self, job: _Job) -> None:
-        """Run one job here and settle its future; replace the process when it overran or died."""
-        if not self.alive() or self.conn.poll(0):  # died while idle: its pipe reads EOF
+        """Run one job here and settle its future; replace the process when it overran or died,
+        and retry on a fresh one when it was dead before it took the job."""
+        tries = 0
+        while tries < JOB_ATTEMPTS and not (tries and self.pool.closed):
+            tries += 1
+            if self._try(job):
+                return
+        self._give_up(job, tries)
+
+    def _try(self, job: _Job) -> bool:
+        """Hand the job to a live worker; False when the worker died before taking it."""
+        if not self.alive():
             self.kill()
             self.start()
+        deadline = time.monotonic() + self.pool.job_timeout
+        taken = self._hand_over(job, deadline)
+        if taken is False:
+            logger.warning("media worker %s died before taking a job", self.pids_text())
+            self.kill()
+            return False
+        self._settle(job, deadline if taken else None)
+        return True
+
+    def _give_up(self, job: _Job, attempts: int) -> None:
+        """Fail a job that no worker lived to take; the pool keeps its size."""
+        job.future.set_exception(
+            WorkerDied(f"media worker processes died before taking the job ({attempts} tried)")
+        )
+        if not self.pool.closed:
+            self.start()
+
+    def _hand_over(self, job: _Job, deadline: float) -> bool | None:
+        """Send the job: True once the worker has taken it, False when the worker was (or went)
+        dead before it did, None when it said nothing by the deadline."""
         try:
             self.conn.send((job.fn, job.args))
-            ready = self.conn.poll(self.pool.job_timeout)
-            ok, value = self.conn.recv() if ready else (None, None)
+            if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+                return None
+            return self.conn.recv() == STARTED
         except (EOFError, OSError):
-            ok, value = None, self._death()
+            return False
+
+    def _settle(self, job: _Job, deadline: float | None) -> None:
+        """Wait for the result of a job the worker has taken (None: it overran already)."""
+        ok, value = None, None
+        try:
+            if deadline is not None and self.conn.poll(max(0.0, deadline - time.monotonic())):
+                ok, value = self.conn.recv()
+        except (EOFError, OSError):
+            value = self._death()
         if ok is None:
             self._replace(job, value)
         elif ok:

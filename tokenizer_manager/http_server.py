@@ -82,7 +82,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(validation_error(list(exc.errors())))
 
     @app.exception_handler(Exception)
-    async def on_internal(request: Request, exc: Exception) -> JSONResponse:
+    async def on_internal(request: Request, exc: Exception) -> Response:
+        if await request.is_disconnected():  # e.g. cut off by a deadline while sending its body
+            logger.info("client gone from %s: %s", request.url.path, type(exc).__name__)
+            return Response(status_code=499)
         app.state.counters.server_errors += 1
         logger.exception("internal error on %s", request.url.path)
         return error_response(APIError(f"internal error: {type(exc).__name__}", status=500))

@@ -53,7 +53,7 @@ from tokenizer_manager.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 
 logger = get_logger(__name__)
 
-INLINE_DATA_URL_CHARS = 8 << 20  # data: URLs up to this size are decoded on the event loop
+INLINE_DATA_URL_CHARS = 256 << 10  # data: URLs this small are decoded on the event loop (~0.1 ms)
 
 
 def share_input(data: bytes, shm_dir: str | None) -> bytes | MediaFile:

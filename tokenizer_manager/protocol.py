@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from runtime.sampler import MAX_N, SEED_RANGE
 
+RID_MAX, RID_CHARS = 128, r"^[A-Za-z0-9._:-]+$"  # a client's request id: length and characters
+
 
 class APIError(Exception):
     """An error the client sees as OpenAI's {"error": {...}} JSON with an HTTP status."""
@@ -164,8 +166,10 @@ class SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool | None = None
     no_stop_trim: bool | None = None  # SGLang's name for include_stop_str_in_output
-    request_id: str | None = Field(default=None, max_length=256)  # vLLM
-    rid: str | None = Field(default=None, max_length=256)  # SGLang
+    request_id: str | None = Field(  # vLLM's name
+        default=None, min_length=1, max_length=RID_MAX, pattern=RID_CHARS
+    )
+    rid: str | None = Field(default=None, min_length=1, max_length=RID_MAX, pattern=RID_CHARS)
     user: str | None = None
 
     @field_validator("stream_options")
@@ -229,7 +233,7 @@ class GenerateRequest(BaseModel):
     image_data: str | list[str] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
-    rid: str | None = None
+    rid: str | None = Field(default=None, min_length=1, max_length=RID_MAX, pattern=RID_CHARS)
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False

@@ -59,11 +59,13 @@ from tokenizer_manager.multimodal_inputs import (
     expand_placeholder_ids,
     expand_placeholders,
 )
+from tokenizer_manager.prompt_limits import max_prompt_chars
 from tokenizer_manager.protocol import APIError
 
 logger = get_logger(__name__)
 
 T = TypeVar("T")
+LONG_PROMPT_CHARS = 16_384  # prompts longer than this are tokenized in a lane of their own
 
 
 def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
@@ -155,6 +157,12 @@ class TokenizerManager:
         # One thread for a request's CPU work (chat template, tokenizing, hashing): off the
         # event loop, and one at a time, since a fast tokenizer is not safe to share.
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenize")
+        # Long prompts take a second thread with a tokenizer of its own (tokenizing releases
+        # the GIL), so short prompts never wait behind one; a prompt that cannot fit the
+        # context by its length alone is refused before either.
+        self._long = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenize-long")
+        self._long_tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.budget.limit)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -170,6 +178,7 @@ class TokenizerManager:
         if self.mm is not None:
             await self.mm.close()
         self._cpu.shutdown(wait=False, cancel_futures=True)
+        self._long.shutdown(wait=False, cancel_futures=True)
         self._ctx.destroy(linger=0)
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -236,7 +245,7 @@ class TokenizerManager:
         self.check_media_count(refs)
         if prompt is None:
             return self.checked_ids(inp.input_ids or []), []
-        ids = await self.in_thread(self.encode, prompt)
+        ids = await self.encode_prompt(prompt)
         media = await self.prepare_media(refs, ids, inp.max_tokens)
         return await self.expand_ids(prompt, ids, media), media
 
@@ -295,6 +304,8 @@ class TokenizerManager:
             raise APIError("this server has no media processor", status=500)
 
     def checked_ids(self, ids: list[int]) -> list[int]:
+        if len(ids) >= self.budget.limit:  # before walking them on the event loop
+            raise self.too_long(f"{len(ids)} prompt tokens")
         vocab = self.config.text.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise APIError(f"token ids must be in [0, {vocab})", param="prompt")
@@ -324,6 +335,27 @@ class TokenizerManager:
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt)["input_ids"]
+
+    async def encode_prompt(self, prompt: str) -> list[int]:
+        """Tokenize off the event loop: refused by its length when it cannot fit; a long
+        prompt in its own lane."""
+        if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+            raise self.too_long(f"a prompt of {len(prompt)} characters")
+        if len(prompt) <= LONG_PROMPT_CHARS:
+            return await self.in_thread(self.encode, prompt)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._long, self.encode_long, prompt)
+
+    def encode_long(self, prompt: str) -> list[int]:
+        return self._long_tokenizer(prompt)["input_ids"]
+
+    def too_long(self, what: str) -> APIError:
+        return APIError(
+            f"{what} cannot fit the {self.budget.limit} tokens one request may hold (context "
+            f"length {self.context_length}, KV pool {self.budget.kv_tokens})",
+            param="messages",
+            code="context_length_exceeded",
+        )
 
     async def expand_ids(
         self, prompt: str, ids: list[int], media: list[PreparedMedia]
@@ -377,7 +409,7 @@ class TokenizerManager:
         a client that reuses an id after its request ended never meets that request's leftovers
         in the scheduler or the detokenizer."""
         self.check_admission(req.rid)
-        if not self.states:
+        if not self.running():
             self.last_progress = time.monotonic()
         rid = f"{req.rid}-{next(self._serial)}"
         timeline = RequestTimeline(self.metrics, arrival or time.perf_counter())
@@ -423,9 +455,16 @@ class TokenizerManager:
             )
 
     def stalled(self) -> bool:
-        """Requests are in flight and nothing came back for --health-stall-timeout seconds."""
+        """Requests are running and nothing came back for --health-stall-timeout seconds. A
+        finished request whose client has not taken its output yet is not running: a stalled
+        client is not a stalled server."""
         quiet = time.monotonic() - self.last_progress
-        return bool(self.states) and quiet > self.args.health_stall_timeout
+        if quiet <= self.args.health_stall_timeout:
+            return False
+        return self.running()
+
+    def running(self) -> bool:
+        return any(not state.finished for state in self.states.values())
 
     async def _ask(self, msg: object, reply: type, timeout: float = 30.0) -> Any:
         async with self._reply_lock:

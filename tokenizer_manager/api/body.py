@@ -4,6 +4,7 @@ naming the field)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
@@ -11,18 +12,26 @@ import orjson
 from fastapi import Request
 from pydantic import ValidationError
 
+from tokenizer_manager.api.limits import check_content_parts
 from tokenizer_manager.protocol import APIError
 
-JSON_IN_THREAD = 4 << 20  # bodies larger than this (over ~5 ms to parse) leave the event loop
+DECODE_IN_THREAD = 64 << 10  # bodies larger than this are parsed and validated off the loop
 
 
 async def parse_body(request: Request, model: type) -> Any:
     request.state.arrival = time.perf_counter()  # latencies in /metrics count from here
-    body = await read_body(request, request.app.state.tm.args.max_request_bytes)
-    large = len(body) > JSON_IN_THREAD
-    data = await asyncio.to_thread(load_json, body) if large else load_json(body)
+    args = request.app.state.tm.args
+    body = await read_body(request, args.max_request_bytes)
+    decode = functools.partial(decode_body, body, model, args.max_content_parts)
+    return await asyncio.to_thread(decode) if len(body) > DECODE_IN_THREAD else decode()
+
+
+def decode_body(body: bytes, model: type, max_parts: int) -> Any:
+    """JSON, the request's shape, then the request model: all proportional to the body."""
+    data = load_json(body)
     if not isinstance(data, dict):
         raise APIError("request body must be a JSON object", code="invalid_json")
+    check_content_parts(data, max_parts)
     try:
         return model.model_validate(data)
     except ValidationError as e:
