@@ -18,10 +18,14 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runtime.allocator import keep_freed_memory
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from runtime.io_struct import ReadyReport  # unpickled from the children's pipes
 
 logger = get_logger("tessera.launch")
 
@@ -60,7 +64,7 @@ class Supervisor:
         self.args = args
         self.ctx = mp.get_context("spawn")
         self.children: list[tuple[str, mp.Process, Connection]] = []
-        self.ready_info: dict[str, dict] = {}
+        self.ready_info: dict[str, ReadyReport] = {}
         self._fatal_hooks: list[Callable[[str], None]] = []
         self._stopping = False
 
@@ -92,10 +96,10 @@ class Supervisor:
                     raise RuntimeError(f"{name} exited with code {proc.exitcode} while starting")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} did not report ready in {self.args.ready_timeout}s")
-            msg = reader.recv()
-            if msg.get("status") != "ready":
-                raise RuntimeError(f"{name} failed to start:\n{msg.get('error')}")
-            self.ready_info[name] = msg
+            report: ReadyReport = reader.recv()
+            if not report.ready:
+                raise RuntimeError(f"{name} failed to start:\n{report.error}")
+            self.ready_info[name] = report
         logger.info("all %d child processes are ready", len(self.children))
 
     def watch(self) -> None:
@@ -172,7 +176,8 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
         shm_dir=local_shm_dir(args.nnodes),
     )
     await mm.warmup()
-    kv_total = supervisor.ready_info.get("scheduler-TP0", {}).get("kv_total")
+    first_rank = supervisor.ready_info.get("scheduler-TP0")
+    kv_total = first_rank.kv_total if first_rank else None
     tm = TokenizerManager(args, mm, kv_total=kv_total)
     await tm.start()
     loop = asyncio.get_running_loop()

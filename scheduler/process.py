@@ -12,7 +12,13 @@ from torch import nn
 from runtime.allocator import keep_freed_memory
 from runtime.cpus import threads_per_rank
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
-from runtime.io_struct import BatchTokenOut, ShutdownReq
+from runtime.io_struct import (
+    BatchTokenOut,
+    RankBroadcast,
+    ReadyReport,
+    SchedulerRequest,
+    ShutdownReq,
+)
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.memory_pool import kv_pool_tokens
 from runtime.multimodal import Modality
@@ -132,16 +138,27 @@ def serve(
             frames = channel.recv_all(IDLE_POLL_MS if scheduler.idle else 0)
         frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size, shm_dir)
         loaded: list[str] = []
-        msgs = [from_frames(f, loaded) for f in frames]
+        msgs: list[RankBroadcast] = [from_frames(f, loaded) for f in frames]
         release_loaded(loaded, tp.rank, tp.cpu_group, tp.size)
-        if any(isinstance(m, ShutdownReq) for m in msgs):
+        requests = scheduler_requests(msgs)
+        if requests is None:
             return
-        result = step_or_die(scheduler, tp, msgs)
+        result = step_or_die(scheduler, tp, requests)
         if channel is not None:
             channel.send(result)
 
 
-def step_or_die(scheduler: Scheduler, tp: TPGroup, msgs: list[object]) -> StepResult:
+def scheduler_requests(msgs: list[RankBroadcast]) -> list[SchedulerRequest] | None:
+    """The step's messages for the scheduler, or None when one of them is a ShutdownReq (every
+    rank leaves its loop: they all received the same messages)."""
+    if any(isinstance(m, ShutdownReq) for m in msgs):
+        return None
+    return msgs
+
+
+def step_or_die(
+    scheduler: Scheduler, tp: TPGroup, msgs: list[SchedulerRequest]
+) -> StepResult:
     """A fault the scheduler could not pin on a request (a collective, the device, a bug) ends
     this rank; the supervisor then fails every client and stops the server."""
     try:
@@ -172,15 +189,15 @@ def run_scheduler_process(
         scheduler = build_scheduler(args, tp)
         channel = SchedulerChannel(args) if tp.is_first else None
         ready.send(
-            {
-                "status": "ready",
-                "rank": tp_rank,
-                "kv_total": scheduler.runner.kv_pool.size,
-                "context_length": scheduler.cfg.context_length,
-            }
+            ReadyReport(
+                "ready",
+                rank=tp_rank,
+                kv_total=scheduler.runner.kv_pool.size,
+                context_length=scheduler.cfg.context_length,
+            )
         )
     except Exception:
-        ready.send({"status": "error", "rank": tp_rank, "error": traceback.format_exc()})
+        ready.send(ReadyReport.failed(traceback.format_exc(), rank=tp_rank))
         raise
     try:
         with torch.inference_mode():

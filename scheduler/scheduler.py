@@ -33,8 +33,10 @@ from runtime.io_struct import (
     ReqOutput,
     ReqStart,
     SchedulerCounters,
+    SchedulerRequest,
     ServerInfo,
     TokenizedGenerateReq,
+    UnknownMessage,
 )
 from runtime.logging_utils import get_logger
 from runtime.sampler import RowControls, Sampler, SamplingParams, token_logprobs
@@ -98,7 +100,7 @@ class Scheduler:
         )
 
     # ------------------------------------------------------------------ the loop body
-    def step(self, messages: list[object]) -> StepResult:
+    def step(self, messages: list[SchedulerRequest]) -> StepResult:
         result = StepResult()
         for msg in messages:
             self.handle(msg, result)
@@ -119,17 +121,18 @@ class Scheduler:
         return not self.waiting and not self.running and self.chunked is None
 
     # ------------------------------------------------------------------ messages
-    def handle(self, msg: object, result: StepResult) -> None:
-        if isinstance(msg, TokenizedGenerateReq):
-            self.add_request(msg)
-        elif isinstance(msg, AbortReq):
-            self.abort(msg.rid, msg.index)
-        elif isinstance(msg, FlushCacheReq):
-            result.replies.append(self.flush_cache())
-        elif isinstance(msg, GetServerInfoReq):
-            result.replies.append(self.server_info())
-        else:
-            logger.warning("scheduler ignores unknown message %r", type(msg).__name__)
+    def handle(self, msg: SchedulerRequest, result: StepResult) -> None:
+        match msg:
+            case TokenizedGenerateReq():
+                self.add_request(msg)
+            case AbortReq(rid=rid, index=index):
+                self.abort(rid, index)
+            case FlushCacheReq():
+                result.replies.append(self.flush_cache())
+            case GetServerInfoReq():
+                result.replies.append(self.server_info())
+            case _:
+                raise UnknownMessage(msg, "tokenizer -> scheduler")
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         """Admit a request: with n > 1, its n choices, the first of which prefills the prompt

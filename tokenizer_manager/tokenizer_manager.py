@@ -31,8 +31,12 @@ from runtime.io_struct import (
     FlushCacheReq,
     GetServerInfoReq,
     ServerInfo,
+    ShutdownReq,
     StrOutput,
     TokenizedGenerateReq,
+    ToScheduler,
+    ToTokenizer,
+    UnknownMessage,
 )
 from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
@@ -194,11 +198,20 @@ class TokenizerManager:
             except Exception:  # noqa: BLE001 - one bad message must not stop routing
                 logger.exception("failed to route %s", type(msg).__name__)
 
-    def _dispatch(self, msg: object) -> None:
-        if isinstance(msg, BatchStrOut):
-            for out in msg.outputs:
-                self._route(out)
-            return
+    def _dispatch(self, msg: ToTokenizer) -> None:
+        match msg:
+            case BatchStrOut(outputs=outputs):
+                for out in outputs:
+                    self._route(out)
+            case FlushCacheOut() | ServerInfo():
+                self._reply(msg)
+            case ShutdownReq():
+                logger.info("the detokenizer has shut down")
+            case _:
+                raise UnknownMessage(msg, "detokenizer -> tokenizer")
+
+    def _reply(self, msg: FlushCacheOut | ServerInfo) -> None:
+        """The answer to the control request waiting for this type (see `_ask`)."""
         future = self._replies.pop(type(msg), None)
         if future is not None and not future.done():
             future.set_result(msg)
@@ -224,7 +237,7 @@ class TokenizerManager:
                 state.end(index)
                 state.queue.put_nowait(StrOutput(rid, "", [], 0, 0, 0, finish, index=index))
 
-    def _send(self, msg: object) -> None:
+    def _send(self, msg: ToScheduler) -> None:
         shared: list[SharedTensor] = []
         self._to_scheduler.send_multipart(to_frames(msg, shared), copy=False)
         for handle in shared:  # the scheduler ranks own these files now
@@ -466,7 +479,7 @@ class TokenizerManager:
     def running(self) -> bool:
         return any(not state.finished for state in self.states.values())
 
-    async def _ask(self, msg: object, reply: type, timeout: float = 30.0) -> Any:
+    async def _ask(self, msg: ToScheduler, reply: type, timeout: float = 30.0) -> Any:
         async with self._reply_lock:
             future = asyncio.get_running_loop().create_future()
             self._replies[reply] = future
