@@ -174,6 +174,7 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
         fetches_per_request=args.mm_max_fetches_per_request,
         max_inflight_bytes=args.mm_max_inflight_mb << 20,
         shm_dir=local_shm_dir(args.nnodes),
+        cache_bytes=int(args.mm_processor_cache_gb * (1 << 30)),
     )
     await mm.warmup()
     first_rank = supervisor.ready_info.get("scheduler-TP0")

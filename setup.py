@@ -38,6 +38,7 @@ setup(
         "httpcore>=1.0",
         "prometheus_client>=0.20",
         "llguidance>=1.0",  # the grammar engine for structured outputs (runtime/grammar/)
+        "xxhash>=3.4",  # the 128-bit media digest (XXH3)
     ],
     extras_require={
         # what only the tests and the benchmarks under scripts/ import

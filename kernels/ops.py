@@ -42,7 +42,7 @@ def get_kernel_ops(name: str) -> KernelOps:
     """The kernel set for an attention-backend name (as `--attention-backend`)."""
     if name in ("torch", "auto"):
         return TORCH_OPS
-    if name == "triton":
+    if name in ("triton", "flashinfer"):  # FlashInfer's decoder attention, Triton's others
         from kernels.triton import norm as triton_norm
         from kernels.triton import rotary as triton_rotary
         from kernels.triton.varlen_attention import varlen_attention as triton_varlen

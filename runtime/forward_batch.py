@@ -11,6 +11,20 @@ from runtime.memory_pool import KVPool, ReqToTokenPool
 from runtime.multimodal import MultimodalInputs
 
 
+@dataclass(frozen=True)
+class DecodeTables:
+    """A decode step's per-request metadata as device tensors of a fixed shape, for a step that
+    must not read the host (a replayed CUDA graph: runtime/decode_graphs.py). When a batch
+    carries them, backends read these and not the batch's host lists.
+
+    req_pool_indices / seq_lens: [batch] int64 (a padded row: the padding row, length 1);
+    width: how many request-table columns every gather covers (fixed for the graph)."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    width: int
+
+
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill of a chunk of new tokens over a (possibly empty) cached prefix
     DECODE = "decode"  # one new token per request
@@ -23,6 +37,8 @@ class ForwardBatch:
     positions: [3, tokens] MRoPE positions. out_cache_loc: the KV slot of every new token.
     prefix_lens / extend_lens / seq_lens are per request; seq_len = prefix_len + extend_len.
     mm_inputs[i] is request i's multimodal inputs (None for text-only requests).
+    decode_tables: set for a static decode (see DecodeTables); its host lists are then only
+    placeholders of the right length.
     A mixed step is an EXTEND whose last `decode_tail` requests are decodes riding along: one
     new token each over their cached tokens (an extend of length 1 with a prefix), which a
     backend may batch as it batches a decode.
@@ -39,6 +55,7 @@ class ForwardBatch:
     kv_pool: KVPool
     mm_inputs: list[MultimodalInputs | None] = field(default_factory=list)
     decode_tail: int = 0
+    decode_tables: DecodeTables | None = None
 
     @property
     def extend_count(self) -> int:

@@ -16,18 +16,30 @@ from dataclasses import dataclass
 import torch
 
 from runtime.distributed import TPGroup
+from runtime.logging_utils import get_logger, log_rank0
+from runtime.memory_plan import MemoryNeeds, plan_memory
+
+logger = get_logger(__name__)
 
 CPU_DEFAULT_KV_TOKENS = 16384  # KV slots on CPU when --max-total-tokens is not given
 
 
 class ReqToTokenPool:
-    """Row r lists, in order, the KV slots that hold request r's tokens."""
+    """Row r lists, in order, the KV slots that hold request r's tokens.
+
+    One more row than `size`, `padding_row`, is never handed out and stays all zeros (KV slot
+    0, the padding slot): the rows that pad a static decode batch point there."""
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu"):
         self.size = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        shape = (size + 1, max_context_len)
+        self.req_to_token = torch.zeros(shape, dtype=torch.int64, device=device)
         self._free: list[int] = list(range(size))
+
+    @property
+    def padding_row(self) -> int:
+        return self.size
 
     @property
     def available_size(self) -> int:
@@ -86,17 +98,24 @@ class KVLayout:
 
 
 def kv_pool_tokens(
-    layout: KVLayout, tp: TPGroup, fixed: int | None, use_cuda: bool, mem_fraction: float
+    layout: KVLayout,
+    tp: TPGroup,
+    fixed: int | None,
+    use_cuda: bool,
+    mem_fraction: float,
+    needs: MemoryNeeds | None = None,
 ) -> int:
-    """`fixed` tokens if given, else a CPU default, else what GPU memory holds after the weights
-    at `mem_fraction` of the device (the minimum over ranks, so every rank has the same pool)."""
+    """`fixed` tokens if given, else a CPU default, else what the device's memory plan leaves
+    for KV (runtime/memory_plan.py: after the weights, the encoder cache and the headroom for
+    activations and communication), the minimum over ranks so every rank has the same pool."""
     if fixed:
         return fixed
     if not use_cuda:
         return CPU_DEFAULT_KV_TOKENS
     free, total = torch.cuda.mem_get_info()
-    budget = total * mem_fraction - (total - free)
-    tokens = torch.tensor([int(budget // layout.bytes_per_token)])
+    plan = plan_memory(total, free, needs or MemoryNeeds(0, 0, 0, 0), mem_fraction)
+    log_rank0(logger, tp.rank, "memory plan: %s", plan.describe())
+    tokens = torch.tensor([plan.kv_tokens(layout.bytes_per_token)])
     return int(tp.all_reduce_cpu(tokens, op="min").item())
 
 

@@ -17,6 +17,8 @@ from runtime.logging_utils import get_logger
 
 logger = get_logger(__name__)
 
+MAX_DEFAULT_GRAPH_BS = 256  # captured decode sizes by default: up to this many requests
+
 
 def _opt(help: str, **kw) -> dataclasses.Field:  # noqa: A002 - mirrors argparse
     return field(default=kw.pop("default", None), metadata={"help": help, **kw})
@@ -50,16 +52,31 @@ class ServerArgs:
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     attention_backend: str = _opt(
-        "kernels: torch, or triton for attention, RMSNorm, rotary and vision attention "
+        "kernels: torch, or triton for attention, RMSNorm, rotary and vision attention, or "
+        "flashinfer (CUDA only) for the decoder's attention with triton for the rest "
         "(auto: triton on CUDA, torch on CPU)",
         default="auto",
-        choices=["auto", "torch", "triton"],
+        choices=["auto", "torch", "triton", "flashinfer"],
+    )
+    cuda_graph_max_bs: int | None = _opt(
+        "largest decode batch replayed as a CUDA graph (padded to 1, 2, 4, 8, 16, 24, ...); "
+        "larger batches run eagerly (default: --max-running-requests, at most 256)",
+        type=int,
+    )
+    disable_cuda_graph: bool = _opt(
+        "run every decode step eagerly (CUDA graphs are on by default on CUDA, off on CPU)",
+        default=False,
     )
     chunked_prefill_size: int = _opt("max prompt tokens of one request per step", default=2048)
     max_prefill_tokens: int = _opt("max prompt tokens of one prefill batch", default=8192)
     max_running_requests: int = _opt("max requests decoding at once", default=64)
     max_total_tokens: int | None = _opt("KV pool size in tokens (default: from memory)", type=int)
-    mem_fraction_static: float = _opt("GPU memory share for weights + KV", default=0.85)
+    mem_fraction_static: float = _opt(
+        "GPU memory share for the weights, the encoder cache and the KV pool; the rest (or "
+        "more, when the estimated activation peak needs it) stays free for activations, CUDA "
+        "graphs and NCCL (docs/gpu.md)",
+        default=0.85,
+    )
     context_length: int | None = _opt("max prompt + output tokens per request", type=int)
     enable_mixed_chunk: bool = _opt(
         "mixed steps: the running decodes join each prefill step's forward as one-token "
@@ -80,6 +97,11 @@ class ServerArgs:
     )
     mm_max_fetches_per_request: int = _opt(
         "media URLs of one request fetched at once (of 16 fetch threads)", default=4
+    )
+    mm_processor_cache_gb: float = _opt(
+        "processed media kept in the front end by digest, in GiB (at most a quarter of "
+        "/dev/shm), so a resent image skips decoding; 0 disables",
+        default=1.0,
     )
     mm_max_inflight_mb: int = _opt(
         "decoded media bytes in flight across all requests, in MiB (beyond: wait, then 503)",
@@ -182,6 +204,14 @@ class ServerArgs:
     def use_cuda(self) -> bool:
         return self.device == "cuda"
 
+    @property
+    def decode_graph_bs(self) -> int:
+        """The largest decode batch replayed as a CUDA graph; 0: none (CPU, turned off, or the
+        FlashInfer backend, which plans each step on the host)."""
+        if self.disable_cuda_graph or not self.use_cuda or self.attention_backend == "flashinfer":
+            return 0
+        return self.cuda_graph_max_bs or min(self.max_running_requests, MAX_DEFAULT_GRAPH_BS)
+
     def ipc_name(self, what: str) -> str:
         return f"ipc://{os.path.join(self.ipc_dir or tempfile.gettempdir(), f'tessera-{what}')}"
 
@@ -222,6 +252,8 @@ class ServerArgs:
         backend = self.attention_backend
         if backend == "auto":
             backend = "torch" if device == "cpu" else _best_gpu_backend()
+        if backend == "flashinfer":
+            _check_flashinfer(device)
         ipc_dir = _private_dir(self.ipc_dir)
         out = dataclasses.replace(
             self,
@@ -267,12 +299,18 @@ class ServerArgs:
             raise ValueError("--fault-injection-rate must be in [0, 1]")
         if self.mm_cache_size_mb < 0:
             raise ValueError("--mm-cache-size-mb must be 0 (off) or positive")
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError("--mm-processor-cache-gb must be 0 (off) or positive")
         if self.mm_encoder_mode not in ("tp", "dp", "auto"):
             raise ValueError(f"--mm-encoder-mode {self.mm_encoder_mode!r}: tp, dp or auto")
         if self.mm_encoder_costs is not None and self.mm_encoder_mode != "auto":
             raise ValueError("--mm-encoder-costs applies only to --mm-encoder-mode auto")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be at least 16")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError("--mem-fraction-static must be between 0 and 1")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs must be at least 1 (--disable-cuda-graph: none)")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
         self.check_http()
@@ -327,6 +365,14 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _check_flashinfer(device: str) -> None:
+    from kernels.attention.flashinfer_backend import flashinfer_problem  # imports no flashinfer
+
+    problem = flashinfer_problem(device)
+    if problem:
+        raise ValueError(problem)
+
+
 def _best_gpu_backend() -> str:
-    # The FlashInfer backend is not built yet, so CUDA machines get the Triton kernels.
+    # The Triton kernels until the FlashInfer backend has been measured on a GPU (docs/gpu.md).
     return "triton"

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from runtime.decode_graphs import DecodeGraphRunner
 from runtime.forward_batch import ForwardBatch, ForwardMode, HostStager
 from runtime.memory_pool import KVLayout, ReqToTokenPool
 from runtime.multimodal import ItemEncoder
@@ -38,6 +39,8 @@ def kv_layout(model: nn.Module) -> KVLayout:
 
 
 class ModelRunner:
+    graphs: DecodeGraphRunner | None = None  # static decodes (see __init__); None: never
+
     def __init__(
         self,
         model: nn.Module,
@@ -47,9 +50,12 @@ class ModelRunner:
         max_context_len: int,
         device: str = "cpu",
         item_encoder: ItemEncoder | None = None,
+        cuda_graph_max_bs: int = 0,
     ):
         """`item_encoder` encodes the media a prefill needs (default: the model's own
-        `encode_items`; the scheduler gives its encoder cache in front of it)."""
+        `encode_items`; the scheduler gives its encoder cache in front of it).
+        `cuda_graph_max_bs`: decodes of up to this many requests run over static buffers
+        (runtime/decode_graphs.py), as CUDA graphs on CUDA, eagerly elsewhere; 0: never."""
         self.model = model
         self.device = device
         self.item_encoder = item_encoder or model.encode_items
@@ -61,6 +67,10 @@ class ModelRunner:
         self.macs_per_token = sum(p.numel() for p in model.language_model.parameters())
         heads = model.language_model.model.layers[0].self_attn.layer.num_heads
         self.macs_per_context = 2 * layout.num_layers * heads * layout.head_dim
+        if cuda_graph_max_bs:
+            self.graphs = DecodeGraphRunner(
+                model, self.req_pool, self.kv_pool, cuda_graph_max_bs, device.startswith("cuda")
+            )
 
     @functools.cached_property
     def stager(self) -> HostStager:
@@ -121,6 +131,25 @@ class ModelRunner:
         slots = self._alloc(sum(lens))
         tail = len(seqs) if mode is ForwardMode.DECODE else decode_tail
         ids, positions, rows, cols = step_inputs(seqs, lens, tail)
+        if mode is ForwardMode.DECODE and self.graphs and self.graphs.fits(len(seqs)):
+            logits = self.graphs.decode(self.stager, (ids, positions, slots, rows, cols))
+        else:
+            host = (ids, positions, slots, rows, cols)
+            logits = self._forward(mode, seqs, lens, decode_tail, host)
+        for seq, n in zip(seqs, lens):
+            seq.kv_len += n
+        return logits
+
+    def _forward(
+        self,
+        mode: ForwardMode,
+        seqs: list[Req],
+        lens: list[int],
+        decode_tail: int,
+        host: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
+        """The dynamic path: a ForwardBatch shaped to this step, its host lists included."""
+        ids, positions, slots, rows, cols = host
         input_ids, device_positions, out_cache_loc, row_t, col_t = self.stager.stage(
             [ids, positions, slots, rows, cols]
         )  # one host-to-device copy for the step's inputs and its request-table entries
@@ -138,10 +167,7 @@ class ModelRunner:
             mm_inputs=[s.mm for s in seqs],
             decode_tail=decode_tail,
         )
-        logits = self.model(batch, self.item_encoder)
-        for seq, n in zip(seqs, lens):
-            seq.kv_len += n
-        return logits
+        return self.model(batch, self.item_encoder)
 
 
 def step_inputs(

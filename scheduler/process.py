@@ -20,6 +20,7 @@ from runtime.io_struct import (
     ShutdownReq,
 )
 from runtime.logging_utils import configure_logging, get_logger
+from runtime.memory_plan import memory_needs
 from runtime.memory_pool import kv_pool_tokens
 from runtime.multimodal import Modality
 from runtime.sampler import Sampler
@@ -83,8 +84,11 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
     model = model or load_model(args, tp)
     device = str(next(model.parameters()).device)
     context = context_length(args, model.config)
+    layout = kv_layout(model)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    needs = memory_needs(model.config, weights, layout.dtype.itemsize, args)
     tokens = kv_pool_tokens(
-        kv_layout(model), tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static
+        layout, tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static, needs
     )
     encoder_cache = EncoderCache(args.mm_cache_size_mb * 2**20)
     runner = ModelRunner(
@@ -94,6 +98,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         max_context_len=context + 1,
         device=device,
         item_encoder=encoder_cache.wrap(model.encode_items, tp),
+        cuda_graph_max_bs=args.decode_graph_bs,
     )
     cfg = SchedulerConfig(
         max_running_requests=args.max_running_requests,

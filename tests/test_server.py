@@ -32,6 +32,7 @@ from tokenizer_manager.media_worker import process_video_bytes
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 8
 QUESTION = "What is in the picture?"
+RESENT_IMAGES = (gradient_image((56, 84)), noise_image((84, 56), seed=7))  # sent only by one test
 
 
 def png_url(image: Image.Image) -> str:
@@ -91,11 +92,33 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def serve_then_check_teardown(srv: Server) -> Iterator[Server]:
-    """A server fixture's body: serve, then SIGTERM must end every process of the server."""
+    """A server fixture's body: serve, then SIGTERM must end every process of the server and
+    leave none of their shared-memory media files behind."""
     yield srv
+    pids = group_pids(srv.proc.pid)
     srv.stop()
     assert srv.proc.returncode is not None
     assert wait_until(lambda: not srv.group_alive()), "SIGTERM left a process of the server behind"
+    assert [name for pid in pids for name in shm_media_files(pid)] == []
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of a process group (from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def shm_media_files(pid: int) -> list[str]:
+    """The media files in /dev/shm that process `pid` created."""
+    prefix = f"tessera-media-{pid}-"
+    return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
 
 
 def chat_oracle(folder: str, frame_size: tuple[int, int], new_tokens: int) -> dict:
@@ -108,6 +131,7 @@ def chat_oracle(folder: str, frame_size: tuple[int, int], new_tokens: int) -> di
     cases = {
         "one_image": ckpt.case("one_image", [noise_image(), QUESTION]),
         "two_images": ckpt.case("two_images", [gradient_image(), noise_image(), "Compare."]),
+        "resent": ckpt.case("resent", [*RESENT_IMAGES, "Compare."]),
         "video": ckpt.case("video", [prepared, "What happens?"]),
     }
     model = load_hf(Path(folder))
@@ -163,6 +187,41 @@ def test_chat_two_images_equals_hf(server: Server, oracle: dict) -> None:
         {"type": "text", "text": "Compare."},
     ]
     assert chat(server, content).choices[0].message.content == oracle["text"]["two_images"]
+
+
+def test_a_resent_conversation_is_served_from_the_processed_cache(
+    server: Server, oracle: dict
+) -> None:
+    """A client resends the conversation's images: the second request takes them from the
+    processed-item cache (no media worker) and answers as HF does; the cache's pixels are the
+    main process's own shared-memory files, one per cached item."""
+    content = [*map(image_part, RESENT_IMAGES), {"type": "text", "text": "Compare."}]
+    before = idle_info(server)["media"]["processed_cache"]
+    first = chat(server, content).choices[0].message.content
+    second = chat(server, content).choices[0].message.content
+    after = idle_info(server)["media"]["processed_cache"]
+    assert (after["misses"] - before["misses"], after["hits"] - before["hits"]) == (2, 2)
+    assert first == second == oracle["text"]["resent"]
+    assert 0 < after["bytes"] <= after["max_bytes"]
+    assert len(shm_media_files(server.proc.pid)) == after["items"]
+
+
+def test_a_client_media_id_stands_for_its_image(server: Server, oracle: dict) -> None:
+    """Parts with a `uuid`: sent once with the image, then by the id alone (no bytes), the
+    answer is HF's; an id the server does not know, without its image, is a 400 naming it."""
+    first = [image_part(img) | {"uuid": f"resent-{i}"} for i, img in enumerate(RESENT_IMAGES)]
+    by_id = [{"type": "image_url", "uuid": f"resent-{i}"} for i in range(2)]
+    text = {"type": "text", "text": "Compare."}
+    for parts in (first, by_id):
+        out = chat(server, [*parts, text]).choices[0].message.content
+        assert out == oracle["text"]["resent"]
+    unknown = {"type": "image_url", "image_url": None, "uuid": "never-sent"}
+    body = {"model": "qwen2_vl", "messages": [{"role": "user", "content": [unknown, text]}]}
+    reply = post_chat(server, body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "uuid" and "never-sent" in reply.text
+    body["messages"][0]["content"] = [{"type": "text", "text": "hi", "uuid": "x"}]
+    assert post_chat(server, body).status_code == 400
 
 
 def test_chat_video_equals_hf(server: Server, oracle: dict) -> None:
@@ -241,9 +300,10 @@ def test_models_metrics_and_idle_server_info(server: Server) -> None:
         "tessera_request_stage_seconds_count[prefill]",
     ):
         assert after[name] == before.get(name, 0) + 1, name
-    assert after["tessera_inter_token_latency_seconds_count"] >= before.get(
-        "tessera_inter_token_latency_seconds_count", 0
-    ) + NEW_TOKENS - 1
+    assert (
+        after["tessera_inter_token_latency_seconds_count"]
+        >= before.get("tessera_inter_token_latency_seconds_count", 0) + NEW_TOKENS - 1
+    )
     info = idle_info(server)
     assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
     assert info["kv_protected"] == 0 and info["encoder_cache"]["pins"] == 0

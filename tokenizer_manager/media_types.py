@@ -87,10 +87,14 @@ def check_media_shape(height: int, width: int, param: str) -> None:
 
 @dataclass(frozen=True)
 class MediaRef:
-    """One image or video part of a request, in prompt order."""
+    """One image or video part of a request, in prompt order. `uuid` is the client's id for
+    the item (a content part's `uuid`), within `scope` (the caller's tenant); with an id the
+    processed-item cache already knows, `url` may be empty."""
 
     modality: Modality
     url: str
+    uuid: str | None = None
+    scope: str = ""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import hashlib
 import itertools
 import signal
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from tokenizer_manager.media_types import (
     check_media_shape,
     input_bytes,
 )
-from tokenizer_manager.multimodal_inputs import digest_int
+from tokenizer_manager.multimodal_inputs import digest_int, new_digest
 from tokenizer_manager.video_container import (
     check_video_header,
     check_video_length,
@@ -74,11 +73,12 @@ def init_worker(model_path: str) -> None:
 
 
 def media_digest(modality: Modality, data: bytes, spec: ProcessorSpec) -> int:
-    """The item's identity: SHA-256 over the encoded bytes and every setting that shapes its
-    features (the checkpoint's processor, resize bounds, frame sampling), kept to 128 bits (the
-    encoder cache's key). Hashing the encoded bytes costs a fraction of hashing the float32
-    patches they decode to."""
-    digest = hashlib.sha256(f"{modality.value}|{spec!r}|".encode())
+    """The item's identity: XXH3-128 over the encoded bytes and every setting that shapes its
+    features (the checkpoint's processor, resize bounds, frame sampling); the encoder cache's
+    and the processed-item cache's key. Hashing the encoded bytes costs a fraction of hashing the
+    float32 patches they decode to, and is cheap enough to run on the event loop."""
+    digest = new_digest()
+    digest.update(f"{modality.value}|{spec!r}|".encode())
     digest.update(data)
     return digest_int(digest)
 

@@ -12,6 +12,10 @@ Every item is fetched and header-checked before any is decoded: the images' toke
 checkpoint's resize rule over the header size) must fit what the context leaves, and the decoded
 bytes of the request are reserved in a budget shared by all requests (`MemoryBudget`).
 
+With `cache_bytes` > 0 (`--mm-processor-cache-gb`), items already processed come from a
+`ProcessedCache` by their digest (the encoded bytes and the processor settings, hashed on the
+loop): a resent image skips its worker and needs no decoded-bytes reservation.
+
 Errors: a client's bad media raises `MediaError` (400, param image_url / video_url). When a
 request's media take longer than `per_request_timeout`, the error is blamed on the client
 (400, code "media_timeout") if one of its items was still being fetched, since a slow or stalled
@@ -34,7 +38,7 @@ from types import TracebackType
 from typing import Any
 
 from runtime.logging_utils import get_logger
-from runtime.multimodal import Modality
+from runtime.multimodal import Modality, item_tokens
 from runtime.transport.shm import new_media_path, remove_file, sweep_media_files
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
 from tokenizer_manager.media import MediaLimits, load_media_bytes, open_image
@@ -47,8 +51,14 @@ from tokenizer_manager.media_types import (
     ProcessorSpec,
     media_param,
 )
-from tokenizer_manager.media_worker import init_worker, process_image_bytes, process_video_bytes
+from tokenizer_manager.media_worker import (
+    init_worker,
+    media_digest,
+    process_image_bytes,
+    process_video_bytes,
+)
 from tokenizer_manager.multimodal_inputs import PreparedMedia
+from tokenizer_manager.processed_cache import ProcessedCache
 from tokenizer_manager.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 
 logger = get_logger(__name__)
@@ -161,6 +171,7 @@ class AsyncMMDataProcessor:
         video_min_pixels: int = VIDEO_MIN_PIXELS,
         video_max_pixels: int = VIDEO_MAX_PIXELS,
         shm_dir: str | None = None,
+        cache_bytes: int = 0,
     ):
         self.limits = limits
         # workers write pixels there (see runtime/transport/shm.py: SharedTensor); None: inline
@@ -186,12 +197,17 @@ class AsyncMMDataProcessor:
         self._slots = asyncio.Semaphore(max_concurrent_calls)
         self._memory = MemoryBudget(max_inflight_bytes, max_wait=per_request_timeout / 2)
         self._closed = False
+        # processed items by digest; None: every item goes to a worker
+        self.cache = ProcessedCache(cache_bytes, shm_dir) if cache_bytes > 0 else None
+        self.pixel_bytes_sent = 0
         logger.info(
-            "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes",
+            "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes, "
+            "processed-item cache of %d MiB",
             io_workers,
             net_workers,
             fetches_per_request,
             cpu_workers,
+            self.cache.max_bytes >> 20 if self.cache else 0,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -199,6 +215,12 @@ class AsyncMMDataProcessor:
         """Wait until every CPU worker has started (and built its processor)."""
         if not await asyncio.to_thread(self._cpu.wait_ready):
             raise RuntimeError("the media worker processes did not start")
+
+    def info(self) -> dict[str, object]:
+        """For /server_info: the pixel bytes handed to requests (each sent on to the ranks) and
+        the processed-item cache's size and counters (None when it is off)."""
+        cache = None if self.cache is None else self.cache.info()
+        return {"pixel_bytes_sent": self.pixel_bytes_sent, "processed_cache": cache}
 
     def worker_pids(self) -> list[int]:
         return self._cpu.pids()
@@ -217,6 +239,8 @@ class AsyncMMDataProcessor:
         self._io.shutdown(wait=False, cancel_futures=True)
         self._net.shutdown(wait=False, cancel_futures=True)
         self._fetcher.close()
+        if self.cache is not None:
+            self.cache.clear()
         sweep_media_files(self.shm_dir, os.getpid())
 
     async def __aenter__(self) -> AsyncMMDataProcessor:
@@ -263,17 +287,59 @@ class AsyncMMDataProcessor:
     async def _process_all(
         self, parts: list[MediaRef], state: _RequestState, max_image_tokens: int | None
     ) -> list[PreparedMedia]:
-        fetched = await _all_or_first_error(
-            [self._fetch_one(i, ref, state) for i, ref in enumerate(parts)]
-        )
-        check_image_tokens(fetched, max_image_tokens)
-        reserved = sum(item.decoded_bytes for item in fetched)
+        results = [self._by_id(ref) for ref in parts]
+        todo = [i for i, result in enumerate(results) if result is None]
+        fetches = [self._fetch_one(i, parts[i], state) for i in todo]
+        fetched = dict(zip(todo, await _all_or_first_error(fetches)))
+        known = sum(self._image_tokens(result) for result in results if result is not None)
+        check_image_tokens(list(fetched.values()), max_image_tokens, known)
+        for i, item in fetched.items():
+            results[i] = self._cached(item)
+        misses = [i for i in todo if results[i] is None]
+        reserved = sum(fetched[i].decoded_bytes for i in misses)
         await self._memory.acquire(reserved)
         try:
-            results = await _all_or_first_error([self._decode_one(item) for item in fetched])
+            decoded = await _all_or_first_error([self._decode_one(fetched[i]) for i in misses])
         finally:
             await self._memory.release(reserved)
+        for i, result in zip(misses, decoded):
+            results[i] = result
+            if self.cache is not None:
+                self.cache.put(result)
+        for i in todo:
+            self._remember(parts[i], results[i])
+        self.pixel_bytes_sent += sum(int(result.pixel_values.nbytes) for result in results)
         return [result.to_prepared() for result in results]
+
+    def _cached(self, item: _Fetched) -> ProcessedMedia | None:
+        """The item from the processed-item cache (a copy this request owns), or None."""
+        if self.cache is None:
+            return None
+        return self.cache.get(media_digest(item.modality, item.data, self.spec))
+
+    def _by_id(self, ref: MediaRef) -> ProcessedMedia | None:
+        """The item the client's id names (nothing fetched), or None to fetch it; an unknown id
+        without media is the client's error."""
+        if ref.uuid is None:
+            return None
+        found = None if self.cache is None else self.cache.get_by_id(_media_id(ref))
+        if found is None and not ref.url:
+            raise MediaError(
+                f"media uuid {ref.uuid!r} is not known to this server: send the "
+                f"{ref.modality.value} with it",
+                param="uuid",
+                code="unknown_media_uuid",
+            )
+        return found
+
+    def _remember(self, ref: MediaRef, result: ProcessedMedia | None) -> None:
+        if ref.uuid is not None and self.cache is not None and result and result.digest:
+            self.cache.remember(_media_id(ref), result.digest)
+
+    def _image_tokens(self, item: ProcessedMedia) -> int:
+        if item.modality != Modality.IMAGE:
+            return 0
+        return item_tokens(item.grid_thw, self.spec.image.merge_size)
 
     async def _fetch_one(self, index: int, ref: MediaRef, state: _RequestState) -> _Fetched:
         remote = _is_remote(ref.url)
@@ -340,6 +406,8 @@ def _is_remote(url: str) -> bool:
 
 async def _all_or_first_error(jobs: list[Any]) -> list[Any]:
     """Run the coroutines concurrently; on the first error cancel the rest and raise it."""
+    if not jobs:
+        return []
     tasks = [asyncio.ensure_future(job) for job in jobs]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -353,9 +421,14 @@ async def _all_or_first_error(jobs: list[Any]) -> list[Any]:
     return [task.result() for task in tasks]
 
 
-def check_image_tokens(fetched: list[_Fetched], limit: int | None) -> None:
-    """Refuse before decoding when the images' tokens (from their headers) exceed `limit`."""
-    tokens = sum(item.tokens or 0 for item in fetched)
+def _media_id(ref: MediaRef) -> tuple[str, str, str]:
+    return (ref.scope, ref.modality.value, ref.uuid or "")
+
+
+def check_image_tokens(fetched: list[_Fetched], limit: int | None, known: int = 0) -> None:
+    """Refuse before decoding when the images' tokens (from their headers, plus `known` tokens
+    of images taken by id) exceed `limit`."""
+    tokens = known + sum(item.tokens or 0 for item in fetched)
     if limit is not None and tokens > limit:
         raise MediaError(
             f"the images of this request take {tokens} tokens; only {max(0, limit)} fit in the "

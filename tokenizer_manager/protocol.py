@@ -73,14 +73,19 @@ class ContentPart(BaseModel):
     text: str | None = None
     image_url: ImageURL | None = None
     video_url: VideoURL | None = None
+    uuid: str | None = Field(default=None, min_length=1, max_length=256)  # the client's media id
 
 
 PART_FIELD = {"text": "text", "input_text": "text", "image_url": "image_url"}
 
 
 def check_part(part: ContentPart) -> ContentPart:
+    """A part holds its type's field; a media part with a `uuid` may leave its media out (the
+    server then serves the item it keeps under that id, or refuses the request)."""
     need = PART_FIELD.get(part.type, "video_url")
-    if getattr(part, need) is None:
+    if part.uuid is not None and need == "text":
+        raise ValueError("`uuid` belongs to image_url and video_url parts")
+    if getattr(part, need) is None and part.uuid is None:
         raise ValueError(f"a {part.type} part needs `{need}`")
     return part
 

@@ -299,11 +299,10 @@ class TokenizerManager:
         kind = part.get("type")
         if kind in ("text", "input_text"):
             return {"type": "text", "text": part.get("text") or ""}
-        if kind == "image_url":
-            refs.append(MediaRef(Modality.IMAGE, (part.get("image_url") or {}).get("url", "")))
-            return {"type": "image"}
-        refs.append(MediaRef(Modality.VIDEO, (part.get("video_url") or {}).get("url", "")))
-        return {"type": "video"}
+        modality = Modality.IMAGE if kind == "image_url" else Modality.VIDEO
+        url = (part.get(kind) or {}).get("url", "")
+        refs.append(MediaRef(modality, url, part.get("uuid")))
+        return {"type": modality.value}
 
     def check_media_count(self, refs: list[MediaRef]) -> None:
         if len(refs) > self.args.max_images_per_request:

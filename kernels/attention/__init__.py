@@ -18,6 +18,10 @@ def create_attention_backend(name: str) -> AttentionBackend:
         from kernels.triton.attention import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if name == "flashinfer":
+        from kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}")
 
 

@@ -37,3 +37,14 @@ class AttentionBackend(Protocol):
         Returns [tokens, heads * head_dim].
         """
         ...
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's new K/V ([tokens, kv_heads * head_dim]) at batch.out_cache_loc; returns
+    the layer's K and V pool buffers, which then hold them."""
+    kv = batch.kv_pool
+    shape = (-1, layer.num_kv_heads, layer.head_dim)
+    kv.set_kv(layer.layer_id, batch.out_cache_loc, k.view(shape), v.view(shape))
+    return kv.k_buffers[layer.layer_id], kv.v_buffers[layer.layer_id]

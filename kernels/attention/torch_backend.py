@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.base import AttentionLayer
+from kernels.attention.base import AttentionLayer, store_kv
 
 if TYPE_CHECKING:
     from runtime.forward_batch import ForwardBatch
@@ -32,13 +32,7 @@ class TorchAttentionBackend:
         layer: AttentionLayer,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        kv = batch.kv_pool
-        kv.set_kv(
-            layer.layer_id,
-            batch.out_cache_loc,
-            k.view(-1, layer.num_kv_heads, layer.head_dim),
-            v.view(-1, layer.num_kv_heads, layer.head_dim),
-        )
+        store_kv(k, v, layer, batch)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         if batch.is_decode:
             return self._decode(q, layer, batch).view(-1, layer.num_heads * layer.head_dim)
@@ -69,12 +63,8 @@ class TorchAttentionBackend:
         Padding positions point at the request's first slot, so every gathered value is finite
         and the mask alone keeps it out of the softmax."""
         if self._decode_index is None or self._decode_batch is not batch:
-            first = 0 if batch.is_decode else batch.extend_count
-            device = batch.req_to_token.device
-            host_lens = batch.seq_lens_list[first:]  # the longest from the host: no device sync
-            lens = torch.tensor(host_lens, device=device)
-            rows = torch.tensor(batch.req_pool_indices_list[first:], device=device)
-            slots = batch.req_to_token[rows, : max(host_lens)]
+            rows, lens, width = _decode_rows(batch)
+            slots = batch.req_to_token[rows, :width]
             valid = torch.arange(slots.shape[1], device=lens.device)[None, :] < lens[:, None]
             slots = torch.where(valid, slots, slots[:, :1])
             self._decode_index = (slots, valid[:, None, None, :])
@@ -93,6 +83,20 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return out[:, :, 0, :].to(q.dtype)
+
+
+def _decode_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(request rows, lengths, columns to gather) of the decoding requests, on the device: from
+    the batch's decode tables when it has them (a static decode), else from its host lists."""
+    tables = batch.decode_tables
+    if tables is not None:
+        return tables.req_pool_indices, tables.seq_lens, tables.width
+    first = 0 if batch.is_decode else batch.extend_count
+    device = batch.req_to_token.device
+    host_lens = batch.seq_lens_list[first:]  # the longest from the host: no device sync
+    lens = torch.tensor(host_lens, device=device)
+    rows = torch.tensor(batch.req_pool_indices_list[first:], device=device)
+    return rows, lens, max(host_lens)
 
 
 def _attend(

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.base import AttentionLayer
+from kernels.attention.base import AttentionLayer, store_kv
 
 if TYPE_CHECKING:
     from runtime.forward_batch import ForwardBatch
@@ -45,6 +45,8 @@ class AttentionMetadata:
 
     @staticmethod
     def from_batch(batch: ForwardBatch, device: torch.device) -> AttentionMetadata:
+        if batch.decode_tables is not None:
+            return AttentionMetadata.from_tables(batch)
         extend = batch.extend_lens_list
         starts = [0]
         for n in extend[:-1]:
@@ -61,6 +63,17 @@ class AttentionMetadata:
             req_pool_indices=as_tensor(batch.req_pool_indices_list),
             max_extend_len=max(extend, default=0),
         )
+
+
+    @staticmethod
+    def from_tables(batch: ForwardBatch) -> AttentionMetadata:
+        """A static decode's metadata, from its device tables alone (no host value read)."""
+        tables = batch.decode_tables
+        assert tables is not None
+        rows, lens = tables.req_pool_indices.int(), tables.seq_lens.int()
+        ones = torch.ones_like(lens)
+        starts = torch.arange(lens.numel(), dtype=torch.int32, device=lens.device)
+        return AttentionMetadata(starts, lens - 1, ones, lens, rows, max_extend_len=1)
 
 
 @triton.jit
@@ -294,12 +307,9 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         if layer.num_heads % layer.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
-        kv = batch.kv_pool
-        shape = (-1, layer.num_kv_heads, layer.head_dim)
-        kv.set_kv(layer.layer_id, batch.out_cache_loc, k.view(shape), v.view(shape))
+        k_buf, v_buf = store_kv(k, v, layer, batch)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         meta = self.metadata(batch, q.device)
-        k_buf, v_buf = kv.k_buffers[layer.layer_id], kv.v_buffers[layer.layer_id]
         if batch.is_decode:
             out = decode_attention(
                 q, k_buf, v_buf, batch.req_to_token, meta.seq_lens, meta.req_pool_indices,

@@ -161,7 +161,9 @@ class Qwen2ForCausalLM(nn.Module):
         self, embeds: torch.Tensor, batch: ForwardBatch, deepstack: torch.Tensor | None = None
     ) -> torch.Tensor:
         hidden = self.model(embeds, batch, deepstack)
-        return self.lm_head(hidden[batch.last_token_indices])
+        if not batch.is_decode:  # decode: every row is last
+            hidden = hidden[batch.last_token_indices]
+        return self.lm_head(hidden)
 
     STACKED = {
         "q_proj": ("qkv_proj", "q"),

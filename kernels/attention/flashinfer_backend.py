@@ -1,0 +1,155 @@
+"""FlashInfer attention over tessera's token-indexed KV pool, seen as pages of one token.
+
+A KV slot is a page: the pool's per-layer buffers [slots + 1, kv_heads, head_dim] are, viewed as
+[pages, 1, kv_heads, head_dim], FlashInfer's "NHD" paged layout with page size 1. A request's
+pages are its request-table row, so the metadata is (`paged_metadata`, pure, tested on CPU):
+
+- qo_indptr [requests + 1]: where each request's new tokens start in q (prefix sums);
+- kv_indptr [requests + 1]: where each request's pages start in kv_indices (prefix sums of the
+  sequence lengths);
+- kv_indices [sum of sequence lengths]: req_to_token[row, :seq_len] of each request, in order;
+- kv_last_page_len [requests]: all ones (every page holds its one token).
+
+An extend (a mixed step's decode tail included, as one-token extends) runs
+BatchPrefillWithPagedKVCacheWrapper with a causal mask, which FlashInfer aligns to the end of
+each request's KV (the new tokens are its last ones); a decode runs
+BatchDecodeWithPagedKVCacheWrapper. Each is planned once per forward, on the first layer, and
+run by every layer. flashinfer is imported here only, when the backend is built: it needs CUDA,
+and a CPU machine never imports it (`--attention-backend flashinfer` is refused there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kernels.attention.base import AttentionLayer, store_kv
+
+if TYPE_CHECKING:
+    from runtime.forward_batch import ForwardBatch
+
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial results)
+
+
+def flashinfer_problem(device: str) -> str | None:
+    """Why the FlashInfer backend cannot run on `device` ("cuda" or "cpu"), None when it can.
+    Looks for the package without importing it."""
+    if device != "cuda":
+        return "--attention-backend flashinfer needs CUDA (--device cuda); use torch on CPU"
+    if importlib.util.find_spec("flashinfer") is None:
+        return (
+            "--attention-backend flashinfer needs the flashinfer package: "
+            "pip install -e '.[gpu]', or use --attention-backend triton"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class PagedMetadata:
+    """FlashInfer's page table of one forward (see the module docstring). The indptrs and page
+    lengths stay on the host, where `plan` reads them; the indices are on the table's device."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+
+def prefix_sums(lengths: list[int]) -> torch.Tensor:
+    """[0, l0, l0 + l1, ...] as a host int32 tensor."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return out
+
+
+def paged_metadata(
+    req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int], q_lens: list[int]
+) -> PagedMetadata:
+    """The page table of requests at request-table `rows` with `seq_lens` tokens in KV (their
+    new ones included) and `q_lens` new tokens each. Host lists in, no device value read: the
+    indices are gathered on the table's device in one indexing op."""
+    kv_indptr = prefix_sums(seq_lens)
+    total = int(kv_indptr[-1])
+    device = req_to_token.device
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    row_of = torch.tensor(rows, dtype=torch.int64).repeat_interleave(lens, output_size=total)
+    starts = kv_indptr[:-1].long().repeat_interleave(lens, output_size=total)
+    col_of = torch.arange(total) - starts
+    indices = req_to_token[row_of.to(device), col_of.to(device)]
+    return PagedMetadata(
+        qo_indptr=prefix_sums(q_lens),
+        kv_indptr=kv_indptr,
+        kv_indices=indices.to(torch.int32),
+        kv_last_page_len=torch.ones(len(rows), dtype=torch.int32),
+    )
+
+
+def batch_metadata(batch: ForwardBatch) -> PagedMetadata:
+    return paged_metadata(
+        batch.req_to_token, batch.req_pool_indices_list, batch.seq_lens_list,
+        batch.extend_lens_list,
+    )
+
+
+def as_pages(buffer: torch.Tensor) -> torch.Tensor:
+    """A pool buffer [slots + 1, kv_heads, head_dim] as NHD pages of one token (a view)."""
+    return buffer.unsqueeze(1)
+
+
+class FlashInferAttentionBackend:
+    """The AttentionBackend protocol on FlashInfer's paged prefill and decode wrappers."""
+
+    def __init__(self, device: str = "cuda") -> None:
+        problem = flashinfer_problem("cuda" if torch.cuda.is_available() else "cpu")
+        if problem:
+            raise RuntimeError(problem)
+        import flashinfer  # only here: a CUDA machine with the package
+
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self._planned: ForwardBatch | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        k_buf, v_buf = store_kv(k, v, layer, batch)
+        wrapper = self._plan(batch, layer, q.dtype, k_buf.dtype)
+        pages = (as_pages(k_buf), as_pages(v_buf))
+        out = wrapper.run(q.view(-1, layer.num_heads, layer.head_dim), pages)
+        return out.reshape(-1, layer.num_heads * layer.head_dim)
+
+    def _plan(
+        self,
+        batch: ForwardBatch,
+        layer: AttentionLayer,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+    ) -> Any:
+        """The wrapper for this batch, planned on its first layer (every layer shares the
+        shapes on a rank)."""
+        wrapper = self._decode if batch.is_decode else self._prefill
+        if self._planned is batch:
+            return wrapper
+        if batch.decode_tables is not None:
+            raise ValueError("the FlashInfer backend plans on the host: no static decode batches")
+        meta = batch_metadata(batch)
+        dims = (layer.num_heads, layer.num_kv_heads, layer.head_dim, 1)  # page size 1
+        types = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=layer.scaling)
+        if batch.is_decode:
+            wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, *dims, **types)
+        else:
+            wrapper.plan(
+                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, *dims,
+                causal=True, **types,
+            )
+        self._planned = batch
+        return wrapper

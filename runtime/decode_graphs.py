@@ -1,0 +1,183 @@
+"""Decode steps over static buffers, replayed as CUDA graphs on a GPU.
+
+A decode step of `bs` requests is padded to the next captured size (1, 2, 4, 8, then every
+multiple of 8 up to `--cuda-graph-max-bs`). Its inputs are copied into buffers that never move,
+and the model runs over a ForwardBatch of views of them whose per-request metadata are device
+tensors (`DecodeTables`), so nothing in the forward reads the host. On CUDA each padded size is
+captured once, on first use, and replayed after; elsewhere the same static path runs eagerly,
+which is how CPU tests prove it equal to the dynamic path.
+
+Padded rows take token 0 at position 0, write their K/V to slot 0 (the KV pool's padding slot,
+never handed out) and read through the request table's padding row (all slot 0) with length 1:
+they touch no real KV slot, and each row's attention is its own, so they change no real output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime.forward_batch import DecodeTables, ForwardBatch, ForwardMode, HostStager
+from runtime.memory_pool import KVPool, ReqToTokenPool
+
+
+def padded_batch_sizes(max_bs: int) -> tuple[int, ...]:
+    """The captured batch sizes: 1, 2, 4, 8, then multiples of 8, and max_bs itself."""
+    if max_bs < 1:
+        raise ValueError("the largest captured batch size must be at least 1")
+    sizes = {b for b in (1, 2, 4) if b <= max_bs} | set(range(8, max_bs + 1, 8)) | {max_bs}
+    return tuple(sorted(sizes))
+
+
+def padded_size(bs: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest captured size that holds `bs` rows, None when none does."""
+    return next((s for s in sizes if s >= bs), None)
+
+
+def pad_step(
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    size: int,
+    padding_row: int,
+) -> list[torch.Tensor]:
+    """A decode step's host inputs padded to `size` rows: token ids, [3, size] positions, KV
+    slots, request rows and sequence lengths (the new token's column plus one). Padded rows:
+    token 0, position 0, slot 0, the padding row, length 1."""
+    pad = size - ids.numel()
+    out_positions = torch.zeros(3, size, dtype=torch.long)
+    out_positions[:, : positions.shape[1]] = positions
+    return [
+        _padded(ids, pad, 0),
+        out_positions,
+        _padded(slots, pad, 0),
+        _padded(rows, pad, padding_row),
+        _padded(cols + 1, pad, 1),
+    ]
+
+
+def _padded(t: torch.Tensor, pad: int, value: int) -> torch.Tensor:
+    return torch.cat((t.long(), torch.full((pad,), value, dtype=torch.long)))
+
+
+@dataclass
+class StaticDecodeBuffers:
+    """The inputs of the largest captured batch; a padded size uses a prefix of each."""
+
+    input_ids: torch.Tensor  # [max_bs]
+    positions: torch.Tensor  # [3, max_bs]
+    out_cache_loc: torch.Tensor  # [max_bs]
+    req_pool_indices: torch.Tensor  # [max_bs]
+    seq_lens: torch.Tensor  # [max_bs]
+
+    @staticmethod
+    def allocate(max_bs: int, device: torch.device | str) -> StaticDecodeBuffers:
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+
+        return StaticDecodeBuffers(zeros(max_bs), zeros(3, max_bs), zeros(max_bs),
+                                   zeros(max_bs), zeros(max_bs))
+
+    def load(self, staged: list[torch.Tensor]) -> None:
+        """Copy a padded step (as `pad_step` orders it, on the device) into the buffers."""
+        ids, positions, slots, rows, lens = staged
+        size = ids.numel()
+        self.input_ids[:size].copy_(ids)
+        self.positions[:, :size].copy_(positions)
+        self.out_cache_loc[:size].copy_(slots)
+        self.req_pool_indices[:size].copy_(rows)
+        self.seq_lens[:size].copy_(lens)
+
+
+class DecodeGraphRunner:
+    """Runs decode steps of up to `max_bs` requests over static buffers: replayed CUDA graphs
+    when `capture` (CUDA only), else the same static path eagerly."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        req_pool: ReqToTokenPool,
+        kv_pool: KVPool,
+        max_bs: int,
+        capture: bool,
+    ) -> None:
+        self.model = model
+        self.req_pool = req_pool
+        self.kv_pool = kv_pool
+        self.sizes = padded_batch_sizes(max_bs)
+        self.capture = capture
+        self.buffers = StaticDecodeBuffers.allocate(self.sizes[-1], req_pool.device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool: object | None = None  # the graphs' shared memory pool
+
+    def fits(self, bs: int) -> bool:
+        return padded_size(bs, self.sizes) is not None
+
+    def decode(
+        self,
+        stager: HostStager,
+        host: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Logits [bs, vocab] of one decode step from its host inputs (ids, positions, slots,
+        rows, cols as `step_inputs` and the KV allocator give them): one staged copy, the
+        request-table entries of the real rows, the padded forward."""
+        bs = host[0].numel()
+        size = padded_size(bs, self.sizes)
+        if size is None:
+            raise ValueError(f"decode batch of {bs} is over the largest captured size")
+        staged = stager.stage(pad_step(*host, size, self.req_pool.padding_row))
+        ids, positions, slots, rows, lens = staged
+        self.req_pool.write_tokens(rows[:bs], lens[:bs] - 1, slots[:bs])
+        self.buffers.load(staged)
+        return self._forward(size)[:bs].clone()
+
+    def static_batch(self, size: int) -> ForwardBatch:
+        """A decode ForwardBatch over the first `size` rows of the buffers. Its host lists are
+        placeholders: every value the forward uses comes from the device tensors."""
+        b = self.buffers
+        tables = DecodeTables(
+            b.req_pool_indices[:size], b.seq_lens[:size], self.req_pool.max_context_len
+        )
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=b.input_ids[:size],
+            positions=b.positions[:, :size],
+            out_cache_loc=b.out_cache_loc[:size],
+            req_pool_indices_list=[self.req_pool.padding_row] * size,
+            prefix_lens_list=[0] * size,
+            extend_lens_list=[1] * size,
+            req_pool=self.req_pool,
+            kv_pool=self.kv_pool,
+            mm_inputs=[None] * size,
+            decode_tables=tables,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        if not self.capture:
+            return self.model(self.static_batch(size))  # a fresh batch: backends key on it
+        entry = self._graphs.get(size)
+        if entry is None:
+            entry = self._graphs[size] = self._capture(size)
+        graph, logits = entry
+        graph.replay()
+        return logits
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (kernel compiles, allocator), then capture one forward of
+        the current buffers; the graphs of all sizes share one memory pool."""
+        batch = self.static_batch(size)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.model(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model(batch)
+        self._pool = graph.pool()
+        return graph, logits

@@ -1,0 +1,332 @@
+"""Multi-turn chat as clients send it: every turn resends the whole conversation, images included.
+
+    python scripts/make_tiny_checkpoint.py --arch qwen2_vl --preset vit-heavy --out /tmp/vit-heavy
+    python scripts/bench_multiturn.py --model-path /tmp/vit-heavy --json multiturn.json
+    python scripts/bench_multiturn.py --hash-only          # XXH3-128 against SHA-256 only
+    python scripts/bench_multiturn.py --model-path DIR --frontend-only   # media front end only
+
+Starts one `launch.py` per configuration (default: the processed-item cache on, and off with
+`--mm-processor-cache-gb 0`). On each: `--conversations` conversations (4) run at once, each of
+`--turns` turns (6); the first user message holds 2 images (`--image-size`, PNG data: URLs, new
+ones per conversation) and a question, every later turn appends the model's answer and a short
+question and resends everything. Turns go in waves (every conversation's turn k, then k + 1), and
+around each wave the benchmark reads from /proc the CPU seconds of the server's main process
+(HTTP, TokenizerManager, the cache) and of its media worker processes (the children the launcher
+did not log as its own), and from /server_info the pixel bytes sent to the ranks. Alongside, as
+many text-only conversations run the same turns with filler words in place of the images, so
+their cached prefix has the same length: their time to first token is the floor a turn with
+cached images can reach.
+
+First, without a server, the media front end alone (this process and its media workers) runs 8
+new images one at a time and then the same 8 again: CPU per image on a miss and on a hit. /proc
+counts CPU in 10 ms ticks: use enough images of a real size for the per-turn columns to mean
+anything (the smoke setting of the tests does not).
+
+Per configuration and turn it prints the median time to first token of the image and of the
+text-only conversations and their ratio, the main-process and media-worker CPU per image, and the
+pixel MB sent to the ranks; the speed-up of the cache is the "off" row against the "on" row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import hashlib
+import io
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from bench_vs_reference import STARTED_CHILD, Server, make_server, proc_stat, process_tree
+from PIL import Image
+
+DEFAULT_SERVERS = ["cache-on=--tp 1", "cache-off=--tp 1 --mm-processor-cache-gb 0"]
+QUESTIONS = ["Describe both images.", "And the colours?", "Which is brighter?", "Why?", "Sure?"]
+FILLER = " picture"
+
+
+# ---------------------------------------------------------------- requests
+
+
+def image_url(rng: np.random.Generator, size: int) -> str:
+    pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, Any]]
+    images: int
+
+    def ask(self, turn: int) -> None:
+        if turn:
+            self.messages.append({"role": "user", "content": QUESTIONS[(turn - 1) % 5]})
+
+
+def image_conversation(rng: np.random.Generator, size: int) -> Conversation:
+    parts = [{"type": "image_url", "image_url": {"url": image_url(rng, size)}} for _ in range(2)]
+    content = [*parts, {"type": "text", "text": "Look at these two images."}]
+    return Conversation([{"role": "user", "content": content}], 2)
+
+
+def text_conversation(words: int) -> Conversation:
+    text = FILLER * words + " Look at these two images."
+    return Conversation([{"role": "user", "content": text}], 0)
+
+
+@dataclass
+class Api:
+    client: httpx.AsyncClient
+    model: str
+    max_tokens: int
+
+
+async def turn(api: Api, conv: Conversation) -> tuple[float, int]:
+    """One streamed request; (seconds to the first token, prompt tokens). The answer joins the
+    conversation."""
+    body = {
+        "model": api.model, "messages": conv.messages, "max_tokens": api.max_tokens,
+        "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }  # fmt: skip
+    start, first, text, prompt = time.perf_counter(), None, [], 0
+    async with api.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                prompt = chunk["usage"]["prompt_tokens"]
+            for choice in chunk.get("choices", []):
+                if choice["delta"].get("content"):
+                    first = first or time.perf_counter()
+                    text.append(choice["delta"]["content"])
+    conv.messages.append({"role": "assistant", "content": "".join(text)})
+    return (first or time.perf_counter()) - start, prompt
+
+
+# ---------------------------------------------------------------- server costs
+
+
+def server_pids(server: Server) -> tuple[int, list[int]]:
+    """The main process and the media workers: children the launcher did not log."""
+    logged = {int(pid) for _, pid in STARTED_CHILD.findall(server.log.read_text())}
+    main = server.proc.pid
+    return main, [pid for pid in process_tree(main) if pid != main and pid not in logged]
+
+
+def costs(server: Server, client: httpx.Client) -> dict[str, float]:
+    main, workers = server_pids(server)
+    media = client.get("/server_info").json().get("media") or {}
+    return {
+        "main_cpu_s": proc_stat(main).cpu_s,
+        "worker_cpu_s": sum(proc_stat(pid).cpu_s for pid in workers),
+        "pixel_bytes": media.get("pixel_bytes_sent", 0),
+    }
+
+
+# ---------------------------------------------------------------- one configuration
+
+
+async def wave(api: Api, convs: list[Conversation], k: int) -> list:
+    for conv in convs:
+        conv.ask(k)
+    return await asyncio.gather(*(turn(api, conv) for conv in convs))
+
+
+async def filler_words(api: Api, prompt_tokens: int) -> int:
+    """Filler words that give a text-only first turn `prompt_tokens` tokens (one calibration
+    request of 100 words, then proportion)."""
+    base = (await turn(api, text_conversation(0)))[1]
+    per = ((await turn(api, text_conversation(100)))[1] - base) / 100
+    return max(0, round((prompt_tokens - base) / max(per, 1e-6)))
+
+
+async def run_config(server: Server, args: argparse.Namespace, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    url = server.url
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        api = Api(client, model, args.max_tokens)
+        warm = image_conversation(np.random.default_rng(seed + 10_000), args.image_size)
+        _, image_prompt = await turn(api, warm)
+        words = await filler_words(api, image_prompt)
+        images = [image_conversation(rng, args.image_size) for _ in range(args.conversations)]
+        texts = [text_conversation(words) for _ in range(args.conversations)]
+        rows = []
+        with httpx.Client(base_url=url, timeout=60, trust_env=False) as sync:
+            for k in range(args.turns):
+                before = costs(server, sync)
+                image_out = await wave(api, images, k)
+                after = costs(server, sync)
+                text_out = await wave(api, texts, k)
+                rows.append(row(server.name, k, image_out, text_out, before, after, images))
+                print(line(rows[-1]), flush=True)
+    return rows
+
+
+def row(
+    name: str, k: int, image_out: list, text_out: list, before: dict, after: dict, convs: list
+) -> dict[str, Any]:
+    images = sum(conv.images for conv in convs)
+    ttft = statistics.median(t for t, _ in image_out)
+    text_ttft = statistics.median(t for t, _ in text_out)
+    return {
+        "server": name, "turn": k + 1, "ttft_ms": ttft * 1e3, "text_ttft_ms": text_ttft * 1e3,
+        "ttft_vs_text": ttft / text_ttft,
+        "prompt_tokens": statistics.median(p for _, p in image_out),
+        "text_prompt_tokens": statistics.median(p for _, p in text_out),
+        "main_cpu_ms_per_image": (after["main_cpu_s"] - before["main_cpu_s"]) * 1e3 / images,
+        "worker_cpu_ms_per_image": (after["worker_cpu_s"] - before["worker_cpu_s"]) * 1e3 / images,
+        "pixel_mb_to_ranks": (after["pixel_bytes"] - before["pixel_bytes"]) / 1e6,
+    }  # fmt: skip
+
+
+COLUMNS = [
+    ("server", "{}"), ("turn", "{}"), ("ttft_ms", "{:.1f}"), ("text_ttft_ms", "{:.1f}"),
+    ("ttft_vs_text", "{:.2f}"), ("prompt_tokens", "{:.0f}"), ("main_cpu_ms_per_image", "{:.2f}"),
+    ("worker_cpu_ms_per_image", "{:.2f}"), ("pixel_mb_to_ranks", "{:.2f}"),
+]  # fmt: skip
+
+
+def line(r: dict[str, Any]) -> str:
+    return "  ".join(f"{name}={fmt.format(r[name])}" for name, fmt in COLUMNS)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = " | ".join(name for name, _ in COLUMNS)
+    body = [" | ".join(fmt.format(r[name]) for name, fmt in COLUMNS) for r in rows]
+    return "\n".join([head, *body])
+
+
+# ---------------------------------------------------------------- hashing
+
+
+def hash_speeds(size_mb: float = 4.0, repeat: int = 20) -> dict[str, float]:
+    """GB/s of SHA-256 and XXH3-128 (the item digest) over random bytes, side by side."""
+    from tokenizer_manager.multimodal_inputs import new_digest
+
+    data = np.random.default_rng(0).bytes(int(size_mb * 1e6))
+
+    def speed(make: Any) -> float:
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            digest = make()
+            digest.update(data)
+            digest.digest()
+            best = min(best, time.perf_counter() - start)
+        return len(data) / best / 1e9
+
+    sha, xxh3 = speed(hashlib.sha256), speed(new_digest)
+    return {"sha256_gb_s": sha, "xxh3_128_gb_s": xxh3, "xxh3_vs_sha256": xxh3 / sha}
+
+
+# ---------------------------------------------------------------- the front end alone
+
+
+def frontend_costs(model_path: str, size: int, images: int = 8) -> dict[str, float]:
+    """CPU ms per image of the media front end (this process plus its media workers) for new
+    images (misses) and the same images resent (hits), with /dev/shm as the server uses it."""
+    from runtime.multimodal import Modality
+    from runtime.transport.shm import local_shm_dir
+    from tokenizer_manager.media import MediaLimits
+    from tokenizer_manager.media_types import MediaRef
+    from tokenizer_manager.mm_processor import AsyncMMDataProcessor
+
+    rng = np.random.default_rng(1)
+    refs = [MediaRef(Modality.IMAGE, image_url(rng, size)) for _ in range(images)]
+
+    async def run() -> dict[str, float]:
+        async with AsyncMMDataProcessor(
+            model_path, MediaLimits(), shm_dir=local_shm_dir(1), cache_bytes=1 << 30
+        ) as mm:
+            await mm.warmup()
+            out = {}
+            for name in ("miss", "hit"):
+                before = frontend_cpu_s(mm.worker_pids())
+                for ref in refs:  # one at a time, as the turns of a conversation send them
+                    await mm.process([ref])
+                out[f"{name}_cpu_ms_per_image"] = (
+                    (frontend_cpu_s(mm.worker_pids()) - before) * 1e3 / images
+                )
+            out["hit_vs_miss"] = out["hit_cpu_ms_per_image"] / out["miss_cpu_ms_per_image"]
+            return out
+
+    return asyncio.run(run())
+
+
+def frontend_cpu_s(workers: list[int]) -> float:
+    """CPU seconds of this process (every thread) and of the media workers."""
+    return time.process_time() + sum(proc_stat(pid).cpu_s for pid in workers)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path")
+    p.add_argument("--server", action="append", default=None, help="NAME=LAUNCH_ARGS")
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--image-size", type=int, default=448, help="side of the square images, px")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hash-only", action="store_true", help="only the hash micro-benchmark")
+    p.add_argument(
+        "--frontend-only",
+        action="store_true",
+        help="only the media front end in this process: CPU per image on a miss and on a hit",
+    )
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--log-dir", type=Path, default=Path("bench_multiturn_logs"))
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def run_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for spec in args.server or DEFAULT_SERVERS:
+        server = make_server(spec, args.model_path, args.log_dir)
+        try:
+            server.start()
+            server.wait_ready(args.ready_timeout)
+            rows += asyncio.run(run_config(server, args, args.seed))
+        finally:
+            server.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    report: dict[str, Any] = {"hash": hash_speeds()}
+    print(json.dumps(report["hash"]), flush=True)
+    if not args.hash_only and not args.model_path:
+        raise SystemExit("--model-path is required (or --hash-only)")
+    if not args.hash_only:
+        report["frontend"] = frontend_costs(args.model_path, args.image_size)
+        print(json.dumps(report["frontend"]), flush=True)
+    if not args.hash_only and not args.frontend_only:
+        report["turns"] = run_servers(args)
+        print(table(report["turns"]))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

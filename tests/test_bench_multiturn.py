@@ -1,0 +1,35 @@
+"""scripts/bench_multiturn.py on a smoke setting: one server, 2 conversations of 2 turns."""
+
+from __future__ import annotations
+
+import bench_multiturn
+import pytest
+
+from runtime.tiny_checkpoint import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("multiturn")
+    folder = make_checkpoint("qwen2_vl", tmp / "ck")
+    return bench_multiturn.main([
+        "--model-path", str(folder), "--server", "cache-on=--tp 1", "--conversations", "2",
+        "--turns", "2", "--image-size", "112", "--max-tokens", "2", "--log-dir", str(tmp / "logs"),
+    ])  # fmt: skip
+
+
+def test_every_turn_is_measured_against_a_text_prefix_of_its_length(report: dict) -> None:
+    turns = report["turns"]
+    assert [(r["server"], r["turn"]) for r in turns] == [("cache-on", 1), ("cache-on", 2)]
+    for r in turns:
+        assert abs(r["text_prompt_tokens"] - r["prompt_tokens"]) <= 0.05 * r["prompt_tokens"]
+        assert r["ttft_ms"] > 0 and r["text_ttft_ms"] > 0
+        # 2 conversations x 2 images of 112x112: 64 patches of 1176 float32 each
+        assert r["pixel_mb_to_ranks"] == pytest.approx(4 * 64 * 1176 * 4 / 1e6)
+    assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"]  # the history grows
+
+
+def test_the_hash_comparison_is_reported(report: dict) -> None:
+    speeds = report["hash"]
+    assert speeds["sha256_gb_s"] > 0 and speeds["xxh3_128_gb_s"] > 0
+    assert speeds["xxh3_vs_sha256"] == speeds["xxh3_128_gb_s"] / speeds["sha256_gb_s"]
