@@ -76,7 +76,7 @@ def engine_step_times(sched: Scheduler, device: str) -> tuple[float, float]:
     sched.sample(reqs, logits)
     sync(device)
     sampling = time.perf_counter() - start - forward
-    sched.ensure_free(len(reqs))
+    sched.cache.ensure_free(len(reqs))
     sched.sample_and_append(reqs, logits)
     return forward, sampling
 
