@@ -150,7 +150,8 @@ class ServerInfo:
 
 @dataclass
 class ReqStart:
-    """A request's detokenization constants, sent to the detokenizer once, at admission.
+    """A request's detokenization constants, sent to the detokenizer once, at admission
+    (invariant 13).
 
     Stop strings are bounded (runtime/sampler.py: MAX_STOP_STRINGS strings of at most
     MAX_STOP_CHARS characters each), checked at the door."""

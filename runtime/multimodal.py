@@ -45,6 +45,8 @@ class MultimodalDataItem:
     second_per_grid_t: float | None = None
 
     def set_pad_value(self) -> None:
+        """From the item's digest: the same content, the same pad value on every rank, and
+        radix keys that carry it (invariants 1 and 6)."""
         self.pad_value = MM_PAD_SHIFT_VALUE + self.hash % 2**PAD_VALUE_BITS
 
     @property

@@ -427,7 +427,7 @@ def _media_id(ref: MediaRef) -> tuple[str, str, str]:
 
 def check_image_tokens(fetched: list[_Fetched], limit: int | None, known: int = 0) -> None:
     """Refuse before decoding when the images' tokens (from their headers, plus `known` tokens
-    of images taken by id) exceed `limit`."""
+    of images taken by id) exceed `limit` (invariants 7 and 14)."""
     tokens = known + sum(item.tokens or 0 for item in fetched)
     if limit is not None and tokens > limit:
         raise MediaError(

@@ -153,7 +153,8 @@ def expand_placeholder_ids(
 
 def content_hash(media: PreparedMedia) -> int:
     """The item's hash: the media worker's digest of the encoded bytes and processor settings,
-    or, for media prepared from pixels directly, a digest of the pixels and grid."""
+    or, for media prepared from pixels directly, a digest of the pixels and grid. Computed
+    once, here in the front end, never per rank (invariant 1)."""
     if media.digest is not None:
         return media.digest
     digest = new_digest()

@@ -71,7 +71,8 @@ def _tensor_from_numpy(array: np.ndarray) -> torch.Tensor:
 
 def to_frames(obj: object, shared: list[SharedTensor] | None = None) -> list[Frame]:
     """[pickle, buffer, buffer, ...]; the buffers are views of the tensors' memory. Shared
-    tensors go by name: they are appended to `shared`, for the sender to hand off once sent."""
+    tensors go by name: they are appended to `shared`, for the sender to hand off once sent.
+    Never torch's storage pickling (invariant 13)."""
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
     _Pickler(out, buffers, [] if shared is None else shared).dump(obj)
