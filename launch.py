@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import multiprocessing as mp
 import os
 import signal
@@ -19,14 +18,14 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-ROOT = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from runtime.allocator import keep_freed_memory
+from runtime.logging_utils import configure_logging, get_logger
+from runtime.server_args import ServerArgs
 
-from runtime.allocator import keep_freed_memory  # noqa: E402
-from runtime.logging_utils import configure_logging, get_logger  # noqa: E402
-from runtime.server_args import ServerArgs  # noqa: E402
+if TYPE_CHECKING:
+    from runtime.io_struct import ReadyReport  # unpickled from the children's pipes
 
 logger = get_logger("tessera.launch")
 
@@ -46,12 +45,9 @@ def ensure_tiny_checkpoint() -> str:
     """Generate the built-in tiny random Qwen2-VL checkpoint once; reuse it afterwards."""
     folder = tiny_checkpoint_dir()
     if not (folder / "model.safetensors").is_file():
-        spec = importlib.util.spec_from_file_location(
-            "make_tiny_checkpoint", ROOT / "scripts" / "make_tiny_checkpoint.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.make_checkpoint("qwen2_vl", folder)
+        from runtime.tiny_checkpoint import make_checkpoint  # torch and tokenizers: only here
+
+        make_checkpoint("qwen2_vl", folder)
         logger.info("generated the built-in tiny random Qwen2-VL checkpoint in %s", folder)
     logger.info(
         "no --model-path given: serving the built-in tiny random Qwen2-VL checkpoint "
@@ -68,7 +64,7 @@ class Supervisor:
         self.args = args
         self.ctx = mp.get_context("spawn")
         self.children: list[tuple[str, mp.Process, Connection]] = []
-        self.ready_info: dict[str, dict] = {}
+        self.ready_info: dict[str, ReadyReport] = {}
         self._fatal_hooks: list[Callable[[str], None]] = []
         self._stopping = False
 
@@ -100,10 +96,10 @@ class Supervisor:
                     raise RuntimeError(f"{name} exited with code {proc.exitcode} while starting")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} did not report ready in {self.args.ready_timeout}s")
-            msg = reader.recv()
-            if msg.get("status") != "ready":
-                raise RuntimeError(f"{name} failed to start:\n{msg.get('error')}")
-            self.ready_info[name] = msg
+            report: ReadyReport = reader.recv()
+            if not report.ready:
+                raise RuntimeError(f"{name} failed to start:\n{report.error}")
+            self.ready_info[name] = report
         logger.info("all %d child processes are ready", len(self.children))
 
     def watch(self) -> None:
@@ -160,7 +156,7 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     import uvicorn
 
     from runtime.cpus import usable_cpus
-    from runtime.transport import local_shm_dir
+    from runtime.transport.shm import local_shm_dir
     from tokenizer_manager.connection_limits import ConnectionLimits, uvicorn_config
     from tokenizer_manager.http_server import create_app
     from tokenizer_manager.media import MediaLimits
@@ -181,7 +177,8 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
         cache_bytes=int(args.mm_processor_cache_gb * (1 << 30)),
     )
     await mm.warmup()
-    kv_total = supervisor.ready_info.get("scheduler-TP0", {}).get("kv_total")
+    first_rank = supervisor.ready_info.get("scheduler-TP0")
+    kv_total = first_rank.kv_total if first_rank else None
     tm = TokenizerManager(args, mm, kv_total=kv_total)
     await tm.start()
     loop = asyncio.get_running_loop()

@@ -54,7 +54,6 @@ class ForwardBatch:
     req_pool: ReqToTokenPool
     kv_pool: KVPool
     mm_inputs: list[MultimodalInputs | None] = field(default_factory=list)
-    return_all_logits: bool = False
     decode_tail: int = 0
     decode_tables: DecodeTables | None = None
 
@@ -92,7 +91,8 @@ class HostStager:
     copies it once with `non_blocking` and returns device views in the parts' shapes. On CUDA
     the buffer is page-locked (so the copy is truly asynchronous) and reused: before it is
     written again, the event recorded after its last copy is waited on. Elsewhere the views are
-    of a fresh host buffer (no copy at all on CPU)."""
+    of a fresh host buffer (no copy at all on CPU). The one place host bookkeeping meets the
+    device in a step (invariant 16)."""
 
     def __init__(self, device: str | torch.device) -> None:
         self.device = torch.device(device)

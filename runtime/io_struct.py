@@ -1,9 +1,18 @@
-"""Messages between tessera's processes, one dataclass per kind (sent pickled over ZMQ/Gloo)."""
+"""Messages between tessera's processes, one dataclass per kind (sent pickled over ZMQ/Gloo).
+
+Each channel carries one union of them (end of the module): `ToScheduler` (TokenizerManager ->
+scheduler rank 0, which forwards the same messages to the other ranks: `RankBroadcast`),
+`ToDetokenizer` (scheduler rank 0 -> detokenizer), `ToTokenizer` (detokenizer ->
+TokenizerManager). Every receiver dispatches with a `match` over its channel's union and raises
+`UnknownMessage` for anything else. A child process reports its start-up to `launch.py` once,
+as a `ReadyReport`.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from runtime.multimodal import MultimodalInputs
 from runtime.sampler import SamplingParams, TokenLogprobs
@@ -141,7 +150,8 @@ class ServerInfo:
 
 @dataclass
 class ReqStart:
-    """A request's detokenization constants, sent to the detokenizer once, at admission.
+    """A request's detokenization constants, sent to the detokenizer once, at admission
+    (invariant 13).
 
     Stop strings are bounded (runtime/sampler.py: MAX_STOP_STRINGS strings of at most
     MAX_STOP_CHARS characters each), checked at the door."""
@@ -238,3 +248,44 @@ class BatchStrOut:
     """Detokenizer -> TokenizerManager."""
 
     outputs: list[StrOutput]
+
+
+# ---------------------------------------------------------------------- one union per channel
+
+# TokenizerManager -> scheduler: what the scheduler's loop handles, then the channel as a whole
+SchedulerRequest = TokenizedGenerateReq | AbortReq | FlushCacheReq | GetServerInfoReq
+ToScheduler = SchedulerRequest | ShutdownReq
+# scheduler rank 0 -> the other ranks: the messages rank 0 received, forwarded unchanged
+RankBroadcast = ToScheduler
+# scheduler rank 0 -> detokenizer: a step's outputs, the replies to control requests
+ToDetokenizer = BatchTokenOut | FlushCacheOut | ServerInfo | ShutdownReq
+# detokenizer -> TokenizerManager: text, and the replies passed through
+ToTokenizer = BatchStrOut | FlushCacheOut | ServerInfo | ShutdownReq
+
+
+class UnknownMessage(TypeError):
+    """A message that is not in its channel's union: a sender and a receiver that disagree
+    (a bug), never the client's doing. Raised, never ignored."""
+
+    def __init__(self, msg: object, channel: str):
+        super().__init__(f"{channel}: unknown message {type(msg).__qualname__}")
+
+
+@dataclass(frozen=True)
+class ReadyReport:
+    """A child process -> launch.py, once, at start-up: ready (with what the front door needs
+    from scheduler rank 0), or the traceback of why it could not start."""
+
+    status: Literal["ready", "error"]
+    rank: int | None = None  # scheduler ranks only
+    kv_total: int | None = None  # KV pool size in tokens (scheduler ranks)
+    context_length: int | None = None  # (scheduler ranks)
+    error: str = ""
+
+    @classmethod
+    def failed(cls, error: str, rank: int | None = None) -> ReadyReport:
+        return cls("error", rank=rank, error=error)
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"

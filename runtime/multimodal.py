@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -33,8 +32,8 @@ def item_tokens(grid_thw: tuple[int, int, int], spatial_merge_size: int) -> int:
 class MultimodalDataItem:
     """One image or video: its preprocessed patches and where its placeholder run sits.
 
-    `offsets` lists half-open [start, end) token ranges of the placeholder run in the prompt.
-    `model_specific_data` holds e.g. `image_grid_thw` / `video_grid_thw`, readable as attributes.
+    `offsets` lists half-open [start, end) token ranges of the placeholder run in the prompt;
+    `grid_thw` is the item's patch grid, `second_per_grid_t` a video's seconds per temporal patch.
     """
 
     modality: Modality
@@ -42,22 +41,13 @@ class MultimodalDataItem:
     hash: int = 0
     pad_value: int = 0
     offsets: list[tuple[int, int]] = field(default_factory=list)
-    model_specific_data: dict[str, Any] = field(default_factory=dict)
-
-    def __getattr__(self, name: str) -> Any:
-        data = self.__dict__.get("model_specific_data")
-        if data is not None and name in data:
-            return data[name]
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+    grid_thw: tuple[int, int, int] = (0, 0, 0)
+    second_per_grid_t: float | None = None
 
     def set_pad_value(self) -> None:
+        """From the item's digest: the same content, the same pad value on every rank, and
+        radix keys that carry it (invariants 1 and 6)."""
         self.pad_value = MM_PAD_SHIFT_VALUE + self.hash % 2**PAD_VALUE_BITS
-
-    @property
-    def grid_thw(self) -> tuple[int, int, int]:
-        key = "image_grid_thw" if self.modality == Modality.IMAGE else "video_grid_thw"
-        t, h, w = (int(x) for x in torch.as_tensor(self.model_specific_data[key]).flatten())
-        return t, h, w
 
     @property
     def num_patches(self) -> int:

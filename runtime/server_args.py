@@ -213,6 +213,7 @@ class ServerArgs:
         return self.cuda_graph_max_bs or min(self.max_running_requests, MAX_DEFAULT_GRAPH_BS)
 
     def ipc_name(self, what: str) -> str:
+        """A ZMQ ipc path in a private folder: never a TCP port (invariant 15)."""
         return f"ipc://{os.path.join(self.ipc_dir or tempfile.gettempdir(), f'tessera-{what}')}"
 
     @property

@@ -1,5 +1,7 @@
 """How many tokens one request may hold: the one rule for the context length.
 
+`context_length` says which length is in force; `TokenBudget` what a request may hold under it.
+
 The front door asks it before any work (and before any image is decoded, with the images'
 tokens read from their headers); the scheduler asks it again as a guard for requests that reach
 it directly. Both give the same answer because both ask this.
@@ -8,6 +10,16 @@ it directly. Both give the same answer because both ask this.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.model_config import ModelConfig
+    from runtime.server_args import ServerArgs
+
+
+def context_length(args: ServerArgs, config: ModelConfig) -> int:
+    """The context length in force: --context-length, else the checkpoint's position limit."""
+    return args.context_length or config.text.max_position_embeddings
 
 
 @dataclass(frozen=True)

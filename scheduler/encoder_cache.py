@@ -34,7 +34,8 @@ from runtime.multimodal import ItemEncoder, MultimodalDataItem
 
 
 class EncoderCache:
-    """LRU of item embeddings bounded in bytes, with pins for requests still reading an item."""
+    """LRU of item embeddings bounded in bytes, with pins for requests still reading an item;
+    per item, not per request (invariant 4)."""
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -169,7 +170,8 @@ class EncoderCache:
 
 
 def agree_on_misses(hashes: list[int], local: Container[int], tp: TPGroup) -> list[int]:
-    """The hashes that at least one rank lacks (one MAX all-reduce of 0/1 flags over `tp`)."""
+    """The hashes that at least one rank lacks (one MAX all-reduce of 0/1 flags over `tp`);
+    every rank joins it, also with no item (invariant 2)."""
     flags = torch.tensor([int(h not in local) for h in hashes], dtype=torch.int32)
     if tp.size > 1:
         tp.all_reduce_cpu(flags, op="max")

@@ -89,16 +89,10 @@ class ModelRunner:
             raise OutOfKVError(f"need {n} KV slots, {self.kv_pool.available_size} free")
         return slots
 
-    def extend(
-        self, seqs: list[Req], extend_lens: list[int], return_all_logits: bool = False
-    ) -> torch.Tensor:
-        """Prefill the next extend_lens[i] tokens of each sequence over what its KV holds."""
-        return self._run(ForwardMode.EXTEND, seqs, extend_lens, return_all_logits)
-
     def decode(self, seqs: list[Req]) -> torch.Tensor:
         """One step: each sequence's last token (not yet in KV) goes through the model."""
         with self._threads_for(seqs):
-            return self._run(ForwardMode.DECODE, seqs, [1] * len(seqs), False)
+            return self._run(ForwardMode.DECODE, seqs, [1] * len(seqs))
 
     @contextlib.contextmanager
     def _threads_for(self, seqs: list[Req]) -> Iterator[None]:
@@ -121,17 +115,17 @@ class ModelRunner:
     def mixed(
         self, seqs: list[Req], extend_lens: list[int], decodes: list[Req]
     ) -> torch.Tensor:
-        """One forward for an extend of `seqs` plus one decode token of each of `decodes`;
+        """One forward for an extend of `seqs` (the next extend_lens[i] tokens of each over
+        what its KV holds) plus one decode token of each of `decodes` (none: a plain extend);
         returns the last-token logits of seqs, then of decodes."""
         lens = [*extend_lens, *[1] * len(decodes)]
-        return self._run(ForwardMode.EXTEND, [*seqs, *decodes], lens, False, len(decodes))
+        return self._run(ForwardMode.EXTEND, [*seqs, *decodes], lens, len(decodes))
 
     def _run(
         self,
         mode: ForwardMode,
         seqs: list[Req],
         lens: list[int],
-        all_logits: bool,
         decode_tail: int = 0,
     ) -> torch.Tensor:
         slots = self._alloc(sum(lens))
@@ -141,7 +135,7 @@ class ModelRunner:
             logits = self.graphs.decode(self.stager, (ids, positions, slots, rows, cols))
         else:
             host = (ids, positions, slots, rows, cols)
-            logits = self._forward(mode, seqs, lens, all_logits, decode_tail, host)
+            logits = self._forward(mode, seqs, lens, decode_tail, host)
         for seq, n in zip(seqs, lens):
             seq.kv_len += n
         return logits
@@ -151,7 +145,6 @@ class ModelRunner:
         mode: ForwardMode,
         seqs: list[Req],
         lens: list[int],
-        all_logits: bool,
         decode_tail: int,
         host: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
@@ -172,7 +165,6 @@ class ModelRunner:
             req_pool=self.req_pool,
             kv_pool=self.kv_pool,
             mm_inputs=[s.mm for s in seqs],
-            return_all_logits=all_logits,
             decode_tail=decode_tail,
         )
         return self.model(batch, self.item_encoder)

@@ -14,20 +14,23 @@ from runtime.allocator import keep_freed_memory
 from runtime.cpus import threads_per_rank
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
 from runtime.grammar import checkpoint_compiler
-from runtime.io_struct import BatchTokenOut, ShutdownReq
+from runtime.io_struct import (
+    BatchTokenOut,
+    RankBroadcast,
+    ReadyReport,
+    SchedulerRequest,
+    ShutdownReq,
+)
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.memory_plan import memory_needs
 from runtime.memory_pool import kv_pool_tokens
 from runtime.multimodal import Modality
 from runtime.sampler import Sampler
 from runtime.server_args import ServerArgs
-from runtime.transport import (
-    Frame,
-    broadcast_frames,
-    from_frames,
-    local_shm_dir,
-    release_loaded,
-)
+from runtime.token_budget import context_length
+from runtime.transport.broadcast import broadcast_frames, release_loaded
+from runtime.transport.frames import Frame, from_frames
+from runtime.transport.shm import local_shm_dir
 from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner, kv_layout
 from scheduler.radix_cache import RadixCache
@@ -51,7 +54,7 @@ class SchedulerChannel:
         self.send_sock.connect(args.detokenizer_ipc)
 
     def recv_all(self, wait_ms: int) -> list[list[Frame]]:
-        """Every waiting message, each as its frames (see runtime/transport.py), not decoded."""
+        """Every waiting message, each as its frames (runtime/transport/frames.py), undecoded."""
         msgs: list[list[Frame]] = []
         if wait_ms and not self.recv_sock.poll(wait_ms):
             return msgs
@@ -82,7 +85,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
     benchmarks all build schedulers here (`model`: an already loaded model, else loaded now)."""
     model = model or load_model(args, tp)
     device = str(next(model.parameters()).device)
-    context = args.context_length or model.config.text.max_position_embeddings
+    context = context_length(args, model.config)
     layout = kv_layout(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     needs = memory_needs(model.config, weights, layout.dtype.itemsize, args)
@@ -145,16 +148,27 @@ def serve(
             frames = channel.recv_all(IDLE_POLL_MS if scheduler.idle else 0)
         frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size, shm_dir)
         loaded: list[str] = []
-        msgs = [from_frames(f, loaded) for f in frames]
+        msgs: list[RankBroadcast] = [from_frames(f, loaded) for f in frames]
         release_loaded(loaded, tp.rank, tp.cpu_group, tp.size)
-        if any(isinstance(m, ShutdownReq) for m in msgs):
+        requests = scheduler_requests(msgs)
+        if requests is None:
             return
-        result = step_or_die(scheduler, tp, msgs)
+        result = step_or_die(scheduler, tp, requests)
         if channel is not None:
             channel.send(result)
 
 
-def step_or_die(scheduler: Scheduler, tp: TPGroup, msgs: list[object]) -> StepResult:
+def scheduler_requests(msgs: list[RankBroadcast]) -> list[SchedulerRequest] | None:
+    """The step's messages for the scheduler, or None when one of them is a ShutdownReq (every
+    rank leaves its loop: they all received the same messages)."""
+    if any(isinstance(m, ShutdownReq) for m in msgs):
+        return None
+    return msgs
+
+
+def step_or_die(
+    scheduler: Scheduler, tp: TPGroup, msgs: list[SchedulerRequest]
+) -> StepResult:
     """A fault the scheduler could not pin on a request (a collective, the device, a bug) ends
     this rank; the supervisor then fails every client and stops the server."""
     try:
@@ -185,15 +199,15 @@ def run_scheduler_process(
         scheduler = build_scheduler(args, tp)
         channel = SchedulerChannel(args) if tp.is_first else None
         ready.send(
-            {
-                "status": "ready",
-                "rank": tp_rank,
-                "kv_total": scheduler.runner.kv_pool.size,
-                "context_length": scheduler.cfg.context_length,
-            }
+            ReadyReport(
+                "ready",
+                rank=tp_rank,
+                kv_total=scheduler.runner.kv_pool.size,
+                context_length=scheduler.cfg.context_length,
+            )
         )
     except Exception:
-        ready.send({"status": "error", "rank": tp_rank, "error": traceback.format_exc()})
+        ready.send(ReadyReport.failed(traceback.format_exc(), rank=tp_rank))
         raise
     try:
         with torch.inference_mode():

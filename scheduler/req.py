@@ -43,8 +43,9 @@ class Req:
     """token_ids = prompt + outputs; kv_len tokens of it sit in the KV pool (the first
     `cached_tokens` of those came from the radix cache when the request was first admitted).
 
-    Identity semantics (eq=False): two requests are the same only if they are the same object, so
-    `in`, `remove` and `index` over lists of them never compare fields (tensors among them)."""
+    Identity semantics (eq=False, invariant 12): two requests are the same only if they are the
+    same object, so `in`, `remove` and `index` over lists of them never compare fields (tensors
+    among them), and sets and dicts of them key by identity."""
 
     token_ids: list[int]
     mm: MultimodalInputs | None = None
@@ -134,7 +135,8 @@ class Req:
         return max(0, self.params.max_new_tokens - len(self.output_ids))
 
     def prefix_key(self) -> list[int]:
-        """Radix key for matching: everything but the last token (whose logits we need)."""
+        """Radix key for matching: everything but the last token (whose logits we need); the
+        media's pad values are in it (invariant 6)."""
         return self.token_ids[: len(self.token_ids) - 1]
 
     def append_token(self, token: int) -> None:

@@ -5,7 +5,8 @@ prefill batch (or else decode the running batch), run the model, and append one 
 finished-prefill or decoding request. With mixed steps (`enable_mixed_chunk`) the running
 requests decode inside the prefill's forward, as one-token extends, whenever their KV fits.
 Rank 0 samples; the tokens are broadcast, so every rank keeps the same state and joins the same
-collectives.
+collectives. A prefill step is one `PrefillBatch` (scheduler/batch.py); every KV slot, radix
+lock and encoder pin is taken and given back through the `CacheManager` (scheduler/cache.py).
 
 Fault isolation: a fault that belongs to one request (its inputs before a forward, its sampling)
 fails that request alone with an error finish; `isolate` makes every rank agree on which requests
@@ -30,16 +31,19 @@ from runtime.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetServerInfoReq,
-    RadixStats,
     ReqOutput,
     ReqStart,
     SchedulerCounters,
+    SchedulerRequest,
     ServerInfo,
     TokenizedGenerateReq,
+    UnknownMessage,
 )
 from runtime.logging_utils import get_logger
 from runtime.sampler import RowControls, Sampler, SamplingParams, token_logprobs
 from runtime.token_budget import TokenBudget
+from scheduler.batch import PrefillBatch
+from scheduler.cache import CacheManager
 from scheduler.encoder_cache import EncoderCache
 from scheduler.faults import FaultInjector, check_inputs
 from scheduler.grammar_state import CompilerFactory, GrammarStates
@@ -86,15 +90,16 @@ class Scheduler:
         sampler: Sampler,
         grammar_compiler: CompilerFactory | None = None,
     ):
-        self.cfg, self.tp, self.runner = cfg, tp, runner
-        self.radix, self.encoder_cache, self.sampler = radix, encoder_cache, sampler
+        self.cfg, self.tp, self.runner, self.sampler = cfg, tp, runner, sampler
+        self.cache = CacheManager(runner, radix, encoder_cache)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.counters = SchedulerCounters()
         self._arrivals = 0
         self._started: list[ReqStart] = []
-        self._touched: dict[int, Req] = {}  # by id(req): a reused rid never hides another's output
+        # an ordered set by identity (invariant 12): a reused rid never hides another's output
+        self._touched: dict[Req, None] = {}
         self._was_idle = True
         self.grammar = GrammarStates(tp, grammar_compiler)
         self.faults = FaultInjector(
@@ -102,13 +107,14 @@ class Scheduler:
         )
 
     # ------------------------------------------------------------------ the loop body
-    def step(self, messages: list[object]) -> StepResult:
+    def step(self, messages: list[SchedulerRequest]) -> StepResult:
         result = StepResult()
         for msg in messages:
             self.handle(msg, result)
         batch = self.schedule_prefill()
         if batch:
-            self.run_prefill(*batch, self.riding_decodes(batch[1]))
+            batch.decodes = self.riding_decodes(batch)
+            self.run_prefill(batch)
         elif self.running:
             self.run_decode()
         result.outputs = self.collect_outputs()
@@ -122,18 +128,27 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked is None
 
+    @property
+    def radix(self) -> RadixCache:
+        return self.cache.radix
+
+    @property
+    def encoder_cache(self) -> EncoderCache:
+        return self.cache.encoder_cache
+
     # ------------------------------------------------------------------ messages
-    def handle(self, msg: object, result: StepResult) -> None:
-        if isinstance(msg, TokenizedGenerateReq):
-            self.add_request(msg)
-        elif isinstance(msg, AbortReq):
-            self.abort(msg.rid, msg.index)
-        elif isinstance(msg, FlushCacheReq):
-            result.replies.append(self.flush_cache())
-        elif isinstance(msg, GetServerInfoReq):
-            result.replies.append(self.server_info())
-        else:
-            logger.warning("scheduler ignores unknown message %r", type(msg).__name__)
+    def handle(self, msg: SchedulerRequest, result: StepResult) -> None:
+        match msg:
+            case TokenizedGenerateReq():
+                self.add_request(msg)
+            case AbortReq(rid=rid, index=index):
+                self.abort(rid, index)
+            case FlushCacheReq():
+                result.replies.append(self.flush_cache())
+            case GetServerInfoReq():
+                result.replies.append(self.server_info())
+            case _:
+                raise UnknownMessage(msg, "tokenizer -> scheduler")
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         """Admit a request: with n > 1, its n choices, the first of which prefills the prompt
@@ -170,7 +185,7 @@ class Scheduler:
         for name, ids in req.params.token_ids_named().items():
             if any(not 0 <= t < self.cfg.vocab_size for t in ids):
                 return f"{name} names a token id outside the vocabulary [0, {self.cfg.vocab_size})"
-        budget = TokenBudget(self.cfg.context_length, self.runner.kv_pool.size)
+        budget = TokenBudget(self.cfg.context_length, self.cache.kv_total)
         return budget.problem(req.prompt_len, req.params.max_new_tokens)
 
     def abort(self, rid: str, index: int | None = None) -> None:
@@ -191,43 +206,46 @@ class Scheduler:
                 self.finish_request(req)
 
     # ------------------------------------------------------------------ prefill
-    def schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
+    def schedule_prefill(self) -> PrefillBatch | None:
         if not self.waiting and self.chunked is None:
             return None
         for req, problem in self.grammar.poll(self.waiting):
             req.refused = True
             self.fail(req, problem)
-        adder = self.make_adder()
-        reqs, lens = [], []
+        adder, batch = self.make_adder(), PrefillBatch()
         if self.chunked is not None:
             n = adder.add(self.chunked.extend_len, self.chunked.remaining_new_tokens)
             if n is None:
                 return None  # the chunked request waits for KV; decode frees some meanwhile
-            reqs.append(self.chunked)
-            lens.append(n)
+            batch.add(self.chunked, n)
             self.chunked = None
         for req in self.ordered_waiting():
             if not (ready(req) and self.grammar.is_ready(req)):
                 continue
-            evictable = self.radix.evictable_size
-            if not self.admit(req):
+            if not self.admit_into(batch, req, adder):
                 break
-            adder.rem_total -= evictable - self.radix.evictable_size  # its prefix is now locked
-            n = adder.add(req.extend_len, req.remaining_new_tokens)
-            if n is None:
-                self.unadmit(req)
-                break
-            reqs.append(req)
-            lens.append(n)
-        taken = {id(r) for r in reqs}
-        self.waiting = [r for r in self.waiting if id(r) not in taken]
-        return (reqs, lens) if reqs else None
+        taken = set(batch.reqs)
+        self.waiting = [r for r in self.waiting if r not in taken]
+        return batch or None
+
+    def admit_into(self, batch: PrefillBatch, req: Req, adder: PrefillAdder) -> bool:
+        """Lock the request's cached prefix and add its next chunk to the batch; False (and
+        nothing held) when it does not fit: admission stops there."""
+        locked = self.cache.lock(req)
+        if locked is None:
+            return False
+        adder.rem_total -= locked  # its cached prefix is no longer evictable
+        n = adder.add(req.extend_len, req.remaining_new_tokens)
+        if n is None:
+            self.cache.unlock(req)
+            return False
+        batch.add(req, n)
+        return True
 
     def make_adder(self) -> PrefillAdder:
         reserved = sum(decode_reserve(r.remaining_new_tokens) for r in self.running)
-        available = self.runner.kv_pool.available_size + self.radix.evictable_size
         return PrefillAdder(
-            rem_total=available - reserved,
+            rem_total=self.cache.free_or_evictable() - reserved,
             rem_input=self.cfg.max_prefill_tokens,
             chunk_size=self.cfg.chunked_prefill_size,
             rem_reqs=self.cfg.max_running_requests - len(self.running),
@@ -235,66 +253,39 @@ class Scheduler:
 
     def ordered_waiting(self) -> list[Req]:
         if self.cfg.schedule_policy == "lpm" and not self.radix.disable:
-            keyed = [
-                (self.radix.match_prefix(r.prefix_key()).slots.numel(), r) for r in self.waiting
-            ]
+            keyed = [(self.cache.cached_prefix_len(r), r) for r in self.waiting]
             return [r for _, r in sorted(keyed, key=lambda x: (-x[0], x[1].arrival))]
         return sorted(self.waiting, key=lambda r: r.arrival)
 
-    def admit(self, req: Req) -> bool:
-        """Give the request a request slot and its cached prefix (locked)."""
-        if self.runner.req_pool.available_size == 0:
-            return False
-        self.runner.admit(req)
-        match = self.radix.match_prefix(req.prefix_key())
-        prefix = match.slots
-        self.runner.req_pool.write(req.req_pool_index, 0, prefix)
-        req.kv_len = int(prefix.numel())
-        req.last_node = match.last_node
-        self.radix.inc_lock_ref(req.last_node)
-        if req.retractions == 0:
-            req.cached_tokens = req.kv_len
-        return True
-
-    def unadmit(self, req: Req) -> None:
-        self.radix.dec_lock_ref(req.last_node)
-        req.last_node = None
-        self.runner.req_pool.free(req.req_pool_index)
-        req.req_pool_index, req.kv_len = -1, 0
-
-    def riding_decodes(self, prefill_lens: list[int]) -> list[Req]:
+    def riding_decodes(self, batch: PrefillBatch) -> list[Req]:
         """Mixed steps: the running requests decode in the prefill's forward when their tokens
         fit in KV next to the chunk (else they wait for the next step, as without mixing)."""
         if not (self.cfg.enable_mixed_chunk and self.running):
             return []
-        if self.free_or_evictable() < sum(prefill_lens) + len(self.running):
+        if self.cache.free_or_evictable() < batch.new_tokens + len(self.running):
             return []
         return list(self.running)
 
-    def run_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req]) -> None:
+    def run_prefill(self, batch: PrefillBatch) -> None:
         """Prefill a chunk of each request (and, in a mixed step, decode one token of each of
-        `decodes` in the same forward); sample the requests whose prompt is done."""
-        kept = {id(r) for r in self.isolate([*reqs, *decodes])}
-        lens = [n for r, n in zip(reqs, lens) if id(r) in kept]
-        reqs = [r for r in reqs if id(r) in kept]
-        decodes = [r for r in decodes if id(r) in kept]
-        if not reqs:
+        the batch's decodes in the same forward); sample the requests whose prompt is done."""
+        batch = batch.keep(self.isolate(batch.everyone))
+        if not batch:
             return
-        self.count_prefill(lens, decodes)
-        self.ensure_free(sum(lens) + len(decodes))
-        for req, n in zip(reqs, lens):
-            self.pin_items_in_progress(req, req.kv_len + n)
-        logits = self.forward_prefill(reqs, lens, decodes)
-        done = [i for i, r in enumerate(reqs) if r.extend_len == 0]
-        for i, req in enumerate(reqs):
-            if i not in done:
-                self.cache_chunk(req)
-        rows = [*done, *range(len(reqs), len(reqs) + len(decodes))]
+        self.count_prefill(batch)
+        self.cache.ensure_free(batch.new_tokens)
+        for req, n in batch.chunks():
+            self.cache.pin_items_in_progress(req, req.kv_len + n)
+        logits = self.forward_prefill(batch)
+        done = batch.prompts_done()
+        for req in batch.cut():
+            self.cache.insert_computed(req)
+            self.chunked = req
+        sampling, rows = batch.sampled()
         if rows:
-            self.sample_and_append([*(reqs[i] for i in done), *decodes], logits[rows])
+            self.sample_and_append(sampling, logits[rows])
         now = time.perf_counter()
-        for i in done:
-            req = reqs[i]
+        for req in done:
             self.share_prompt(req)
             if req.retractions == 0:
                 self.counters.cached_prompt_tokens += req.cached_tokens
@@ -307,54 +298,23 @@ class Scheduler:
         matches it and prefills only its last token (images are not encoded again)."""
         if req.finished or not any(r.fork_of is req for r in self.waiting):
             return
-        key = req.token_ids[: req.kv_len]
-        slots = self.req_slots(req)
-        new_slots, req.last_node = self.radix.cache_unfinished_req(key, slots, req.last_node)
-        self.runner.req_pool.write(req.req_pool_index, 0, new_slots)
+        self.cache.insert_computed(req)
 
-    def forward_prefill(self, reqs: list[Req], lens: list[int], decodes: list[Req]) -> torch.Tensor:
+    def forward_prefill(self, batch: PrefillBatch) -> torch.Tensor:
         """The step's forward; each request's clock takes the step's start and, when its chunk
         holds media, the encoder time of the step (timing only, never a decision)."""
         start, encoded = time.perf_counter(), self.encoder_cache.counters.encode_seconds
-        media = [chunk_holds_media(r, r.kv_len, r.kv_len + n) for r, n in zip(reqs, lens)]
-        logits = self.runner.mixed(reqs, lens, decodes)
+        media = [chunk_holds_media(r, r.kv_len, r.kv_len + n) for r, n in batch.chunks()]
+        logits = self.runner.mixed(batch.reqs, batch.lens, batch.decodes)
         encoder = self.encoder_cache.counters.encode_seconds - encoded
-        for req, has_media in zip(reqs, media):
+        for req, has_media in zip(batch.reqs, media):
             req.clock.prefill_step(start, encoder if has_media else 0.0)
         return logits
 
-    def count_prefill(self, lens: list[int], decodes: list[Req]) -> None:
+    def count_prefill(self, batch: PrefillBatch) -> None:
         self.counters.prefill_steps += 1
-        self.counters.mixed_steps += bool(decodes)
-        self.counters.prompt_tokens_computed += sum(lens)
-
-    def pin_items_in_progress(self, req: Req, chunk_end: int) -> None:
-        """Before a chunk runs: pin the encoder-cache entries of items that this chunk enters
-        but does not finish (the pin holds from the moment the embedding is stored), so the next
-        chunk reads the embedding instead of encoding the item again; unpin the rest. Every rank
-        takes the same decisions, so the pins agree across ranks."""
-        pins = set()
-        for item in req.mm.items if req.mm is not None else []:
-            start = min(s for s, _ in item.offsets)
-            end = max(e for _, e in item.offsets)
-            if start < chunk_end < end:
-                pins.add(item.hash)
-        self.set_encoder_pins(req, frozenset(pins))
-
-    def set_encoder_pins(self, req: Req, pins: frozenset[int]) -> None:
-        for key in pins - req.encoder_pins:
-            self.encoder_cache.acquire(key)
-        for key in req.encoder_pins - pins:
-            self.encoder_cache.release(key)
-        req.encoder_pins = pins
-
-    def cache_chunk(self, req: Req) -> None:
-        """A request cut by chunking: put its computed tokens in the tree and keep going."""
-        key = req.token_ids[: req.kv_len]
-        slots = self.req_slots(req)
-        new_slots, req.last_node = self.radix.cache_unfinished_req(key, slots, req.last_node)
-        self.runner.req_pool.write(req.req_pool_index, 0, new_slots)
-        self.chunked = req
+        self.counters.mixed_steps += bool(batch.decodes)
+        self.counters.prompt_tokens_computed += sum(batch.lens)
 
     # ------------------------------------------------------------------ decode
     def run_decode(self) -> None:
@@ -365,20 +325,20 @@ class Scheduler:
         self.isolate(list(self.running))
         if not self.running:
             return
-        self.ensure_free(len(self.running))
+        self.cache.ensure_free(len(self.running))
         logits = self.runner.decode(self.running)
         self.sample_and_append(list(self.running), logits)
 
     def make_room_for_decode(self) -> None:
         """Retract the newest requests until one step of decode fits in KV."""
-        while self.running and self.free_or_evictable() < len(self.running):
+        while self.running and self.cache.free_or_evictable() < len(self.running):
             victim = max(self.running, key=lambda r: r.arrival)
             self.retract(victim)
 
     def retract(self, req: Req) -> None:
         self.counters.retractions += 1
         self.running = [r for r in self.running if r is not req]
-        self.release_kv(req)
+        self.cache.release(req)
         req.retractions += 1
         self.waiting.append(req)
         logger.debug("retracted %s after %d output tokens", req.rid, len(req.output_ids))
@@ -386,7 +346,7 @@ class Scheduler:
     # ------------------------------------------------------------------ tokens and finishing
     def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """Rank 0 samples (a row that cannot be sampled fails its request) and broadcasts the
-        tokens and failures, so every rank appends and fails the same."""
+        tokens and failures, so every rank appends and fails the same (invariant 9)."""
         picked, logprobs = None, {}
         if self.tp.is_first:
             picked = self.sample(reqs, logits)
@@ -422,7 +382,7 @@ class Scheduler:
     # ------------------------------------------------------------------ fault isolation
     def isolate(self, reqs: list[Req]) -> list[Req]:
         """Check each request's inputs on this rank, agree across ranks on which failed, fail
-        those on every rank alike; returns the others in order."""
+        those on every rank alike; returns the others in order (invariant 11)."""
         errors = {i: problem for i, r in enumerate(reqs) if (problem := self.input_problem(r))}
         if not (self.faults.rate > 0 or any(self.needs_input_check(r) for r in reqs)):
             return reqs  # nothing could fail here, on any rank: no collective needed
@@ -466,42 +426,24 @@ class Scheduler:
         self.running = [r for r in self.running if r is not req]
         if self.chunked is req:
             self.chunked = None
-        self.set_encoder_pins(req, frozenset())
-        if req.req_pool_index >= 0:
-            self.radix.release_failed_req(self.req_slots(req), req.last_node)
-            self.runner.req_pool.free(req.req_pool_index)
-            req.req_pool_index, req.kv_len, req.last_node = -1, 0, None
+        self.cache.release_failed(req)
         self.touch(req)
 
     def touch(self, req: Req) -> None:
         """Report this request's news (tokens, finish) in this step's outputs."""
-        self._touched[id(req)] = req
+        self._touched[req] = None
 
     def finish_request(self, req: Req) -> None:
         self.running = [r for r in self.running if r is not req]
         if self.chunked is req:
             self.chunked = None
-        self.release_kv(req)
+        self.cache.release(req)
         self.counters.finished += req.finish in (FinishKind.STOP, FinishKind.LENGTH)
         self.touch(req)
 
-    def release_kv(self, req: Req) -> None:
-        """Hand the request's KV to the radix tree (which frees duplicates) and its slot back;
-        drop its encoder-cache pins."""
-        self.set_encoder_pins(req, frozenset())
-        if req.req_pool_index < 0:
-            return
-        key = req.token_ids[: req.kv_len]
-        self.radix.cache_finished_req(key, self.req_slots(req), req.last_node)
-        self.runner.req_pool.free(req.req_pool_index)
-        req.req_pool_index, req.kv_len, req.last_node = -1, 0, None
-
-    def req_slots(self, req: Req) -> torch.Tensor:
-        return self.runner.req_pool.req_to_token[req.req_pool_index, : req.kv_len].clone().cpu()
-
     def collect_outputs(self) -> list[ReqOutput]:
         outputs = []
-        for req in self._touched.values():
+        for req in self._touched:
             new = req.output_ids[req.sent_len :]
             logprobs = req.logprobs[req.sent_len :] if req.params.logprobs is not None else None
             req.sent_len = len(req.output_ids)
@@ -524,48 +466,23 @@ class Scheduler:
         self._touched = {}
         return outputs
 
-    # ------------------------------------------------------------------ memory
-    def free_or_evictable(self) -> int:
-        return self.runner.kv_pool.available_size + self.radix.evictable_size
-
-    def ensure_free(self, n: int) -> None:
-        short = n - self.runner.kv_pool.available_size
-        if short > 0:
-            self.radix.evict(short)
-
+    # ------------------------------------------------------------------ the cache, as a whole
     def check_idle_accounting(self) -> None:
-        self.radix.check_integrity()
-        kv = self.runner.kv_pool
-        held = kv.available_size + self.radix.evictable_size
-        if held != kv.size or self.radix.protected_size != 0:
-            raise AssertionError(
-                f"KV leak while idle: free {kv.available_size} + evictable "
-                f"{self.radix.evictable_size} != total {kv.size} "
-                f"(protected {self.radix.protected_size})"
-            )
-        pins = self.encoder_cache.stats().pins
-        if pins:
-            raise AssertionError(f"encoder-cache pin leak while idle: {pins} pins held")
+        self.cache.check_idle()
 
     def flush_cache(self) -> FlushCacheOut:
         if not self.idle:
             return FlushCacheOut(False, "requests are running; flush refused")
-        self.radix.reset()
-        self.encoder_cache.clear()
+        self.cache.flush()
         return FlushCacheOut(True)
 
     def server_info(self) -> ServerInfo:
-        kv = self.runner.kv_pool
         return ServerInfo(
-            kv_total=kv.size,
-            kv_free=kv.available_size,
-            kv_evictable=self.radix.evictable_size,
-            kv_protected=self.radix.protected_size,
+            **self.cache.kv_usage(),
             running=len(self.running) + (self.chunked is not None),
             waiting=len(self.waiting),
-            req_slots_used=self.runner.req_pool.size - self.runner.req_pool.available_size,
-            radix=RadixStats(self.radix.total_cached_tokens()),
-            encoder_cache=self.encoder_cache.stats(),
+            radix=self.cache.radix_stats(),
+            encoder_cache=self.cache.encoder_stats(),
             counters=dataclasses.replace(self.counters),
             encoder_plans=dict(self.runner.model.plan_counts),
         )

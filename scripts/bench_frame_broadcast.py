@@ -32,7 +32,8 @@ from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group  # noqa
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs  # noqa: E402
 from runtime.sampler import SamplingParams  # noqa: E402
-from runtime.transport import Frame, FrameLayout, broadcast_frames, from_frames, to_frames  # noqa: E402
+from runtime.transport.broadcast import FrameLayout, broadcast_frames  # noqa: E402
+from runtime.transport.frames import Frame, from_frames, to_frames  # noqa: E402
 
 PATCHES, PATCH_DIM = 624, 1176  # one image: a 1 x 24 x 26 patch grid, 2.9 MB of float32
 SHM_DIR = "/dev/shm"
@@ -45,7 +46,7 @@ def request(images: int, patches: int) -> TokenizedGenerateReq:
             torch.randn(patches, PATCH_DIM),
             hash=i + 1,
             offsets=[(i * 10, i * 10 + 5)],
-            model_specific_data={"image_grid_thw": torch.tensor([1, 24, patches // 24])},
+            grid_thw=(1, 24, patches // 24),
         )
         for i in range(images)
     ]

@@ -41,7 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from grammar_cases import CHOICES, EBNF, EBNF_PATTERN, REGEXES, SCHEMAS  # noqa: E402
-from make_tiny_checkpoint import SPECIAL_TOKENS, SPLIT_REGEX, build_tokenizer  # noqa: E402
 
 from runtime.grammar import GrammarCompiler, GrammarSpec, make_backend  # noqa: E402
 from runtime.grammar.bitmask import (  # noqa: E402
@@ -49,6 +48,7 @@ from runtime.grammar.bitmask import (  # noqa: E402
     allocate_bitmask,
     apply_bitmask,
 )
+from runtime.tiny_checkpoint import SPECIAL_TOKENS, SPLIT_REGEX, build_tokenizer  # noqa: E402
 
 QWEN2_VOCAB = 151_643
 MAX_STEPS = 2000

@@ -240,7 +240,7 @@ def frontend_costs(model_path: str, size: int, images: int = 8) -> dict[str, flo
     """CPU ms per image of the media front end (this process plus its media workers) for new
     images (misses) and the same images resent (hits), with /dev/shm as the server uses it."""
     from runtime.multimodal import Modality
-    from runtime.transport import local_shm_dir
+    from runtime.transport.shm import local_shm_dir
     from tokenizer_manager.media import MediaLimits
     from tokenizer_manager.media_types import MediaRef
     from tokenizer_manager.mm_processor import AsyncMMDataProcessor

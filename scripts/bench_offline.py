@@ -37,14 +37,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from make_tiny_checkpoint import hf_model_class, make_checkpoint  # noqa: E402
-
 from runtime.distributed import TPGroup  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
 from runtime.model_config import ModelConfig  # noqa: E402
 from runtime.multimodal import Modality  # noqa: E402
 from runtime.sampler import SamplingParams  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
+from runtime.tiny_checkpoint import hf_model_class, make_checkpoint  # noqa: E402
 from scheduler.process import build_scheduler  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
 from tokenizer_manager.media_worker import image_processor  # noqa: E402

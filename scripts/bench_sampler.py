@@ -31,13 +31,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from make_tiny_checkpoint import make_checkpoint  # noqa: E402
-
 from runtime.distributed import TPGroup  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
 from runtime.sampler import RowControls, Sampler, SamplingParams  # noqa: E402
 from runtime.sampling_controls import SamplingState  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
+from runtime.tiny_checkpoint import make_checkpoint  # noqa: E402
 from scheduler.process import build_scheduler  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
 
@@ -77,7 +76,7 @@ def engine_step_times(sched: Scheduler, device: str) -> tuple[float, float]:
     sched.sample(reqs, logits)
     sync(device)
     sampling = time.perf_counter() - start - forward
-    sched.ensure_free(len(reqs))
+    sched.cache.ensure_free(len(reqs))
     sched.sample_and_append(reqs, logits)
     return forward, sampling
 

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_path is None:
-            from make_tiny_checkpoint import make_checkpoint
+            from runtime.tiny_checkpoint import make_checkpoint
 
             args.model_path = str(make_checkpoint("qwen2_vl", Path(tmp) / "tiny"))
         scheduler, model = build(args.model_path, args.requests)

@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def tiny_checkpoint(arch: str, tmp: str) -> str:
-    from make_tiny_checkpoint import make_checkpoint
+    from runtime.tiny_checkpoint import make_checkpoint
 
     return str(make_checkpoint(arch, Path(tmp) / arch))
 

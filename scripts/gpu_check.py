@@ -124,7 +124,7 @@ def compare_backends(model_path: str, need: int | None, opts: argparse.Namespace
 
 
 def check_parity_tiny(opts: argparse.Namespace) -> str:
-    from make_tiny_checkpoint import make_checkpoint
+    from runtime.tiny_checkpoint import make_checkpoint
 
     details = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-ck-") as tmp:
@@ -135,7 +135,7 @@ def check_parity_tiny(opts: argparse.Namespace) -> str:
 
 
 def check_parity_7b(opts: argparse.Namespace) -> str:
-    from make_tiny_checkpoint import make_checkpoint
+    from runtime.tiny_checkpoint import make_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-7b-", dir=opts.scratch) as tmp:
         folder = str(make_checkpoint("qwen2_5_vl", Path(tmp) / "7b", "7b"))
@@ -152,9 +152,10 @@ def png_data_url(size: int = 224) -> str:
 
 
 def check_serve(opts: argparse.Namespace) -> str:
-    from make_tiny_checkpoint import make_checkpoint
     from openai import OpenAI
     from stress import LaunchedServer, stop_and_time
+
+    from runtime.tiny_checkpoint import make_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-serve-") as tmp:
         folder = str(make_checkpoint("qwen2_vl", Path(tmp) / "ck"))

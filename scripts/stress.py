@@ -43,7 +43,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from make_tiny_checkpoint import make_checkpoint  # noqa: E402
+from runtime.tiny_checkpoint import make_checkpoint  # noqa: E402
 
 TEXTS = ["Describe the picture.", "What colour is it?", "Tell a story about a cat.", "Hi"]
 MAX_TOKENS = 48

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from runner_utils import greedy_generate, release
+from runner_utils import extend_all_logits, greedy_generate, release
 
 from runtime.distributed import TPGroup
 from scheduler.encoder_cache import EncoderCache
@@ -26,7 +26,7 @@ def all_logits(runner: ModelRunner, ids: list[int], mm: Any, chunk: int | None) 
     try:
         parts, step = [], chunk or len(ids)
         while seq.kv_len < len(ids):
-            parts.append(runner.extend([seq], [min(step, len(ids) - seq.kv_len)], True))
+            parts.append(extend_all_logits(runner, seq, min(step, len(ids) - seq.kv_len)))
         return torch.cat(parts)
     finally:
         release(runner, seq)
@@ -46,7 +46,7 @@ def cut_logits(runner: ModelRunner, ids: list[int], mm: Any) -> torch.Tensor:
     runner.admit(seq)
     try:
         ends = [*cut_points(mm), len(ids)]
-        return torch.cat([runner.extend([seq], [end - seq.kv_len], True) for end in ends])
+        return torch.cat([extend_all_logits(runner, seq, end - seq.kv_len) for end in ends])
     finally:
         release(runner, seq)
 

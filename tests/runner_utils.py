@@ -2,8 +2,29 @@
 
 from __future__ import annotations
 
+import torch
+
 from scheduler.model_runner import ModelRunner
 from scheduler.req import Req
+
+
+def extend(runner: ModelRunner, seqs: list[Req], lens: list[int]) -> torch.Tensor:
+    """Prefill the next lens[i] tokens of each sequence: a step with no decode tail; the logits
+    of each sequence's last new token."""
+    return runner.mixed(seqs, lens, [])
+
+
+def extend_all_logits(runner: ModelRunner, seq: Req, n: int) -> torch.Tensor:
+    """Prefill the next `n` tokens of `seq` and return the logits of every one of them: the
+    decoder's hidden states, read by a forward hook, through the model's own LM head."""
+    lm = runner.model.language_model
+    hidden: list[torch.Tensor] = []
+    hook = lm.model.register_forward_hook(lambda _m, _args, out: hidden.append(out))
+    try:
+        runner.mixed([seq], [n], [])
+    finally:
+        hook.remove()
+    return lm.lm_head(hidden[0])
 
 
 def release(runner: ModelRunner, req: Req) -> None:
@@ -24,7 +45,7 @@ def greedy_generate(
         prompt_len = len(req.token_ids)
         step = chunk_size or prompt_len
         while req.kv_len < prompt_len:
-            logits = runner.extend([req], [min(step, prompt_len - req.kv_len)])
+            logits = extend(runner, [req], [min(step, prompt_len - req.kv_len)])
         out: list[int] = []
         for _ in range(max_new_tokens):
             token = int(logits[-1].argmax())

@@ -20,7 +20,7 @@ from runtime.io_struct import (
     TokenizedGenerateReq,
 )
 from runtime.server_args import ServerArgs
-from runtime.transport import to_frames
+from runtime.transport.frames import to_frames
 from scheduler.process import run_scheduler_process
 
 
@@ -59,8 +59,8 @@ class SchedulerHarness:
             if not reader.poll(timeout):
                 raise TimeoutError("a scheduler rank did not report ready")
             msg = reader.recv()
-            if msg["status"] != "ready":
-                raise RuntimeError(f"rank {msg['rank']} failed:\n{msg['error']}")
+            if not msg.ready:
+                raise RuntimeError(f"rank {msg.rank} failed:\n{msg.error}")
 
     def send(self, msg: object) -> None:
         self.inp.send_multipart(to_frames(msg))

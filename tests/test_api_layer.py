@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from make_tiny_checkpoint import save_generation_config
 
 from runtime.grammar import GrammarSpec
 from runtime.io_struct import Finish, FinishKind, StrOutput, TokenizedGenerateReq
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import save_generation_config
 from tokenizer_manager.api.fields import sampler_has
 from tokenizer_manager.api.openai_common import ENGINE_FIELDS
 from tokenizer_manager.http_server import create_app

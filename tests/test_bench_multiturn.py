@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import bench_multiturn
 import pytest
-from make_tiny_checkpoint import make_checkpoint
+
+from runtime.tiny_checkpoint import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from pathlib import Path
 import bench_offline
 import pytest
 import torch
-from make_tiny_checkpoint import make_checkpoint
 
 from kernels.attention.varlen import as_segments
+from runtime.tiny_checkpoint import make_checkpoint
 
 
 @pytest.fixture(scope="module")

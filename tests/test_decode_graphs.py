@@ -16,13 +16,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from device_check import DeviceRules  # noqa: E402
-from make_tiny_checkpoint import make_checkpoint  # noqa: E402
 from numerics import assert_within_rounding, model_terms  # noqa: E402
+from runner_utils import extend  # noqa: E402
 from torch import nn  # noqa: E402
 
 from runtime.decode_graphs import pad_step, padded_batch_sizes, padded_size  # noqa: E402
 from runtime.distributed import TPGroup  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
+from runtime.tiny_checkpoint import make_checkpoint  # noqa: E402
 from scheduler.model_runner import ModelRunner  # noqa: E402
 from scheduler.req import Req  # noqa: E402
 from vision.vlm import build_model  # noqa: E402
@@ -81,7 +82,7 @@ def decode_run(runner: ModelRunner, steps: int) -> list[torch.Tensor]:
     reqs = [Req(list(p), None) for p in PROMPTS]
     for req in reqs:
         runner.admit(req)
-    logits = runner.extend(reqs, [len(p) for p in PROMPTS])
+    logits = extend(runner, reqs, [len(p) for p in PROMPTS])
     out = []
     for step in range(steps):
         for req, row in zip(reqs, logits):
@@ -141,7 +142,7 @@ def test_static_decode_keeps_devices_apart(tmp_path: Path, monkeypatch: pytest.M
     reqs = [Req(list(p), None) for p in PROMPTS]
     for req in reqs:
         runner.admit(req)
-    runner.extend(reqs, [len(p) for p in PROMPTS])
+    extend(runner, reqs, [len(p) for p in PROMPTS])
     for req in reqs:
         req.token_ids.append(3)
     with DeviceRules() as rules:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import zmq
-from make_tiny_checkpoint import build_tokenizer, save_tokenizer
 from transformers import AutoTokenizer
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
@@ -20,14 +19,18 @@ from runtime.io_struct import (
     Finish,
     FinishKind,
     FlushCacheOut,
+    FlushCacheReq,
+    ReadyReport,
     ReqOutput,
     ReqStart,
     ServerInfo,
     ShutdownReq,
     StageTimes,
+    UnknownMessage,
 )
 from runtime.sampler import TokenLogprobs
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import build_tokenizer, save_tokenizer
 from tokenizer_manager import detokenizer
 from tokenizer_manager.detokenizer import (
     MAX_HELD_TOKENS,
@@ -325,6 +328,12 @@ def test_control_messages_pass_through(tok: Tokenizer) -> None:
         assert manager.handle(msg) is msg
 
 
+def test_a_message_outside_the_channels_union_is_a_loud_error(tok: Tokenizer) -> None:
+    manager = DetokenizerManager(tok)
+    with pytest.raises(UnknownMessage, match="-> detokenizer: unknown message FlushCacheReq"):
+        manager.handle(FlushCacheReq())  # a scheduler-bound request that went the wrong way
+
+
 # ----------------------------------------------------------------------------- process
 
 
@@ -334,7 +343,7 @@ def test_process_reports_a_start_failure(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ValueError, match="model_path"):
         run_detokenizer_process(ServerArgs(model_path=None), writer)
     msg = reader.recv()
-    assert msg["status"] == "error" and "model_path" in msg["error"]
+    assert msg.status == "error" and "model_path" in msg.error
 
 
 @pytest.fixture
@@ -347,7 +356,7 @@ def detokenizer_process(tokenizer_dir: Path, tmp_path: Path) -> Iterator[ServerA
     proc.start()
     try:
         assert reader.poll(60), "the detokenizer did not report in time"
-        assert reader.recv() == {"status": "ready"}
+        assert reader.recv() == ReadyReport("ready")
         yield args
         proc.join(10)
         assert proc.exitcode == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from device_check import DeviceMixError, DeviceRules
-from make_tiny_checkpoint import make_checkpoint
+from runner_utils import extend
 from vlm_cases import ARCHS, Checkpoint, noise_image
 
 from kernels.attention.torch_backend import TorchAttentionBackend
@@ -21,6 +21,7 @@ from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch, ForwardMode, HostStager
 from runtime.memory_pool import KVPool, ReqToTokenPool
 from runtime.sampler import Sampler, SamplingParams, filtered_probs
+from runtime.tiny_checkpoint import make_checkpoint
 from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner
 from scheduler.req import Req
@@ -104,8 +105,8 @@ def test_model_runner_steps_keep_devices_apart(
     runner.admit(second)
     half = len(first.token_ids) // 2
     with DeviceRules():
-        runner.extend([first], [half])
-        logits = runner.extend([first], [len(first.token_ids) - half])
+        extend(runner, [first], [half])
+        logits = extend(runner, [first], [len(first.token_ids) - half])
         assert logits.device == META
         first.token_ids.append(5)
         runner.decode([first])
@@ -157,14 +158,14 @@ def test_step_inputs_reach_the_device_in_one_copy(
         model, max_total_tokens=256, max_running_requests=4, max_context_len=64, device="meta"
     )
 
-    def extend(reqs: list[Req]) -> None:
-        runner.extend(reqs, [6] * len(reqs))
+    def prefill(reqs: list[Req]) -> None:
+        extend(runner, reqs, [6] * len(reqs))
 
     def decode(reqs: list[Req]) -> None:
-        runner.extend(reqs, [5] * len(reqs))
+        extend(runner, reqs, [5] * len(reqs))
         runner.decode(reqs)
 
-    one, three = copies_per_step(runner, extend, 1), copies_per_step(runner, extend, 3)
+    one, three = copies_per_step(runner, prefill, 1), copies_per_step(runner, prefill, 3)
     assert one == three
     assert copies_per_step(runner, decode, 1) == copies_per_step(runner, decode, 3)
     staged = HostStager(META).stage([torch.arange(4), torch.ones(3, 2, dtype=torch.int32)])

@@ -26,7 +26,6 @@ from vision.encoder_plan import (
     Scale,
     TowerShape,
     dp_cost,
-    fixed_plan,
     frame_units,
     item_work,
     plan_encoder,
@@ -42,6 +41,16 @@ ZERO = EncoderCosts(*[0.0] * (len(fields(EncoderCosts)) - 1))  # dp_alone_factor
 # TP on 2 ranks does 3/4 of the per-patch work of the full tower: it beats DP on one item that
 # leaves the other rank idle, and loses to DP on many items that keep both ranks busy.
 COSTS = replace(ZERO, dp_patch_s=1e-6, tp_patch_s=0.75e-6, all_reduce_s=1e-5, all_gather_s=1e-5)
+
+
+def fixed_plan(kind: str, num_items: int) -> EncoderPlan:
+    """The static modes (everything DP, or everything TP) as plans."""
+    items = tuple(range(num_items))
+    if kind == "dp":
+        return EncoderPlan("dp", (), items, 0.0)
+    if kind == "tp":
+        return EncoderPlan("tp", items, (), 0.0)
+    raise ValueError(f"no fixed plan {kind!r}")
 
 
 def costs(**kw: float) -> EncoderCosts:

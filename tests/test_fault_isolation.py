@@ -14,13 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from make_tiny_checkpoint import make_checkpoint
 from scheduler_harness import SchedulerHarness
 from vlm_cases import Checkpoint, gradient_image, noise_image
 
 from runtime.io_struct import TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 from scheduler.faults import check_item
 
 NEW_TOKENS = 8

@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from make_tiny_checkpoint import make_checkpoint, save_generation_config
 from test_server import Server, serve_then_check_teardown
 from vlm_cases import load_hf
 
 from runtime.model_config import GenerationDefaults, ModelConfig, read_generation_config
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint, save_generation_config
 
 PROMPT = [11, 42, 97, 5, 300, 12, 64, 8]  # token ids: no chat template in the way
 NEW_TOKENS = 12

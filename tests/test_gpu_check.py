@@ -75,7 +75,7 @@ def test_parity_and_serve_checks_run_on_cpu(tmp_path: Path) -> None:
     GPU node's time is not spent finding a slip in them."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernels were not set up for the interpreter in this process")
-    from make_tiny_checkpoint import make_checkpoint
+    from runtime.tiny_checkpoint import make_checkpoint
 
     opts = parse_args(["--new-tokens", "2", "--tp", "1", "--timeout", "240", "--image-size", "56"])
     opts.device = "cpu"

@@ -11,7 +11,6 @@ import jsonschema
 import pytest
 import torch
 from grammar_cases import CHOICES, EBNF, EBNF_PATTERN, REGEXES, SCHEMAS
-from make_tiny_checkpoint import build_tokenizer
 
 from runtime.grammar import (
     BatchMask,
@@ -28,6 +27,7 @@ from runtime.grammar import (
 )
 from runtime.grammar.bitmask import allocate_bitmask, unpack_bitmask
 from runtime.grammar.llguidance_backend import EngineLimits, LLGuidanceBackend
+from runtime.tiny_checkpoint import build_tokenizer
 
 VOCAB = 512  # the tiny checkpoints' logits width (the tokenizer itself has 382 tokens)
 MAX_STEPS = 3000

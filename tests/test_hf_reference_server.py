@@ -12,9 +12,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from hf_reference_server import Reference, create_app
-from make_tiny_checkpoint import make_checkpoint
 from test_server import png_url
 from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf
+
+from runtime.tiny_checkpoint import make_checkpoint
 
 NEW_TOKENS = 6
 

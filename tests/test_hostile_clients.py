@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from make_tiny_checkpoint import make_checkpoint
 from stress import LaunchedServer, stop_and_time
 from test_connection_limits import closed_answer
 from test_server import idle_info
+
+from runtime.tiny_checkpoint import make_checkpoint
 
 SEND_S, STALL_S = 2, 0.5  # a finished request's stalled client outlives the stall timeout
 CONTEXT = 32768  # prompts of up to 2.6M characters are tokenized (this tokenizer: 80 per token)

@@ -12,7 +12,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from make_tiny_checkpoint import make_checkpoint
 from PIL import Image
 from test_mm_processor import mp4_bytes
 from test_server import Server, png_url, serve_then_check_teardown
@@ -20,6 +19,7 @@ from video_reference import preprocess_video, read_frames
 from vlm_cases import Checkpoint, load_hf, noise_image, run_hf
 
 from runtime.multimodal import Modality
+from runtime.tiny_checkpoint import make_checkpoint
 from tokenizer_manager.media import MediaLimits
 from tokenizer_manager.media_settings import checked_settings, request_spec
 from tokenizer_manager.media_types import MediaError, MediaRef, ProcessorSpec

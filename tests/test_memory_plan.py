@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-from make_tiny_checkpoint import make_checkpoint
 
 from runtime.distributed import TPGroup
 from runtime.memory_plan import (
@@ -21,6 +20,7 @@ from runtime.memory_plan import (
 from runtime.memory_pool import KVLayout, kv_pool_tokens
 from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 
 GIB = 1 << 30
 TOTAL = 80 * GIB

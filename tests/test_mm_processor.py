@@ -22,13 +22,13 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-from make_tiny_checkpoint import make_checkpoint
 from PIL import Image
 from video_reference import preprocess_video, read_frames
 from waits import wait_until_async
 
 from runtime.multimodal import Modality
-from runtime.transport import from_frames, to_frames
+from runtime.tiny_checkpoint import make_checkpoint
+from runtime.transport.frames import from_frames, to_frames
 from tokenizer_manager.media import MediaError, MediaLimits
 from tokenizer_manager.media_fetch import MediaUrlPolicy
 from tokenizer_manager.media_types import MediaRef, ProcessorSpec

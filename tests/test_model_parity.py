@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_on_ranks
-from make_tiny_checkpoint import make_checkpoint
 from numerics import assert_within_rounding, model_terms
 from parity_worker import parity_worker
 from vlm_cases import ARCHS, Case, Checkpoint, load_hf, run_hf, standard_cases
 
 from runtime.model_config import ModelConfig
+from runtime.tiny_checkpoint import make_checkpoint
 
 CASES = ("text", "image", "other_image", "two_images", "video")
 MODES = ("tp", "dp", "auto")

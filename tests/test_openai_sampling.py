@@ -11,11 +11,12 @@ from typing import Any
 
 import httpx
 import pytest
-from make_tiny_checkpoint import make_checkpoint
 from stress import LaunchedServer
 from test_server import Server, client, image_part, serve_then_check_teardown
 from transformers.generation import logits_process as hf
 from vlm_cases import Case, Checkpoint, hf_generate, load_hf, noise_image
+
+from runtime.tiny_checkpoint import make_checkpoint
 
 NEW = 10
 TEXT = "Describe the cat and the dog and the cat again."

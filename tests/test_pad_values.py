@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from make_tiny_checkpoint import make_checkpoint
 from scheduler_harness import SchedulerHarness
 from vlm_cases import Checkpoint, load_hf, noise_image, run_hf
 
@@ -17,6 +16,7 @@ from runtime.io_struct import TokenizedGenerateReq
 from runtime.multimodal import MM_PAD_SHIFT_VALUE, Modality, MultimodalDataItem
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 from tokenizer_manager.media_types import ProcessorSpec
 from tokenizer_manager.media_worker import media_digest
 from tokenizer_manager.video_processor import VideoProcessingConfig

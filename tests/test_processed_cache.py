@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from make_tiny_checkpoint import make_checkpoint
 from test_mm_processor import _error_of, data_url, hf_image, mp4_bytes, noise_image, png_bytes
 
 from runtime.multimodal import Modality
-from runtime.transport import SharedTensor, from_frames, to_frames
+from runtime.tiny_checkpoint import make_checkpoint
+from runtime.transport.frames import from_frames, to_frames
+from runtime.transport.shm import SharedTensor
 from tokenizer_manager.media import MediaLimits
 from tokenizer_manager.media_types import MediaError, MediaRef, ProcessedMedia
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor

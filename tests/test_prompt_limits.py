@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from make_tiny_checkpoint import build_tokenizer, save_tokenizer
 from tokenizers import normalizers
 from transformers import AutoTokenizer
 
+from runtime.tiny_checkpoint import build_tokenizer, save_tokenizer
 from tokenizer_manager.prompt_limits import max_chars_per_token, max_prompt_chars
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import make_tiny_checkpoint as mtc
 import pytest
 import torch
 from numerics import assert_within_rounding
 from runner_utils import greedy_generate
 from vlm_cases import Checkpoint, noise_image, video_frames
 
+import runtime.tiny_checkpoint as mtc
 from kernels.rotary import mrope_cos_sin
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig

@@ -15,13 +15,20 @@ import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from make_tiny_checkpoint import make_checkpoint
 from PIL import Image
 
-from runtime.io_struct import Finish, FinishKind, StrOutput, TokenizedGenerateReq
+from runtime.io_struct import (
+    Finish,
+    FinishKind,
+    GetServerInfoReq,
+    StrOutput,
+    TokenizedGenerateReq,
+    UnknownMessage,
+)
 from runtime.multimodal import Modality, item_tokens
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 from runtime.token_budget import TokenBudget
 from tokenizer_manager.http_server import create_app
 from tokenizer_manager.media import MediaLimits
@@ -139,6 +146,12 @@ def test_spliced_placeholder_ids_equal_tokenizing_the_expanded_text(
         expand_placeholder_ids(tm.encode(prompt), media[:-1], tm.config)
     with pytest.raises(APIError):
         run(tm, GenerateInput("x", False, fixed(1), 1, text="typed <|image_pad|> by hand"))
+
+
+def test_a_message_outside_the_channels_union_is_a_loud_error(checkpoint: Path) -> None:
+    tm = manager(checkpoint)
+    with pytest.raises(UnknownMessage, match="detokenizer -> tokenizer: unknown message"):
+        tm._dispatch(GetServerInfoReq())  # a scheduler-bound request that came back
 
 
 def test_media_budget_is_what_the_context_and_kv_pool_leave(checkpoint: Path) -> None:

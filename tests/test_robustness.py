@@ -12,10 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from make_tiny_checkpoint import make_checkpoint
 from test_server import Server, idle_info, png_url, send_and_hold
 from vlm_cases import noise_image
 from waits import wait_until
+
+from runtime.tiny_checkpoint import make_checkpoint
 
 KV_TOKENS, MAX_QUEUED, STALL_S = 1000, 2, 3
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_on_ranks
-from make_tiny_checkpoint import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from runtime.cpus import rank_cpus, threads_per_rank, usable_cpus
@@ -21,6 +20,7 @@ from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import QKVParallelLinear, RowParallelLinear
 from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.model_loader import CheckpointError
+from runtime.tiny_checkpoint import make_checkpoint
 from vision.vlm import build_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from make_tiny_checkpoint import make_checkpoint
 from transformers import LogitsProcessor
 from transformers.generation import logits_process as hf
 from vlm_cases import Case, Checkpoint, hf_generate, load_hf, noise_image
@@ -22,6 +21,7 @@ from runtime.io_struct import AbortReq, FinishKind, TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from runtime.sampling_controls import bad_words_token_ids
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 from scheduler.process import build_scheduler
 from scheduler.scheduler import Scheduler
 from vision.vlm import build_model

@@ -8,7 +8,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from make_tiny_checkpoint import make_checkpoint
 from scheduler_harness import SchedulerHarness
 from vlm_cases import Case, Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
 
@@ -21,6 +20,7 @@ from runtime.io_struct import (
 )
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 
 NEW_TOKENS = 10
 SYSTEM = "You are a careful assistant who looks at every picture twice and answers briefly."

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from make_tiny_checkpoint import make_checkpoint
 from vlm_cases import Checkpoint, gradient_image
 
 from runtime.distributed import TPGroup
-from runtime.io_struct import TokenizedGenerateReq
+from runtime.io_struct import BatchStrOut, TokenizedGenerateReq, UnknownMessage
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 from scheduler import model_runner
 from scheduler.process import build_scheduler
 from scheduler.req import Req
@@ -179,3 +179,9 @@ def test_small_cpu_decode_steps_run_on_one_thread(
     assert decode_threads == ({1} if small else {2})
     assert {n for mode, n in seen if mode != "DECODE"} == {2}
     assert outputs == run(make_scheduler(model, kv_tokens=1024))[0]
+
+
+def test_a_message_outside_the_channels_union_is_a_loud_error(model) -> None:
+    sched = make_scheduler(model, 400)
+    with pytest.raises(UnknownMessage, match="tokenizer -> scheduler: unknown message BatchStrOut"):
+        sched.step([BatchStrOut([])])

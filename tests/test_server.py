@@ -18,13 +18,13 @@ import httpx
 import numpy as np
 import pytest
 from dist_utils import free_port
-from make_tiny_checkpoint import make_checkpoint
 from PIL import Image
 from stress import LaunchedServer
 from test_media import png_header_only
 from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
 from waits import wait_until
 
+from runtime.tiny_checkpoint import make_checkpoint
 from tokenizer_manager.media import MediaLimits
 from tokenizer_manager.media_types import ProcessorSpec
 from tokenizer_manager.media_worker import process_video_bytes

@@ -8,7 +8,6 @@ import base64
 from collections.abc import Iterator
 
 import pytest
-from make_tiny_checkpoint import make_checkpoint
 from test_server import (
     QUESTION,
     Server,
@@ -18,6 +17,8 @@ from test_server import (
     serve_then_check_teardown,
 )
 from vlm_cases import gradient_image, noise_image
+
+from runtime.tiny_checkpoint import make_checkpoint
 
 NEW_TOKENS = 16
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 from grammar_cases import CHOICES, REGEXES, SCHEMAS
-from make_tiny_checkpoint import make_checkpoint
 from scheduler_harness import SchedulerHarness
 from transformers import AutoTokenizer
 
@@ -20,6 +19,7 @@ from runtime.grammar import GrammarSpec
 from runtime.io_struct import AbortReq, FinishKind, ReqOutput, TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 from scheduler.process import build_scheduler
 from scheduler.scheduler import Scheduler
 from vision.vlm import build_model

@@ -13,10 +13,11 @@ import httpx
 import jsonschema
 import pytest
 from grammar_cases import CHOICES, EBNF, EBNF_PATTERN, REGEXES, SCHEMAS
-from make_tiny_checkpoint import make_checkpoint
 from test_openai_sampling import OneRankServer
 from test_server import Server, client, serve_then_check_teardown
 from test_tools import TOOLS_TEMPLATE
+
+from runtime.tiny_checkpoint import make_checkpoint
 
 MAX = 400
 PICKED = (0, 1, 3, 6, 9, 10)  # bounded schemas: greedy noise ends them too

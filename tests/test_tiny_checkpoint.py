@@ -11,11 +11,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import make_tiny_checkpoint as mtc  # scripts/ is on sys.path (conftest)
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+
+import runtime.tiny_checkpoint as mtc
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl")
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from make_tiny_checkpoint import make_checkpoint
 from openai import OpenAI
 from test_api_layer import FakeManager, sse_events
 
 from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
 from tokenizer_manager.api.base import ApiContext
 from tokenizer_manager.api.chat import ChatServing
 from tokenizer_manager.api.usage import ApiCounters, UsageRecorder

@@ -1,4 +1,4 @@
-"""runtime/transport.py: messages with tensors travel as frames, tensors out of band, and the
+"""runtime/transport/: messages with tensors travel as frames, tensors out of band, and the
 entry rank's frames reach every rank unchanged."""
 
 from __future__ import annotations
@@ -13,27 +13,24 @@ import pytest
 import torch
 from dist_utils import run_on_ranks
 
-from runtime import transport
 from runtime.io_struct import AbortReq, TokenizedGenerateReq
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
 from runtime.sampler import SamplingParams
-from runtime.transport import (
+from runtime.transport import shm
+from runtime.transport.broadcast import broadcast_frames, release_loaded
+from runtime.transport.frames import from_frames, to_frames
+from runtime.transport.shm import (
     MEDIA_PREFIX,
     MapBudget,
     SharedTensor,
-    broadcast_frames,
-    from_frames,
     new_media_path,
-    release_loaded,
     sweep_media_files,
-    to_frames,
 )
 
 
 def request(rid: str, pixels: torch.Tensor) -> TokenizedGenerateReq:
     item = MultimodalDataItem(
-        Modality.IMAGE, pixels, hash=7, offsets=[(1, 3)],
-        model_specific_data={"image_grid_thw": torch.tensor([1, 2, 4])},
+        Modality.IMAGE, pixels, hash=7, offsets=[(1, 3)], grid_thw=(1, 2, 4)
     )  # fmt: skip
     mm = MultimodalInputs([item], torch.zeros(3, 3, dtype=torch.long))
     return TokenizedGenerateReq(rid, [1, 2, 3], SamplingParams(max_new_tokens=4), mm)
@@ -42,14 +39,14 @@ def request(rid: str, pixels: torch.Tensor) -> TokenizedGenerateReq:
 def test_tensors_go_out_of_band_and_come_back_equal() -> None:
     pixels = torch.randn(64, 1176)
     frames = to_frames(request("a", pixels))
-    assert len(frames) == 4  # the pickle, the pixels, the grid, the positions
+    assert len(frames) == 3  # the pickle, the pixels, the positions (the grid is plain ints)
     assert memoryview(frames[0]).nbytes < 4096  # the pixels are not inside the pickle
     assert memoryview(frames[1]).nbytes == pixels.numel() * 4
     pixels[0, 0] = 123.0  # frames are views of the tensor's memory: no copy was made
     back = from_frames([bytes(f) for f in frames])
     got = back.mm_inputs.items[0]
     assert got.feature[0, 0] == 123.0 and torch.equal(got.feature, pixels)
-    assert got.image_grid_thw.tolist() == [1, 2, 4] and back.rid == "a"
+    assert got.grid_thw == (1, 2, 4) and back.rid == "a"
 
 
 def test_non_contiguous_bfloat16_and_plain_messages() -> None:
@@ -139,7 +136,7 @@ def test_a_shared_tensor_travels_by_name_and_its_file_has_one_owner(tmp_path) ->
     assert handle.owned  # a received handle owns the file
     shared: list[SharedTensor] = []
     frames = to_frames(request("a", handle), shared)
-    assert shared == [handle] and len(frames) == 3  # no pixel frame: the name is in the pickle
+    assert shared == [handle] and len(frames) == 2  # the pickle and the positions: no pixel frame
     handle.hand_off()  # sent: dropping the sender's handle removes nothing
     del handle
     gc.collect()
@@ -214,21 +211,21 @@ def test_a_mapped_input_outlives_its_file_and_gives_its_budget_back(tmp_path) ->
     pixels = np.arange(4096, dtype=np.float32).reshape(64, 64)
     path = new_media_path(str(tmp_path))
     SharedTensor.write(pixels, path)
-    before = transport.MAPPED.mapped
+    before = shm.MAPPED.mapped
     tensor = SharedTensor(path, (64, 64), "float32", owned=False).load()
-    assert transport.MAPPED.mapped == before + pixels.nbytes  # mapped, not read
+    assert shm.MAPPED.mapped == before + pixels.nbytes  # mapped, not read
     os.remove(path)  # what rank 0 does once every rank has it
     assert torch.equal(tensor, torch.from_numpy(pixels))
     del tensor
     gc.collect()
-    assert transport.MAPPED.mapped == before
+    assert shm.MAPPED.mapped == before
 
 
 def test_past_the_mapping_budget_inputs_are_read(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     budget = MapBudget()
     budget.take(str(tmp_path / "x"), 0)  # sizes the budget from the file system
     budget._limit = 3 * 1024  # room for one 2 kB input, not two
-    monkeypatch.setattr(transport, "MAPPED", budget)
+    monkeypatch.setattr(shm, "MAPPED", budget)
     arrays = [np.full((16, 32), i, np.float32) for i in range(2)]
     paths = [new_media_path(str(tmp_path)) for _ in arrays]
     for array, path in zip(arrays, paths):
@@ -246,7 +243,7 @@ def test_past_the_mapping_budget_inputs_are_read(tmp_path, monkeypatch) -> None:
 def test_a_short_file_is_an_error_and_takes_no_budget(tmp_path) -> None:  # noqa: ANN001
     path = new_media_path(str(tmp_path))
     SharedTensor.write(np.ones(8, np.float32), path)
-    before = transport.MAPPED.mapped
+    before = shm.MAPPED.mapped
     with pytest.raises(OSError, match="shorter"):
         SharedTensor(path, (16,), "float32", owned=False).load()  # claims 64 of 32 bytes
-    assert transport.MAPPED.mapped == before
+    assert shm.MAPPED.mapped == before

@@ -14,12 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from make_tiny_checkpoint import make_checkpoint  # noqa: E402
 from numerics import assert_within_rounding, model_terms  # noqa: E402
-from runner_utils import greedy_generate, release  # noqa: E402
+from runner_utils import extend_all_logits, greedy_generate, release  # noqa: E402
 from vlm_cases import Checkpoint, noise_image  # noqa: E402
 
 from runtime.distributed import TPGroup  # noqa: E402
+from runtime.tiny_checkpoint import make_checkpoint  # noqa: E402
 from scheduler.model_runner import ModelRunner  # noqa: E402
 from scheduler.req import Req  # noqa: E402
 from vision.vlm import build_model  # noqa: E402
@@ -40,7 +40,7 @@ def run(folder: str, backend: str, ids: list[int], mm) -> tuple[torch.Tensor, li
     seq = Req(list(ids), mm)
     runner.admit(seq)
     logits = torch.cat(
-        [runner.extend([seq], [20], True), runner.extend([seq], [len(ids) - 20], True)]
+        [extend_all_logits(runner, seq, 20), extend_all_logits(runner, seq, len(ids) - 20)]
     )
     release(runner, seq)
     return logits, greedy_generate(runner, Req(list(ids), mm), 6)

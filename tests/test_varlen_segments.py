@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from make_tiny_checkpoint import make_checkpoint
 
 from kernels.attention.varlen import Segments, varlen_attention
 from kernels.ops import TORCH_OPS, get_kernel_ops
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig
+from runtime.tiny_checkpoint import make_checkpoint
 from vision.vlm import VISION_TOWERS
 
 CASES = [[16, 16, 16], [16, 40, 7], [16, 16, 0, 4, 16, 9], [33]]

@@ -22,8 +22,8 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-from make_tiny_checkpoint import make_checkpoint
 
+from runtime.tiny_checkpoint import make_checkpoint
 from tokenizer_manager.media import MediaError, MediaLimits
 from tokenizer_manager.media_types import ProcessorSpec
 from tokenizer_manager.media_worker import process_video_bytes

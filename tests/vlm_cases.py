@@ -189,7 +189,7 @@ def hf_generate(
 def load_hf(folder: Path, gemm_patch_embed: bool = True) -> Any:
     """transformers' model of the checkpoint; by default its patch embedding runs as tessera's
     (see `patch_embed_as_gemm`), `gemm_patch_embed=False` keeps transformers' Conv3d."""
-    from make_tiny_checkpoint import hf_model_class
+    from runtime.tiny_checkpoint import hf_model_class
 
     arch = ModelConfig.from_dir(folder).arch
     model = hf_model_class(arch).from_pretrained(folder, dtype=torch.float32).eval()

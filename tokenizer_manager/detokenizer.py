@@ -27,12 +27,18 @@ from runtime.io_struct import (
     BatchTokenOut,
     Finish,
     FinishKind,
+    FlushCacheOut,
     OutputLogprobs,
+    ReadyReport,
     ReqOutput,
     ReqStart,
+    ServerInfo,
     ShutdownReq,
     StrOutput,
+    ToDetokenizer,
     TokenText,
+    ToTokenizer,
+    UnknownMessage,
 )
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.sampler import TokenLogprobs
@@ -286,10 +292,14 @@ class DetokenizerManager:
         self.token_texts = TokenTexts(tokenizer)
         self.stopped: dict[Key, None] = {}  # ordered set of choices awaiting the scheduler's finish
 
-    def handle(self, msg: object) -> object:
-        if isinstance(msg, BatchTokenOut):
-            return self.handle_batch(msg)
-        return msg
+    def handle(self, msg: ToDetokenizer) -> ToTokenizer:
+        match msg:
+            case BatchTokenOut():
+                return self.handle_batch(msg)
+            case FlushCacheOut() | ServerInfo() | ShutdownReq():
+                return msg  # replies to the TokenizerManager's requests, and the shutdown
+            case _:
+                raise UnknownMessage(msg, "scheduler -> detokenizer")
 
     def handle_batch(self, batch: BatchTokenOut) -> BatchStrOut:
         for start in batch.started:
@@ -381,10 +391,10 @@ class DetokenizerChannel:
         self.send_sock = self.ctx.socket(zmq.PUSH)
         self.send_sock.connect(args.tokenizer_ipc)
 
-    def recv(self) -> object:
+    def recv(self) -> ToDetokenizer:
         return self.recv_sock.recv_pyobj()
 
-    def send(self, msg: object) -> None:
+    def send(self, msg: ToTokenizer) -> None:
         self.send_sock.send_pyobj(msg)
 
     def close(self, linger_ms: int = 1000) -> None:
@@ -421,9 +431,9 @@ def run_detokenizer_process(server_args: ServerArgs, ready: Connection) -> None:
         manager = DetokenizerManager(load_tokenizer(server_args.model_path))
         channel = DetokenizerChannel(server_args)
     except Exception:
-        ready.send({"status": "error", "error": traceback.format_exc()})
+        ready.send(ReadyReport.failed(traceback.format_exc()))
         raise
-    ready.send({"status": "ready"})
+    ready.send(ReadyReport("ready"))
     logger.info("detokenizer ready on %s", server_args.detokenizer_ipc)
     try:
         serve(manager, channel)

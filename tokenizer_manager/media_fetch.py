@@ -69,6 +69,7 @@ class MediaUrlPolicy:
     trust_env: bool = False
 
     def check_url(self, url: httpx.URL) -> None:
+        """Refuse a URL the policy does not fetch (invariant 14); again on every redirect."""
         if url.scheme not in ("http", "https"):
             raise FetchRefused(f"scheme {url.scheme!r} is not fetched")
         host = url.host.rstrip(".").lower()

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from runtime.multimodal import Modality, item_tokens
-from runtime.transport import SharedTensor
+from runtime.transport.shm import SharedTensor
 from tokenizer_manager.multimodal_inputs import PreparedMedia
+from tokenizer_manager.protocol import APIError
 from tokenizer_manager.video_processor import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
@@ -36,8 +37,9 @@ if TYPE_CHECKING:
 IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # HF's defaults for Qwen2-VL
 
 
-class MediaError(Exception):
-    """A client's media cannot be used; `status` and `param` say how the HTTP reply reports it.
+class MediaError(APIError):
+    """A client's media cannot be used: an `APIError` whose field defaults are the media's
+    (param "messages", code "invalid_media"), so it reaches the HTTP reply as it is raised.
 
     Pickles across processes (CPU workers raise it too): every field has a default and the
     instance dict travels with the message.
@@ -51,11 +53,7 @@ class MediaError(Exception):
         param: str | None = "messages",
         code: str | None = "invalid_media",
     ):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
+        super().__init__(message, status=status, param=param, code=code)
 
 
 def media_param(modality: Modality) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 from runtime.allocator import keep_freed_memory
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
-from runtime.transport import SharedTensor
+from runtime.transport.shm import SharedTensor
 from tokenizer_manager.media import MediaLimits, decode_image
 from tokenizer_manager.media_types import (
     MediaFile,
@@ -70,10 +70,6 @@ def init_worker(model_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_freed_memory()
     image_processor(model_path)
-
-
-def worker_ready() -> bool:
-    return True
 
 
 def media_digest(modality: Modality, data: bytes, spec: ProcessorSpec) -> int:

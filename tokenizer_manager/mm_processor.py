@@ -39,7 +39,7 @@ from typing import Any
 
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality, item_tokens
-from runtime.transport import new_media_path, remove_file, sweep_media_files
+from runtime.transport.shm import new_media_path, remove_file, sweep_media_files
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
 from tokenizer_manager.media import MediaLimits, load_media_bytes, open_image
 from tokenizer_manager.media_fetch import MediaFetcher
@@ -175,7 +175,7 @@ class AsyncMMDataProcessor:
         cache_bytes: int = 0,
     ):
         self.limits = limits
-        # workers write pixels there (see runtime/transport.py: SharedTensor); None: inline
+        # workers write pixels there (see runtime/transport/shm.py: SharedTensor); None: inline
         self.shm_dir = shm_dir
         if sweep_media_files(shm_dir):
             logger.info("removed media files that stopped servers left in %s", shm_dir)
@@ -440,7 +440,7 @@ def _media_id(ref: MediaRef, spec: ProcessorSpec) -> tuple[str, str, str]:
 
 def check_image_tokens(fetched: list[_Fetched], limit: int | None, known: int = 0) -> None:
     """Refuse before decoding when the images' tokens (from their headers, plus `known` tokens
-    of images taken by id) exceed `limit`."""
+    of images taken by id) exceed `limit` (invariants 7 and 14)."""
     tokens = known + sum(item.tokens or 0 for item in fetched)
     if limit is not None and tokens > limit:
         raise MediaError(

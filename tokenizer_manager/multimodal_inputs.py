@@ -26,7 +26,7 @@ import xxhash
 from runtime.model_config import ModelConfig
 from runtime.mrope import MRopeItem, compute_mrope_positions_from_items, find_mrope_items
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs, item_tokens
-from runtime.transport import SharedTensor
+from runtime.transport.shm import SharedTensor
 
 PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
 PLACEHOLDER_RE = re.compile("(<\\|image_pad\\|>|<\\|video_pad\\|>)")
@@ -153,7 +153,8 @@ def expand_placeholder_ids(
 
 def content_hash(media: PreparedMedia) -> int:
     """The item's hash: the media worker's digest of the encoded bytes and processor settings,
-    or, for media prepared from pixels directly, a digest of the pixels and grid."""
+    or, for media prepared from pixels directly, a digest of the pixels and grid. Computed
+    once, here in the front end, never per rank (invariant 1)."""
     if media.digest is not None:
         return media.digest
     digest = new_digest()
@@ -186,20 +187,14 @@ def digest_int(digest: Hasher) -> int:
     return int.from_bytes(digest.digest()[:DIGEST_BYTES], "little")
 
 
-def _grid_key(modality: Modality) -> str:
-    return "image_grid_thw" if modality == Modality.IMAGE else "video_grid_thw"
-
-
 def make_item(media: PreparedMedia, spans: list[MRopeItem]) -> MultimodalDataItem:
-    data: dict[str, object] = {_grid_key(media.modality): torch.tensor([media.grid_thw])}
-    if media.second_per_grid_t is not None:
-        data["second_per_grid_t"] = media.second_per_grid_t
     item = MultimodalDataItem(
         modality=media.modality,
         feature=media.pixel_values,
         hash=content_hash(media),
         offsets=[(span.start, span.end) for span in spans],
-        model_specific_data=data,
+        grid_thw=tuple(media.grid_thw),
+        second_per_grid_t=media.second_per_grid_t,
     )
     item.set_pad_value()
     return item

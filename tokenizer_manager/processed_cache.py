@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.logging_utils import get_logger
-from runtime.transport import SharedTensor, new_media_path
+from runtime.transport.shm import SharedTensor, new_media_path
 from tokenizer_manager.media_types import ProcessedMedia
 
 logger = get_logger(__name__)

@@ -31,8 +31,12 @@ from runtime.io_struct import (
     FlushCacheReq,
     GetServerInfoReq,
     ServerInfo,
+    ShutdownReq,
     StrOutput,
     TokenizedGenerateReq,
+    ToScheduler,
+    ToTokenizer,
+    UnknownMessage,
 )
 from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
@@ -40,11 +44,12 @@ from runtime.multimodal import Modality
 from runtime.sampler import SamplingParams
 from runtime.sampling_controls import bad_words_token_ids
 from runtime.server_args import ServerArgs
-from runtime.token_budget import TokenBudget
-from runtime.transport import SharedTensor, to_frames
+from runtime.token_budget import TokenBudget, context_length
+from runtime.transport.frames import to_frames
+from runtime.transport.shm import SharedTensor
 from tokenizer_manager.grammar_check import GrammarCheck
 from tokenizer_manager.media_settings import checked_settings, request_spec
-from tokenizer_manager.media_types import MediaError, MediaRef, ProcessorSpec
+from tokenizer_manager.media_types import MediaRef, ProcessorSpec
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.multimodal_inputs import (
@@ -143,7 +148,7 @@ class TokenizerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.chat_template = load_chat_template(args.model_path, self.tokenizer)
         self.mm = mm
-        self.context_length = args.context_length or self.config.text.max_position_embeddings
+        self.context_length = context_length(args, self.config)
         # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
         self.budget = TokenBudget(self.context_length, kv_total or self.context_length)
         self.states: dict[str, ReqState] = {}
@@ -200,11 +205,20 @@ class TokenizerManager:
             except Exception:  # noqa: BLE001 - one bad message must not stop routing
                 logger.exception("failed to route %s", type(msg).__name__)
 
-    def _dispatch(self, msg: object) -> None:
-        if isinstance(msg, BatchStrOut):
-            for out in msg.outputs:
-                self._route(out)
-            return
+    def _dispatch(self, msg: ToTokenizer) -> None:
+        match msg:
+            case BatchStrOut(outputs=outputs):
+                for out in outputs:
+                    self._route(out)
+            case FlushCacheOut() | ServerInfo():
+                self._reply(msg)
+            case ShutdownReq():
+                logger.info("the detokenizer has shut down")
+            case _:
+                raise UnknownMessage(msg, "detokenizer -> tokenizer")
+
+    def _reply(self, msg: FlushCacheOut | ServerInfo) -> None:
+        """The answer to the control request waiting for this type (see `_ask`)."""
         future = self._replies.pop(type(msg), None)
         if future is not None and not future.done():
             future.set_result(msg)
@@ -230,7 +244,7 @@ class TokenizerManager:
                 state.end(index)
                 state.queue.put_nowait(StrOutput(rid, "", [], 0, 0, 0, finish, index=index))
 
-    def _send(self, msg: object) -> None:
+    def _send(self, msg: ToScheduler) -> None:
         shared: list[SharedTensor] = []
         self._to_scheduler.send_multipart(to_frames(msg, shared), copy=False)
         for handle in shared:  # the scheduler ranks own these files now
@@ -343,10 +357,7 @@ class TokenizerManager:
             return []
         start = time.perf_counter()
         budget = self.media_token_budget(ids, max_tokens)
-        try:
-            media = await self.mm.process(refs, budget, spec)
-        except MediaError as e:
-            raise APIError(str(e), status=e.status, param=e.param, code=e.code) from e
+        media = await self.mm.process(refs, budget, spec)  # a MediaError is the client's APIError
         self.metrics.stage.labels("media").observe(time.perf_counter() - start)
         return media
 
@@ -491,7 +502,7 @@ class TokenizerManager:
     def running(self) -> bool:
         return any(not state.finished for state in self.states.values())
 
-    async def _ask(self, msg: object, reply: type, timeout: float = 30.0) -> Any:
+    async def _ask(self, msg: ToScheduler, reply: type, timeout: float = 30.0) -> Any:
         async with self._reply_lock:
             future = asyncio.get_running_loop().create_future()
             self._replies[reply] = future

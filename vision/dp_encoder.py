@@ -111,7 +111,8 @@ def run_dp_sharded_mrope_vision_model(
 
     Every rank must call this with the same `pixel_values` ([sum of t*h*w, patch_dim]) and grids.
     `vision_model(pixels, grid_thw)` must encode items independently and return t*h*w // merge**2
-    rows per item. `out_dim` defaults to `vision_model.out_hidden_size`.
+    rows per item. `out_dim` defaults to `vision_model.out_hidden_size`. The tower runs with
+    full weights and no TP collective inside; one all-gather after it (invariant 3).
     """
     grids = _check_grids(grid_thw_list, spatial_merge_size)
     _check_pixel_rows(pixel_values, grids)

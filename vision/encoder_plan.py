@@ -323,16 +323,6 @@ def frame_units(grids: Sequence[Sequence[int]]) -> list[list[int]]:
     return [[1, int(h), int(w)] for t, h, w in grids for _ in range(int(t))]
 
 
-def fixed_plan(kind: str, num_items: int) -> EncoderPlan:
-    """The static modes as plans: everything DP, or everything TP."""
-    items = tuple(range(num_items))
-    if kind == "dp":
-        return EncoderPlan("dp", (), items, 0.0)
-    if kind == "tp":
-        return EncoderPlan("tp", items, (), 0.0)
-    raise ValueError(f"no fixed plan {kind!r}")
-
-
 def run_planned_encoder(
     tower: nn.Module,
     pixel_values: torch.Tensor,

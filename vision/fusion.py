@@ -60,7 +60,8 @@ def fuse_embeddings(
     deepstack_levels: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(input embeddings with every overlapping item's rows in place, DeepStack levels
-    [tokens, levels, hidden] or None when the model has none or the batch holds no item)."""
+    [tokens, levels, hidden] or None when the model has none or the batch holds no item).
+    A chunk may cut an item: it takes the item's rows its tokens cover (invariant 5)."""
     items = items_in_batch(batch)
     if not items:
         return text_embeds, None

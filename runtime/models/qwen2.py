@@ -161,7 +161,7 @@ class Qwen2ForCausalLM(nn.Module):
         self, embeds: torch.Tensor, batch: ForwardBatch, deepstack: torch.Tensor | None = None
     ) -> torch.Tensor:
         hidden = self.model(embeds, batch, deepstack)
-        if not batch.return_all_logits and not batch.is_decode:  # decode: every row is last
+        if not batch.is_decode:  # decode: every row is last
             hidden = hidden[batch.last_token_indices]
         return self.lm_head(hidden)
 

@@ -1,0 +1,751 @@
+"""Write a random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint folder: the checkpoint tessera's tests
+build and the one `launch.py` serves when no --model-path is given.
+
+The folder looks like a published Instruct repository: the published config.json layout (flat for
+Qwen2-VL / Qwen2.5-VL, nested `text_config` for Qwen3-VL), safetensors with the published tensor
+names, a byte-level BPE tokenizer, the Instruct chat template, the image
+processor settings and a generation config. Everything is deterministic: the same arguments give
+byte-identical files.
+
+The tiny preset is built so that tests can fail: weights are drawn with fan-in scaled standard
+deviations (not the usual 0.02), so greedy outputs depend on the image and the prompt, and every
+tensor, norms and biases included, is random, so a weight that is loaded wrongly changes the output.
+
+Usage (scripts/make_tiny_checkpoint.py is the command-line wrapper of `main`):
+    python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/tiny-qwen2-vl
+    python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /data/q25-7b --preset 7b
+    python scripts/make_tiny_checkpoint.py --arch qwen3_vl --out /tmp/tiny-qwen3-vl
+    python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/vit-heavy --preset vit-heavy
+
+For Qwen3-VL the 7b preset has the shapes of Qwen3-VL-8B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+from tokenizers.trainers import BpeTrainer
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+PRESETS = ("tiny", "vit-heavy", "7b")
+# Presets built in float32 from a transformers model in memory; 7b is streamed in bfloat16.
+# vit-heavy (Qwen2-VL only) pairs a larger vision tower (depth 4, width 320, 4 heads of 80 as in
+# the published towers, so it shards at tp 2 and 4) with the tiny text model: a prefill-bound
+# checkpoint whose time goes to the vision tower, as with real checkpoints and large images, for
+# benchmarks of the serving path and of the encoder modes on a CPU.
+SMALL_PRESETS = ("tiny", "vit-heavy")
+
+# Number of byte-level BPE tokens (256 byte symbols plus learned merges); the special tokens follow.
+BPE_VOCAB_SIZE = 368
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# The split rule the Qwen2 tokenizer applies before byte-level encoding.
+SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CORPUS = """\
+The little robot walked to the window and looked at the garden. The sun was bright, the grass
+was green, and a red bird sat on the fence. It counted the flowers: one, two, three, four, five.
+Then it turned around and told the children what it had seen outside.
+
+A picture shows a cat sitting on a table next to a cup of tea. The cat is black with white paws.
+Behind the table there is a shelf with books, a small lamp and a plant in a blue pot. The room
+is quiet and the light comes from the left side of the image.
+
+What is in this image? Describe the scene in one sentence. The answer should be short and clear.
+If you are not sure, say that you do not know. Please look at the colors, the shapes and the
+people, and tell me where each object is.
+
+In the video, a man rides a bicycle along the river. At the start he is far away, then he comes
+closer, waves his hand and stops near the bridge. Two dogs run after him. The water is calm and
+the sky is grey, with clouds moving slowly from the east to the west.
+
+Server logs say that the request arrived at 10:42, the model answered after 350 milliseconds,
+and the cache held 2048 tokens. Each user message is turned into numbers, the numbers are sent
+to the model, and the model writes the reply one token at a time until it reaches the end.
+
+You are a helpful assistant. Answer the question about the photo, the chart or the document.
+Read the text in the picture carefully, count the items, compare the sizes and explain your
+reasoning in simple words that anyone can follow.
+"""
+
+# The Qwen2-VL-Instruct chat template: one <|image_pad|> / <|video_pad|> per image / video part.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+HALF = [0.5, 0.5, 0.5]  # Qwen3-VL normalises with mean 0.5 and std 0.5
+
+TEXT_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        mrope_section=[2, 3, 3],
+    ),
+    "7b": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        mrope_section=[16, 24, 24],
+    ),
+}
+
+TEXT_SHAPES["vit-heavy"] = TEXT_SHAPES["tiny"]
+
+VISION_SHAPES: dict[tuple[str, str], dict[str, Any]] = {
+    ("qwen2_vl", "tiny"): dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2, hidden_size=64),
+    ("qwen2_vl", "vit-heavy"): dict(
+        depth=4, embed_dim=320, num_heads=4, mlp_ratio=4, hidden_size=64
+    ),
+    ("qwen2_vl", "7b"): dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584),
+    ("qwen2_5_vl", "tiny"): dict(
+        depth=2,
+        hidden_size=64,
+        num_heads=4,
+        intermediate_size=128,
+        out_hidden_size=64,
+        window_size=56,
+        fullatt_block_indexes=[1],
+        tokens_per_second=2,
+        hidden_act="silu",
+    ),
+    ("qwen2_5_vl", "7b"): dict(
+        depth=32,
+        hidden_size=1280,
+        num_heads=16,
+        intermediate_size=3420,
+        out_hidden_size=3584,
+        window_size=112,
+        fullatt_block_indexes=[7, 15, 23, 31],
+        tokens_per_second=2,
+        hidden_act="silu",
+    ),
+}
+
+# Qwen3-VL: head_dim is its own setting (not hidden / heads), MRoPE sections are interleaved, and
+# the vision blocks listed in deepstack_visual_indexes feed the first decoder layers. The tiny
+# decoder has more layers than DeepStack levels, so one layer runs after the last injection.
+QWEN3_TEXT_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        mrope_section=[4, 4, 4],
+    ),
+    "7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        max_position_embeddings=262144,
+        mrope_section=[24, 20, 20],
+    ),
+}
+QWEN3_VISION_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        depth=3,
+        hidden_size=64,
+        num_heads=4,
+        intermediate_size=128,
+        out_hidden_size=64,
+        num_position_embeddings=36,
+        deepstack_visual_indexes=[0, 1],
+    ),
+    "7b": dict(
+        depth=27,
+        hidden_size=1152,
+        num_heads=16,
+        intermediate_size=4304,
+        out_hidden_size=4096,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24],
+    ),
+}
+
+ARCHITECTURES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
+PROCESSOR_CLASSES = {
+    "qwen2_vl": "Qwen2VLProcessor",
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+}
+MAX_SHARD_BYTES = 4 * 1024**3
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer() -> Tokenizer:
+    """Train the byte-level BPE on the built-in corpus and append the special tokens."""
+    tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
+    if tok.get_vocab_size() != BPE_VOCAB_SIZE:
+        raise RuntimeError(f"BPE training gave {tok.get_vocab_size()} tokens")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def special_ids(tok: Tokenizer) -> dict[str, int]:
+    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+
+
+def save_tokenizer(tok: Tokenizer, out: Path) -> None:
+    """Write tokenizer.json, vocab.json, merges.txt and tokenizer_config.json."""
+    tok.save(str(out / "tokenizer.json"))
+    model = json.loads(tok.to_str())["model"]
+    write_json(out / "vocab.json", model["vocab"], indent=None)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    write_json(out / "tokenizer_config.json", tokenizer_config(tok))
+
+
+def tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
+    added = {
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t, i in special_ids(tok).items()
+    }
+    return {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 32768,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def checkpoint_config(arch: str, preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
+    """config.json in the layout the published checkpoints of `arch` use."""
+    if arch == "qwen3_vl":
+        return qwen3_config(preset, ids, dtype)
+    return flat_config(arch, preset, ids, dtype)
+
+
+def token_fields(ids: dict[str, int]) -> dict[str, int]:
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def qwen3_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
+    """A Qwen3-VL config.json: nested text_config with `rope_scaling` (interleaved MRoPE)."""
+    text = dict(QWEN3_TEXT_SHAPES[preset])
+    section = text.pop("mrope_section")
+    rope = {"mrope_interleaved": True, "mrope_section": section, "rope_type": "default"}
+    text_config = {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["<|endoftext|>"],
+        "dtype": dtype,
+        "eos_token_id": ids["<|im_end|>"],
+        "hidden_act": "silu",
+        **text,
+        "initializer_range": 0.02,
+        "model_type": "qwen3_vl_text",
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": rope,
+        "rope_theta": 5000000,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+    }
+    vision = {
+        **QWEN3_VISION_SHAPES[preset],
+        "hidden_act": "gelu_pytorch_tanh",
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "model_type": "qwen3_vl",
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    return {
+        "architectures": [ARCHITECTURES["qwen3_vl"]],
+        **token_fields(ids),
+        "model_type": "qwen3_vl",
+        "text_config": text_config,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "vision_config": vision,
+    }
+
+
+def flat_config(arch: str, preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
+    """The config.json of a published checkpoint: text fields at the top level."""
+    text = dict(TEXT_SHAPES[preset])
+    mrope_section = text.pop("mrope_section")
+    if (arch, preset) == ("qwen2_5_vl", "7b"):
+        text["max_position_embeddings"] = 128000
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "hidden_act": "silu",
+        **text,
+        "initializer_range": 0.02,
+        "max_window_layers": text["num_hidden_layers"],
+        "model_type": arch,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": preset == "tiny" and arch == "qwen2_5_vl",
+        "torch_dtype": dtype,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vision_config": vision_config(arch, preset),
+        "rope_scaling": {"type": "mrope", "mrope_section": mrope_section},
+    }
+
+
+def vision_config(arch: str, preset: str) -> dict[str, Any]:
+    common = dict(
+        in_chans=3,
+        patch_size=14,
+        spatial_merge_size=2,
+        spatial_patch_size=14,
+        temporal_patch_size=2,
+    )
+    return {**VISION_SHAPES[(arch, preset)], **common}
+
+
+def preprocessor_config(arch: str, preset: str) -> dict[str, Any]:
+    if arch == "qwen3_vl":
+        return qwen3_preprocessor_config(preset)
+    return {
+        "min_pixels": 3136,
+        "max_pixels": 200704 if preset in SMALL_PRESETS else 12845056,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": PROCESSOR_CLASSES[arch],
+    }
+
+
+def qwen3_preprocessor_config(preset: str) -> dict[str, Any]:
+    """Qwen3-VL: 16-pixel patches, mean/std 0.5, pixel bounds as `size`."""
+    longest = 200704 if preset == "tiny" else 16777216
+    return {
+        "size": {"shortest_edge": 4096 if preset == "tiny" else 65536, "longest_edge": longest},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": HALF,
+        "image_std": HALF,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": PROCESSOR_CLASSES["qwen3_vl"],
+    }
+
+
+def video_preprocessor_config(preset: str) -> dict[str, Any]:
+    """Qwen3-VL's separate video processor settings (frames sampled at `fps`, timestamped)."""
+    return {
+        "size": {"shortest_edge": 4096, "longest_edge": 200704 if preset == "tiny" else 25165824},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": HALF,
+        "image_std": HALF,
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 768,
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "processor_class": PROCESSOR_CLASSES["qwen3_vl"],
+    }
+
+
+def generation_config(preset: str, ids: dict[str, int]) -> dict[str, Any]:
+    """Published sampling defaults for 7b; plain greedy for tiny so HF comparisons stay simple."""
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    base = {"bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"]}
+    if preset in SMALL_PRESETS:
+        return {**base, "do_sample": False, "eos_token_id": eos}
+    sampling = {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.1}
+    return {**base, **sampling, "eos_token_id": eos, "top_k": 1, "top_p": 0.001}
+
+
+def hf_config(flat: dict[str, Any]) -> Any:
+    """transformers' config object for a config.json dict (flat, or nested for Qwen3-VL)."""
+    import transformers
+
+    names = {
+        "qwen2_vl": "Qwen2VLConfig",
+        "qwen2_5_vl": "Qwen2_5_VLConfig",
+        "qwen3_vl": "Qwen3VLConfig",
+    }
+    cls_name = names[flat["model_type"]]
+    return getattr(transformers, cls_name)(**flat)
+
+
+def hf_model_class(arch: str) -> type:
+    import transformers
+
+    return getattr(transformers, ARCHITECTURES[arch])
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def published_name(name: str, arch: str = "qwen2_vl") -> str:
+    """Map transformers' in-memory parameter names to the published checkpoint names (Qwen3-VL
+    publishes transformers' own names: `model.language_model.*`, `model.visual.*`)."""
+    if arch == "qwen3_vl":
+        return name
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    if name.startswith("model.visual."):
+        return name[len("model.") :]
+    return name
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """A per-tensor seed, so every tensor is independent of the order tensors are made in."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def canonical_name(name: str) -> str:
+    """One name per tensor whatever the layout, for the init rules below."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    return name
+
+
+def is_norm(name: str) -> bool:
+    parts = name.split(".")
+    return any(p.endswith("norm") or p in ("norm1", "norm2", "ln_q") for p in parts)
+
+
+# Gains on top of 1/sqrt(fan_in), tuned so that greedy outputs depend on the image and the prompt:
+# sharper attention (q, k) lets a token pick out content, larger attention and MLP outputs outweigh
+# the current token's own embedding (else the model repeats it), a larger lm_head widens the gaps
+# between the top logits.
+GAINS = {
+    "q_proj": 2.5,
+    "k_proj": 2.5,
+    "attn.qkv": 2.0,
+    "o_proj": 2.0,
+    "down_proj": 2.0,
+    "lm_head": 2.0,
+}
+EMBED_STD = 0.3
+POS_EMBED_STD = 0.5  # Qwen3-VL's learned vision position table: large enough to matter
+TIED_EMBED_STD = 0.375
+# Output rows of the special tokens and of the unused vocabulary tail get this fraction of the
+# usual std: still random (so a misloaded row shows in the logits), but never the greedy choice.
+QUIET_ROW_SCALE = 0.1
+
+
+def init_stats(name: str, shape: tuple[int, ...], tied: bool) -> tuple[float, float]:
+    """(mean, std) for one published tensor name.
+
+    Matrices get std gain/sqrt(fan_in), so activations stay of order one through the layers. Norm
+    weights scatter around one and biases around zero, all random, so a missing or misplaced
+    tensor shows in the output.
+    """
+    name = canonical_name(name)
+    if is_norm(name):
+        return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.1)
+    if name.endswith("pos_embed.weight"):
+        return 0.0, POS_EMBED_STD
+    if name.endswith("bias"):
+        return 0.0, 0.1
+    if name == "model.embed_tokens.weight":
+        return 0.0, TIED_EMBED_STD if tied else EMBED_STD
+    gain = next((g for key, g in GAINS.items() if f"{key}." in name), 1.0)
+    return 0.0, gain / math.sqrt(math.prod(shape[1:]))
+
+
+def is_output_matrix(name: str, tied: bool) -> bool:
+    return canonical_name(name) == ("model.embed_tokens.weight" if tied else "lm_head.weight")
+
+
+def random_tensor(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, tied: bool
+) -> torch.Tensor:
+    """Seeded normal values for one published tensor, drawn in fp32 chunks, stored in `dtype`."""
+    mean, std = init_stats(name, shape, tied)
+    gen = torch.Generator().manual_seed(tensor_seed(seed, name))
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    buffer = torch.empty(min(flat.numel(), 1 << 24), dtype=torch.float32)
+    for start in range(0, flat.numel(), buffer.numel()):
+        part = buffer[: min(buffer.numel(), flat.numel() - start)]
+        flat[start : start + part.numel()].copy_(part.normal_(mean, std, generator=gen))
+    if is_output_matrix(name, tied):
+        out[BPE_VOCAB_SIZE:] *= QUIET_ROW_SCALE
+    return out
+
+
+def meta_model(arch: str, flat: dict[str, Any]) -> Any:
+    """transformers' model on the meta device: names and shapes without memory or init time."""
+    with torch.device("meta"):
+        return hf_model_class(arch)(hf_config(flat))
+
+
+def build_model(arch: str, flat: dict[str, Any], seed: int) -> Any:
+    """transformers' model in float32 on the CPU, every parameter filled with `random_tensor`."""
+    with torch.random.fork_rng(devices=[]):  # transformers' own init must not move the global RNG
+        model = hf_model_class(arch)(hf_config(flat)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shape, tied = tuple(param.shape), flat["tie_word_embeddings"]
+            published = published_name(name, arch)
+            param.copy_(random_tensor(published, shape, param.dtype, seed, tied))
+    return model
+
+
+def published_state(model: Any, arch: str, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters under the published names, sorted; no lm_head when it is tied."""
+    named = {published_name(n, arch): p.detach() for n, p in model.named_parameters()}
+    if tied:
+        named.pop("lm_head.weight", None)
+    return iter(sorted(named.items()))
+
+
+def streamed_state(
+    arch: str, flat: dict[str, Any], seed: int, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like `published_state`, one tensor at a time: for checkpoints too large to hold twice."""
+    shapes = {
+        published_name(n, arch): tuple(p.shape)
+        for n, p in meta_model(arch, flat).named_parameters()
+    }
+    if flat["tie_word_embeddings"]:
+        shapes.pop("lm_head.weight", None)
+    for name, shape in sorted(shapes.items()):
+        yield name, random_tensor(name, shape, dtype, seed, flat["tie_word_embeddings"])
+
+
+def save_weights(weights: Iterator[tuple[str, torch.Tensor]], out: Path, max_bytes: int) -> None:
+    """Write model.safetensors, or numbered shards plus an index when the weights are large."""
+    shards: list[list[str]] = []
+    current: dict[str, torch.Tensor] = {}
+    size = total = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_bytes:
+            shards.append(write_shard(current, out, len(shards)))
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+        total += nbytes
+    if not shards:
+        save_file(current, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "model.safetensors").chmod(0o644)
+        return
+    shards.append(write_shard(current, out, len(shards)))
+    finish_shards(shards, out, total)
+
+
+def write_shard(tensors: dict[str, torch.Tensor], out: Path, index: int) -> list[str]:
+    save_file(tensors, str(out / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
+    return list(tensors)
+
+
+def finish_shards(shards: list[list[str]], out: Path, total_size: int) -> None:
+    """Give the shards their final names (the count is known only now) and write the index."""
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out / f"shard-{i:05d}.tmp").rename(out / final)
+        (out / final).chmod(0o644)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    write_json(out / "model.safetensors.index.json", index)
+
+
+# ----------------------------------------------------------------------------- folder
+
+
+def write_json(path: Path, data: Any, indent: int | None = 2) -> None:
+    text = json.dumps(data, indent=indent, ensure_ascii=False)
+    path.write_text(text + "\n", encoding="utf-8")
+
+
+def save_generation_config(out: Path, values: dict[str, Any]) -> None:
+    from transformers import GenerationConfig
+
+    GenerationConfig(**values).save_pretrained(out)
+
+
+def remove_old_weights(out: Path) -> None:
+    """Drop weight files of an earlier run, so a rebuilt folder never mixes two layouts."""
+    for path in out.glob("model*.safetensors*"):
+        path.unlink()
+    for path in out.glob("shard-*.tmp"):
+        path.unlink()
+
+
+def supported(arch: str, preset: str) -> bool:
+    if arch == "qwen3_vl":
+        return preset in QWEN3_VISION_SHAPES
+    return (arch, preset) in VISION_SHAPES
+
+
+def make_checkpoint(
+    arch: str,
+    out: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    generation: dict[str, Any] | None = None,
+) -> Path:
+    """Write a complete checkpoint folder for `arch` and `preset` into `out` and return its path.
+
+    `generation` overrides fields of generation_config.json (written by transformers'
+    GenerationConfig, so it is what HF `generate` reads), e.g. sampling defaults or an EOS list.
+
+    The tiny and vit-heavy presets are stored in float32, the 7b preset in bfloat16 (shards of
+    at most 4 GiB).
+    """
+    if not supported(arch, preset):
+        raise ValueError(f"unknown arch/preset {arch!r}/{preset!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    ids = special_ids(tok)
+    dtype = torch.float32 if preset in SMALL_PRESETS else torch.bfloat16
+    flat = checkpoint_config(arch, preset, ids, str(dtype).removeprefix("torch."))
+    remove_old_weights(out)
+    save_tokenizer(tok, out)
+    write_json(out / "config.json", flat)
+    write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    write_json(out / "preprocessor_config.json", preprocessor_config(arch, preset))
+    save_generation_config(out, {**generation_config(preset, ids), **(generation or {})})
+    if arch == "qwen3_vl":
+        write_json(out / "video_preprocessor_config.json", video_preprocessor_config(preset))
+    if preset in SMALL_PRESETS:
+        model = build_model(arch, flat, seed)
+        weights = published_state(model, arch, flat["tie_word_embeddings"])
+    else:
+        weights = streamed_state(arch, flat, seed, dtype)
+    save_weights(weights, out, MAX_SHARD_BYTES)
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=ARCHS, required=True)
+    parser.add_argument("--out", required=True, help="folder to write the checkpoint into")
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--generation",
+        type=json.loads,
+        default=None,
+        help="JSON overriding generation_config.json fields (sampling defaults, eos_token_id)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Parse the command line, write the checkpoint, and say what was written (one line)."""
+    args = parse_args(argv)
+    start = time.perf_counter()
+    out = make_checkpoint(args.arch, args.out, args.preset, args.seed, args.generation)
+    elapsed = time.perf_counter() - start
+    return f"wrote {args.arch} {args.preset} checkpoint to {out} in {elapsed:.1f} s"
