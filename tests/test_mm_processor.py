@@ -564,9 +564,9 @@ def test_large_data_urls_are_decoded_off_the_event_loop(checkpoint: str) -> None
         async with AsyncMMDataProcessor(checkpoint, MediaLimits(), cpu_workers=1) as mm:
             fetch = mm._fetch
 
-            def recording_fetch(ref: MediaRef) -> object:
+            def recording_fetch(ref: MediaRef, *args: object) -> object:
                 on_loop[ref.url] = threading.current_thread() is loop_thread
-                return fetch(ref)
+                return fetch(ref, *args)
 
             mm._fetch = recording_fetch
             await mm.process([MediaRef(IMAGE, small), MediaRef(IMAGE, large)], 100_000)
