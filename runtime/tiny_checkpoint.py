@@ -16,6 +16,7 @@ Usage (scripts/make_tiny_checkpoint.py is the command-line wrapper of `main`):
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /data/q25-7b --preset 7b
     python scripts/make_tiny_checkpoint.py --arch qwen3_vl --out /tmp/tiny-qwen3-vl
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/vit-heavy --preset vit-heavy
+    python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/hd64 --preset hd64
 
 For Qwen3-VL the 7b preset has the shapes of Qwen3-VL-8B.
 """
@@ -38,13 +39,17 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-PRESETS = ("tiny", "vit-heavy", "7b")
+PRESETS = ("tiny", "vit-heavy", "hd64", "100m", "7b")
 # Presets built in float32 from a transformers model in memory; 7b is streamed in bfloat16.
 # vit-heavy (Qwen2-VL only) pairs a larger vision tower (depth 4, width 320, 4 heads of 80 as in
 # the published towers, so it shards at tp 2 and 4) with the tiny text model: a prefill-bound
 # checkpoint whose time goes to the vision tower, as with real checkpoints and large images, for
 # benchmarks of the serving path and of the encoder modes on a CPU.
-SMALL_PRESETS = ("tiny", "vit-heavy")
+# hd64 (Qwen2-VL only) has head_dim 64 in both towers (a 4-layer 512-wide decoder, a 4-layer
+# 256-wide vision tower): the smallest shape every peer's CPU attention accepts, for side-by-side
+# runs. 100m (Qwen2-VL only, about 100M parameters: 12 decoder layers of width 768, 8 vision blocks
+# of width 512) is large enough that the model's arithmetic, not per-step overhead, dominates.
+SMALL_PRESETS = ("tiny", "vit-heavy", "hd64", "100m")
 
 # Number of byte-level BPE tokens (256 byte symbols plus learned merges); the special tokens follow.
 BPE_VOCAB_SIZE = 368
@@ -143,12 +148,34 @@ TEXT_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 TEXT_SHAPES["vit-heavy"] = TEXT_SHAPES["tiny"]
+TEXT_SHAPES["hd64"] = dict(
+    hidden_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=1536,
+    vocab_size=512,
+    max_position_embeddings=8192,
+    mrope_section=[8, 12, 12],
+)
+TEXT_SHAPES["100m"] = dict(
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    intermediate_size=2048,
+    vocab_size=512,
+    max_position_embeddings=8192,
+    mrope_section=[8, 12, 12],
+)
 
 VISION_SHAPES: dict[tuple[str, str], dict[str, Any]] = {
     ("qwen2_vl", "tiny"): dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2, hidden_size=64),
     ("qwen2_vl", "vit-heavy"): dict(
         depth=4, embed_dim=320, num_heads=4, mlp_ratio=4, hidden_size=64
     ),
+    ("qwen2_vl", "hd64"): dict(depth=4, embed_dim=256, num_heads=4, mlp_ratio=4, hidden_size=512),
+    ("qwen2_vl", "100m"): dict(depth=8, embed_dim=512, num_heads=8, mlp_ratio=4, hidden_size=768),
     ("qwen2_vl", "7b"): dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584),
     ("qwen2_5_vl", "tiny"): dict(
         depth=2,
@@ -699,8 +726,7 @@ def make_checkpoint(
     `generation` overrides fields of generation_config.json (written by transformers'
     GenerationConfig, so it is what HF `generate` reads), e.g. sampling defaults or an EOS list.
 
-    The tiny and vit-heavy presets are stored in float32, the 7b preset in bfloat16 (shards of
-    at most 4 GiB).
+    The small presets are stored in float32, the 7b preset in bfloat16 (shards of at most 4 GiB).
     """
     if not supported(arch, preset):
         raise ValueError(f"unknown arch/preset {arch!r}/{preset!r}")

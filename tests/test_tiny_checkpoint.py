@@ -308,3 +308,15 @@ def test_7b_code_path_on_tiny_shapes(
     with torch.no_grad():
         logits = model(input_ids=torch.arange(5, 30).unsqueeze(0)).logits
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(("preset", "low", "high"), [("hd64", 15e6, 25e6), ("100m", 95e6, 115e6)])
+def test_peer_presets_have_head_dim_64(preset: str, low: float, high: float) -> None:
+    """The side-by-side presets: head_dim 64 in both towers, and the advertised size."""
+    flat = mtc.flat_config("qwen2_vl", preset, mtc.special_ids(mtc.build_tokenizer()), "float32")
+    vision = flat["vision_config"]
+    assert flat["hidden_size"] // flat["num_attention_heads"] == 64
+    assert vision["embed_dim"] // vision["num_heads"] == 64
+    assert sum(flat["rope_scaling"]["mrope_section"]) * 2 == 64
+    total = sum(p.numel() for p in mtc.meta_model("qwen2_vl", flat).parameters())
+    assert low < total < high
