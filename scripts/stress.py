@@ -351,10 +351,12 @@ def run(opts: argparse.Namespace) -> int:
             threading.Thread(target=load.worker, args=(k, until, opts.mean_gap, opts.requests))
             for k in range(opts.clients)
         ]
+        started = time.monotonic()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        load_seconds = time.monotonic() - started
         checks, info = after_load_checks(server, children)
     finally:
         stop_s = stop_and_time(server)
@@ -368,6 +370,8 @@ def run(opts: argparse.Namespace) -> int:
         "dp_encoder": opts.mm_enable_dp_encoder,
         "seed": opts.seed,
         "requests": sum(load.stats.sent.values()),
+        "load_seconds": round(load_seconds, 2),
+        "requests_per_s": round(sum(load.stats.sent.values()) / load_seconds, 3),
         "by_kind": dict(load.stats.sent),
         "outcomes": dict(load.stats.status),
         "greedy_checked": load.stats.greedy_checked,
