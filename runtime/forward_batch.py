@@ -92,7 +92,7 @@ class HostStager:
     the buffer is page-locked (so the copy is truly asynchronous) and reused: before it is
     written again, the event recorded after its last copy is waited on. Elsewhere the views are
     of a fresh host buffer (no copy at all on CPU). The one place host bookkeeping meets the
-    device in a step (invariant 16)."""
+    device in a step (invariant 19)."""
 
     def __init__(self, device: str | torch.device) -> None:
         self.device = torch.device(device)

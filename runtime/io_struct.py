@@ -102,7 +102,7 @@ class SchedulerCounters:
     aborted: int = 0
     refused: int = 0
     failed: int = 0  # requests ended by a fault of their own
-    faults_injected: int = 0
+    faults_injected: int = 0  # hits of a test's faults (scheduler/input_checks.py); 0 in production
 
 
 @dataclass

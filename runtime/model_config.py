@@ -273,7 +273,8 @@ def read_generation_config(model_path: str | Path) -> dict:
 class GenerationDefaults:
     """The checkpoint's sampling defaults for the fields a request leaves unset (`--generation-
     config auto`, as vLLM reads them), or none (`vllm`). Its EOS ids always join the stop set
-    (`ModelConfig.eos_token_ids`), as in vLLM with either setting."""
+    (`ModelConfig.eos_token_ids`), as in vLLM with either setting. The checkpoint's defaults
+    come before tessera's own (invariant 16)."""
 
     temperature: float | None = None
     top_p: float | None = None

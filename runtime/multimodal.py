@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,9 @@ class MultimodalDataItem:
 
     `offsets` lists half-open [start, end) token ranges of the placeholder run in the prompt;
     `grid_thw` is the item's patch grid, `second_per_grid_t` a video's seconds per temporal patch.
+    `model_specific_data` (the design's name) is a read-only view of these by HF's names
+    (`image_grid_thw` / `video_grid_thw` as a [1, 3] tensor, `second_per_grid_t`), each also an
+    attribute of the item; the grid itself is stored once, in `grid_thw`.
     """
 
     modality: Modality
@@ -48,6 +52,23 @@ class MultimodalDataItem:
         """From the item's digest: the same content, the same pad value on every rank, and
         radix keys that carry it (invariants 1 and 6)."""
         self.pad_value = MM_PAD_SHIFT_VALUE + self.hash % 2**PAD_VALUE_BITS
+
+    @property
+    def model_specific_data(self) -> dict[str, Any]:
+        key = f"{Modality(self.modality).value}_grid_thw"
+        data: dict[str, Any] = {key: torch.tensor([self.grid_thw])}
+        if self.second_per_grid_t is not None:
+            data["second_per_grid_t"] = self.second_per_grid_t
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        """HF's names for the item's data (`item.image_grid_thw`); only names the class lacks
+        reach here, and never while the item is being unpickled (no fields yet)."""
+        if name.endswith("_grid_thw") and "modality" in self.__dict__:
+            data = self.model_specific_data
+            if name in data:
+                return data[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @property
     def num_patches(self) -> int:

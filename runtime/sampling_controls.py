@@ -12,7 +12,7 @@ min_tokens masks the request's stop token ids (EOS unless ignore_eos, and stop_t
 its output is shorter. A bad word's last token is banned when the output ends with the rest of
 the word (vLLM's rule: output tokens only).
 
-State (invariant 18): a request that uses a penalty, bad words or allowed_token_ids carries a
+State (invariant 17): a request that uses a penalty, bad words or allowed_token_ids carries a
 `SamplingState` (allowed_token_ids as an index tensor, built once) that the scheduler advances
 with each token it accepts, so a step never recounts a request's tokens.
 Retraction keeps a request's tokens (only their KV is recomputed), so its state stays valid; a

@@ -188,11 +188,6 @@ class ServerArgs:
         "seconds without any output while requests are in flight before /health says 503",
         default=60.0,
     )
-    fault_injection_rate: float = _opt(
-        "testing only: chance per request and step that its input check fails on the last "
-        "TP rank (deterministic from --random-seed)",
-        default=0.0,
-    )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -296,8 +291,6 @@ class ServerArgs:
             raise ValueError("--max-content-parts must be at least 1")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be at least 1")
-        if not 0 <= self.fault_injection_rate <= 1:
-            raise ValueError("--fault-injection-rate must be in [0, 1]")
         if self.mm_cache_size_mb < 0:
             raise ValueError("--mm-cache-size-mb must be 0 (off) or positive")
         if self.mm_processor_cache_gb < 0:

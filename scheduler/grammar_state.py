@@ -6,10 +6,11 @@ sampled tokens ended their grammar. The hooks, in the order a request meets them
 
 - `refusal` at arrival: a constraint on a server built without a grammar engine is refused.
 - `poll` before admission: a request whose compile is not done stays waiting (the loop never
-  blocks on a compile); a compile that fails or outlives the limit fails the request (a 400).
+  blocks on a compile: invariant 18); a compile that fails or outlives the limit fails the
+  request (a 400).
 - `mask` before sampling: the batch's bitmasks, applied to the logits in one operation (None, at
   no cost, when no request in the batch is constrained).
-- `advance` after sampling: each kept token moves its matcher (invariant 18); a grammar that
+- `advance` after sampling: each kept token moves its matcher (invariant 17); a grammar that
   can only end stops its request with "stop".
 - `drop` when a request ends for any reason. Retraction keeps a request's tokens (only their KV
   is recomputed), so its matcher stays exactly where it was.

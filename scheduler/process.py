@@ -32,6 +32,7 @@ from runtime.transport.broadcast import broadcast_frames, release_loaded
 from runtime.transport.frames import Frame, from_frames
 from runtime.transport.shm import local_shm_dir
 from scheduler.encoder_cache import EncoderCache
+from scheduler.input_checks import load_test_faults
 from scheduler.model_runner import ModelRunner, kv_layout
 from scheduler.radix_cache import RadixCache
 from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
@@ -109,8 +110,6 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         context_length=context,
         schedule_policy=args.schedule_policy,
         eos_token_ids=model.config.eos_token_ids,
-        fault_injection_rate=args.fault_injection_rate,
-        random_seed=args.random_seed,
         enable_mixed_chunk=args.enable_mixed_chunk,
         vocab_size=model.config.text.vocab_size,
         media_token_ids={
@@ -122,7 +121,8 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
     eos, vocab = list(cfg.eos_token_ids), cfg.vocab_size
     compiler = partial(checkpoint_compiler, args.model_path, vocab, eos)  # built by rank 0 only
     sampler = Sampler(seed=args.random_seed)
-    return Scheduler(cfg, tp, runner, radix, encoder_cache, sampler, compiler)
+    faults = load_test_faults(tp.rank, tp.size)  # None unless a test installed some
+    return Scheduler(cfg, tp, runner, radix, encoder_cache, sampler, compiler, faults)
 
 
 def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:

@@ -45,8 +45,8 @@ from runtime.token_budget import TokenBudget
 from scheduler.batch import PrefillBatch
 from scheduler.cache import CacheManager
 from scheduler.encoder_cache import EncoderCache
-from scheduler.faults import FaultInjector, check_inputs
 from scheduler.grammar_state import CompilerFactory, GrammarStates
+from scheduler.input_checks import RequestFaults, check_inputs
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req
@@ -65,8 +65,6 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"
     eos_token_ids: tuple[int, ...] = ()
     check_integrity_when_idle: bool = True
-    fault_injection_rate: float = 0.0  # testing only: see scheduler/faults.py
-    random_seed: int = 0
     enable_mixed_chunk: bool = False  # running decodes ride along each prefill step
     vocab_size: int = 2**31  # token ids a request may name (logit_bias, allowed_token_ids)
     media_token_ids: dict[str, int] = field(default_factory=dict)  # modality -> placeholder id
@@ -89,6 +87,7 @@ class Scheduler:
         encoder_cache: EncoderCache,
         sampler: Sampler,
         grammar_compiler: CompilerFactory | None = None,
+        faults: RequestFaults | None = None,  # testing only: see scheduler/input_checks.py
     ):
         self.cfg, self.tp, self.runner, self.sampler = cfg, tp, runner, sampler
         self.cache = CacheManager(runner, radix, encoder_cache)
@@ -102,9 +101,7 @@ class Scheduler:
         self._touched: dict[Req, None] = {}
         self._was_idle = True
         self.grammar = GrammarStates(tp, grammar_compiler)
-        self.faults = FaultInjector(
-            cfg.fault_injection_rate, cfg.random_seed, raises_here=tp.rank == tp.size - 1
-        )
+        self.faults = faults
 
     # ------------------------------------------------------------------ the loop body
     def step(self, messages: list[SchedulerRequest]) -> StepResult:
@@ -384,7 +381,7 @@ class Scheduler:
         """Check each request's inputs on this rank, agree across ranks on which failed, fail
         those on every rank alike; returns the others in order (invariant 11)."""
         errors = {i: problem for i, r in enumerate(reqs) if (problem := self.input_problem(r))}
-        if not (self.faults.rate > 0 or any(self.needs_input_check(r) for r in reqs)):
+        if not (self.faults is not None or any(self.needs_input_check(r) for r in reqs)):
             return reqs  # nothing could fail here, on any rank: no collective needed
         failed = self.agree_on_failures(len(reqs), errors)
         for i, rank in failed.items():
@@ -393,11 +390,13 @@ class Scheduler:
 
     def input_problem(self, req: Req) -> str:
         """Why this request cannot run its next forward ("" when it can); logged with its rid."""
-        self.counters.faults_injected += self.faults.hits(req)
+        if self.faults is not None:
+            self.counters.faults_injected += self.faults.hits(req)
         try:
             if self.needs_input_check(req):
                 check_inputs(req)
-            self.faults.check(req)
+            if self.faults is not None:
+                self.faults.check(req)
         except Exception as exc:  # noqa: BLE001 - this request's fault, reported as its error
             logger.warning("request %s failed its input check: %r", req.rid, exc)
             return repr(exc)

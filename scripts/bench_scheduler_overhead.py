@@ -4,6 +4,11 @@
 
 Runs one rank in-process on the tiny checkpoint (or --model-path) with N text requests decoding
 together, and reports per-step total, model and scheduler-only time (median and p90).
+
+With --instant-model the model answers each decode step at once (zero logits) and the report is
+each step's CPU time on this thread: the scheduler's own work (sampling, bookkeeping, the
+runner's batch building), without the model's time and without the time a loaded machine
+takes the CPU away, which the wall-clock figures include.
 """
 
 from __future__ import annotations
@@ -34,11 +39,15 @@ class TimedModel:
 
     def __init__(self, model: torch.nn.Module):
         self.model, self.model_s = model, 0.0
+        self.instant = False  # answer with zero logits, without running the model
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)
 
     def __call__(self, *args):
+        if self.instant:
+            rows = args[0].last_token_indices.numel()
+            return torch.zeros(rows, self.model.config.text.vocab_size)
         start = time.perf_counter()
         out = self.model(*args)
         self.model_s += time.perf_counter() - start
@@ -66,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-path", default=None)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--instant-model", action="store_true", help="CPU time per step, no model")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,19 +92,28 @@ def main(argv: list[str] | None = None) -> None:
         scheduler.step(msgs)
         while scheduler.waiting or scheduler.chunked:
             scheduler.step([])
+        model.instant = args.instant_model
+        clock = time.thread_time if args.instant_model else time.perf_counter
         totals, models = [], []
         for _ in range(args.steps):
             model.model_s = 0.0
-            start = time.perf_counter()
+            start = clock()
             scheduler.step([])
-            totals.append(time.perf_counter() - start)
+            totals.append(clock() - start)
             models.append(model.model_s)
-    overhead = [t - m for t, m in zip(totals, models)]
     print(f"{len(scheduler.running)} running requests, {args.steps} decode steps (CPU, 1 thread)")
+    if args.instant_model:
+        report("scheduler CPU (instant model)", totals)
+        return
+    overhead = [t - m for t, m in zip(totals, models)]
     for name, values in (("step total", totals), ("model", models), ("scheduler", overhead)):
-        ms = sorted(v * 1e3 for v in values)
-        p90 = ms[int(0.9 * (len(ms) - 1))]
-        print(f"{name:<11} median {statistics.median(ms):8.3f} ms   p90 {p90:8.3f} ms")
+        report(name, values)
+
+
+def report(name: str, seconds: list[float]) -> None:
+    ms = sorted(v * 1e3 for v in seconds)
+    p90 = ms[int(0.9 * (len(ms) - 1))]
+    print(f"{name:<11} median {statistics.median(ms):8.3f} ms   p90 {p90:8.3f} ms")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """One request's fault fails that request alone, on every TP rank alike (issue 10).
 
 Real scheduler ranks at tp 2 with the DP encoder, a small KV pool and chunked prefill, and the
-test-only `--fault-injection-rate`: the last rank's input check fails some requests (before
+suite's fault injector (tests/fault_injection.py, installed through the test seam of
+scheduler/input_checks.py): the last rank's input check fails some requests (before
 their prefill or in the middle of their decode). Rank 0 must report those as errors from rank 1,
 finish the rest correctly, and free everything: the ranks agreed, or the next collective would
 hang."""
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fault_injection import FaultInjector, fault_environment
 from scheduler_harness import SchedulerHarness
 from vlm_cases import Checkpoint, gradient_image, noise_image
 
@@ -21,7 +23,7 @@ from runtime.io_struct import TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
-from scheduler.faults import check_item
+from scheduler.input_checks import TEST_FAULTS_ENV, check_item, load_test_faults
 
 NEW_TOKENS = 8
 
@@ -46,16 +48,17 @@ def request(case: object, rid: str) -> TokenizedGenerateReq:
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
 def test_injected_faults_fail_their_requests_only_at_tp2(
-    prompts: tuple[str, list], mixed: bool
+    prompts: tuple[str, list], mixed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder, cases = prompts
+    for name, value in fault_environment(0.03, seed=1).items():
+        monkeypatch.setenv(name, value)  # read by the spawned ranks
     args = ServerArgs(
         model_path=folder,
         tp_size=2,
         mm_encoder_mode="dp",
         chunked_prefill_size=64,
         max_total_tokens=600,
-        fault_injection_rate=0.03,
         random_seed=1,
         enable_mixed_chunk=mixed,
     )
@@ -97,3 +100,17 @@ def test_media_features_must_be_finite(bad: float | None) -> None:
         return
     with pytest.raises(ValueError, match="NaN or inf"):
         check_item(item, prompt)
+
+
+def test_the_test_seam_installs_faults_only_when_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset (production) no rank has faults; named, every rank builds its own injector and only
+    the last rank raises; a malformed name is refused loudly rather than ignored."""
+    monkeypatch.delenv(TEST_FAULTS_ENV, raising=False)
+    assert load_test_faults(0, 2) is None
+    for name, value in fault_environment(0.5, seed=7).items():
+        monkeypatch.setenv(name, value)
+    ranks = [load_test_faults(rank, 2) for rank in range(2)]
+    assert ranks == [FaultInjector(0.5, 7, False), FaultInjector(0.5, 7, True)]
+    monkeypatch.setenv(TEST_FAULTS_ENV, "fault_injection")
+    with pytest.raises(ValueError, match="module:factory"):
+        load_test_faults(0, 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fault_injection import FaultInjector
 
 from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch
@@ -14,6 +15,7 @@ from runtime.io_struct import AbortReq, TokenizedGenerateReq
 from runtime.memory_pool import KVPool, ReqToTokenPool
 from runtime.sampler import Sampler, SamplingParams
 from scheduler.encoder_cache import EncoderCache
+from scheduler.input_checks import RequestFaults
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
@@ -45,7 +47,9 @@ class FakeRunner(ModelRunner):
         self.macs_per_token = self.macs_per_context = 0  # every decode step counts as small
 
 
-def make_scheduler(kv_tokens: int, mixed: bool, chunk: int = 8, **kw: object) -> Scheduler:
+def make_scheduler(
+    kv_tokens: int, mixed: bool, chunk: int = 8, faults: RequestFaults | None = None, **kw: object
+) -> Scheduler:
     runner = FakeRunner(kv_tokens)
     cfg = SchedulerConfig(
         max_running_requests=6,
@@ -56,7 +60,8 @@ def make_scheduler(kv_tokens: int, mixed: bool, chunk: int = 8, **kw: object) ->
         **kw,
     )
     cache = EncoderCache(0)
-    return Scheduler(cfg, TPGroup(), runner, RadixCache(runner.kv_pool), cache, Sampler())
+    radix = RadixCache(runner.kv_pool)
+    return Scheduler(cfg, TPGroup(), runner, radix, cache, Sampler(), faults=faults)
 
 
 def request(rid: str, prompt_len: int, new: int = 12, seed: int = 0) -> TokenizedGenerateReq:
@@ -154,7 +159,8 @@ def test_abort_mid_mixed_step_frees_everything() -> None:
 
 
 def test_request_faults_in_mixed_steps_fail_alone() -> None:
-    sched = make_scheduler(1000, mixed=True, fault_injection_rate=0.05, random_seed=3)
+    faults = FaultInjector(0.05, seed=3, raises_here=True)  # one rank: the last one
+    sched = make_scheduler(1000, mixed=True, faults=faults)
     msgs = [request(f"r{i}", 10 + 7 * i, new=16, seed=i) for i in range(6)]
     outputs: dict[str, list[int]] = {}
     result = sched.step(msgs[:2])

@@ -49,6 +49,24 @@ def test_tensors_go_out_of_band_and_come_back_equal() -> None:
     assert got.grid_thw == (1, 2, 4) and back.rid == "a"
 
 
+def test_an_item_answers_to_hf_names_from_its_one_grid() -> None:
+    """The design's `model_specific_data` and attribute access (`item.image_grid_thw`) read the
+    grid stored once in `grid_thw`, before and after the trip; the view adds no frame."""
+    sent = request("a", torch.randn(8, 4))
+    frames = to_frames(sent)
+    assert len(frames) == 3  # the pickle, the pixels, the positions
+    received = from_frames([bytes(f) for f in frames])
+    for item in (sent.mm_inputs.items[0], received.mm_inputs.items[0]):
+        assert item.image_grid_thw.tolist() == [[1, 2, 4]]
+        assert list(item.model_specific_data) == ["image_grid_thw"]
+        with pytest.raises(AttributeError, match="video_grid_thw"):
+            item.video_grid_thw  # noqa: B018 - an image has no video grid
+    video = MultimodalDataItem(Modality.VIDEO, grid_thw=(2, 4, 6), second_per_grid_t=0.5)
+    data = video.model_specific_data
+    assert data["video_grid_thw"].tolist() == [[2, 4, 6]] and data["second_per_grid_t"] == 0.5
+    assert video.video_grid_thw.tolist() == [[2, 4, 6]]
+
+
 def test_non_contiguous_bfloat16_and_plain_messages() -> None:
     wide = torch.arange(24.0).view(4, 6)[:, ::2]
     half = torch.ones(3, dtype=torch.bfloat16)

@@ -2,7 +2,7 @@
 head has a size limit (431) and a deadline (408), its body a deadline (408), the server a number
 of open connections (503, then closed), and a response write that the client does not take for
 a while drops the connection (which aborts its request, as a hang-up does); what such a client
-makes the server buffer is bounded per connection. Keep-alive idle time
+makes the server buffer is bounded per connection (invariant 18). Keep-alive idle time
 is uvicorn's own `timeout_keep_alive`. Each refusal costs a few bytes and a closed socket, never
 a task, so thousands of slow connections cannot slow `/health` or anyone's request.
 """

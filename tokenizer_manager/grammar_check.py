@@ -1,7 +1,7 @@
 """The front end's check of a request's constraint before it reaches the scheduler: compiled on
 the grammar compiler's own threads (never on the event loop), under its size and time limits, so
 an invalid or explosive schema, regex or grammar is a 400 naming its field while other requests
-keep their speed. Results are cached by the constraint's text (failures too)."""
+keep their speed (invariant 18). Results are cached by the constraint's text (failures too)."""
 
 from __future__ import annotations
 

@@ -406,7 +406,7 @@ class AsyncMMDataProcessor:
 
 def _decodes_quickly(url: str) -> bool:
     """A data: URL small enough to decode on the event loop (pybase64: about 1 ms per 3 MB)
-    and read the image header of there."""
+    and read the image header of there; a larger one goes to a thread (invariant 18)."""
     return len(url) <= INLINE_DATA_URL_CHARS and url[:5].lower() == "data:"
 
 

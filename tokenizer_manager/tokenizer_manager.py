@@ -374,7 +374,7 @@ class TokenizerManager:
 
     async def encode_prompt(self, prompt: str) -> list[int]:
         """Tokenize off the event loop: refused by its length when it cannot fit; a long
-        prompt in its own lane."""
+        prompt in its own lane, so it delays no short one (invariant 18)."""
         if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
             raise self.too_long(f"a prompt of {len(prompt)} characters")
         if len(prompt) <= LONG_PROMPT_CHARS:

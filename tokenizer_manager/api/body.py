@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from tokenizer_manager.api.limits import check_content_parts
 from tokenizer_manager.protocol import APIError
 
-DECODE_IN_THREAD = 64 << 10  # bodies larger than this are parsed and validated off the loop
+DECODE_IN_THREAD = 64 << 10  # larger bodies are parsed and validated off the loop (invariant 18)
 
 
 async def parse_body(request: Request, model: type) -> Any:

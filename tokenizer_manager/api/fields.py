@@ -33,7 +33,7 @@ def asks_nothing(value: Any, inert: tuple[Any, ...]) -> bool:
 
 def refuse_fields(req: BaseModel, table: Refusals) -> None:
     """A 400 naming the first field of `table` the request sets to something that asks
-    (invariant 17: honoured or refused, never ignored)."""
+    (invariant 16: honoured or refused, never ignored)."""
     for name, (inert, reason) in table.items():
         if not asks_nothing(field_value(req, name), inert):
             raise unsupported(name, reason)

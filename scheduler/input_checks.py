@@ -1,23 +1,55 @@
 """Faults that belong to one request: the input checks run before a request's forward, and the
-test-only fault injector that makes them fail on purpose.
+one seam through which a test makes them fail on purpose.
 
 A check that raises fails that request alone. Each rank runs the checks on its own copy of the
 request (identical on every rank, since rank 0 broadcast it), and the scheduler makes the ranks
-agree on the failures before anything else happens, so they free the same things.
+agree on the failures before anything else happens, so they free the same things (invariant 11).
+
+The test seam: with `TESSERA_TEST_FAULTS=module:factory` in a scheduler rank's environment (a
+module on its import path; the suite's is tests/fault_injection.py), `build_scheduler` calls
+`factory(rank, tp_size)` for that rank's `RequestFaults`. Unset, as in production, there are none
+and no fault logic runs. The product holds only this seam; what fails and when is the test's.
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
+import importlib
+import os
+from typing import Protocol
 
 import torch
 
+from runtime.logging_utils import get_logger
 from scheduler.req import Req
 
+logger = get_logger(__name__)
 
-class InjectedFault(RuntimeError):
-    """A fault made on purpose by `--fault-injection-rate` (testing only)."""
+TEST_FAULTS_ENV = "TESSERA_TEST_FAULTS"
+
+
+class RequestFaults(Protocol):
+    """Faults a test makes on purpose, asked about every request before each of its forwards."""
+
+    def hits(self, req: Req) -> bool:
+        """Whether `req` fails at this step on some rank: the same answer on every rank."""
+        ...
+
+    def check(self, req: Req) -> None:
+        """Raise if `req` fails at this step on this rank."""
+        ...
+
+
+def load_test_faults(rank: int, tp_size: int) -> RequestFaults | None:
+    """This rank's test faults, from `TESSERA_TEST_FAULTS` (None when it is unset)."""
+    spec = os.environ.get(TEST_FAULTS_ENV, "")
+    if not spec:
+        return None
+    module, sep, name = spec.partition(":")
+    if not (module and sep and name):
+        raise ValueError(f"{TEST_FAULTS_ENV} must be module:factory, not {spec!r}")
+    factory = getattr(importlib.import_module(module), name)
+    logger.warning("TP rank %d: test faults from %s (testing only)", rank, spec)
+    return factory(rank, tp_size)
 
 
 def check_inputs(req: Req) -> None:
@@ -51,26 +83,3 @@ def _finite(t: torch.Tensor) -> bool:
     a 17th of `isfinite().all()`'s time on an image's features (0.13 against 2.2 ms)."""
     low, high = torch.aminmax(t)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-
-
-@dataclass(frozen=True)
-class FaultInjector:
-    """Testing only: with probability `rate` per request and step, the last TP rank's input
-    check fails. The draw is a hash of (seed, rid, tokens so far, KV length), so every rank
-    knows which requests are hit (for the counters) while only the last rank raises, and the
-    other ranks learn of it through the scheduler's agreement step, as of a real fault."""
-
-    rate: float = 0.0
-    seed: int = 0
-    raises_here: bool = False
-
-    def hits(self, req: Req) -> bool:
-        if self.rate <= 0:
-            return False
-        key = f"{self.seed}:{req.rid}:{len(req.token_ids)}:{req.kv_len}".encode()
-        draw = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") / 2**64
-        return draw < self.rate
-
-    def check(self, req: Req) -> None:
-        if self.raises_here and self.hits(req):
-            raise InjectedFault(f"injected fault (rate {self.rate})")
