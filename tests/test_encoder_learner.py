@@ -162,3 +162,19 @@ def test_plans_by_kind_holds_the_best_of_each_kind() -> None:
         plans.values(), key=lambda p: p.est_s)
     assert set(plans_by_kind(ONE_LARGE, 2, SHAPE, CALIBRATED)) == {"dp", "tp"}
     assert set(plans_by_kind(MANY_SMALL, 1, SHAPE, CALIBRATED)) == {"dp"}
+
+
+def test_a_machine_slower_than_at_calibration_keeps_the_right_plans() -> None:
+    """The calibration is right about the plans, but the machine got 3x slower for every kind
+    after it (other work arrived). The tried plan measures 3x its model; the untried one, seen
+    3x slower in the other class, must borrow that, not stay at 1 and look 3x cheaper."""
+    learner = EncoderLearner()
+    right = Scale()
+    greedy: dict[str, set[str]] = {"one_large": set(), "many_small": set()}
+    for i in range(80):
+        name, grids = ("one_large", ONE_LARGE) if i % 2 == 0 else ("many_small", MANY_SMALL)
+        choice = step(learner, grids, right, slow_factor=3.0)
+        if not choice.explored:
+            greedy[name].add(choice.plan.kind)
+    assert greedy == {"one_large": {"tp"}, "many_small": {"dp"}}
+    assert learner.ratios_of(size_class(ONE_LARGE))["dp"] == pytest.approx(3.0)

@@ -5,7 +5,10 @@ can make it wrong by a large factor. Each call's measured time (the slowest rank
 the ranks before anyone learns from it) over the time the model predicted is a *ratio*, kept
 per size class (the call's total patches and item count, each to a power of two) and per kind
 of plan ("dp", "tp", "hybrid"). A kind's estimate for a class is the median of its recent log
-ratios there: one slow outlier moves nothing.
+ratios there: one slow outlier moves nothing. A kind not yet measured in a class borrows its
+ratio from the other classes, scaled by how the class's measured kinds compare with theirs (see
+`ratios_of`): load that arrives after the calibration then cannot make an untried plan look
+cheaper than the tried ones.
 
 Choosing (`EncoderLearner.choose`), given the best plan of each kind under the model:
 - the greedy plan is the one with the lowest estimate. With nothing measured every ratio is 1
@@ -85,8 +88,28 @@ class EncoderLearner:
     stats: dict[tuple[SizeClass, str], RatioStats] = field(default_factory=dict)
 
     def ratios_of(self, klass: SizeClass) -> dict[str, float]:
-        """The learned ratio of each kind measured in one class (absent: never measured)."""
-        return {k: self.stats[klass, k].ratio() for k in KINDS if (klass, k) in self.stats}
+        """Each kind's learned ratio in one class (absent: unknown, the calibration stands).
+
+        Nothing measured in the class: nothing (its first calls follow the calibration). A
+        kind measured in this class has its own median. A kind measured only elsewhere
+        borrows: its ratio over every class, times how this class's measured kinds stand
+        against theirs (their geometric mean of own / overall). A machine that slowed down
+        after the start-up calibration slows every kind alike, so an untried kind must not
+        look cheaper merely because the tried ones were measured on the slower machine."""
+        own = {k: self.stats[klass, k].ratio() for k in KINDS if (klass, k) in self.stats}
+        if not own:
+            return own  # a class's first call does what the calibration says (the safe default)
+        overall = self._overall()
+        borrowed = [k for k in overall if k not in own]
+        level = math.exp(statistics.fmean(math.log(own[k] / overall[k]) for k in own))
+        return {**own, **{k: level * overall[k] for k in borrowed}}
+
+    def _overall(self) -> dict[str, float]:
+        """Each measured kind's median ratio over the recent measurements of every class."""
+        logs: dict[str, list[float]] = {}
+        for (_, kind), stats in self.stats.items():
+            logs.setdefault(kind, []).extend(stats.recent)
+        return {k: math.exp(statistics.median(v)) for k, v in logs.items()}
 
     def band(self, klass: SizeClass, kind: str) -> float:
         got = self.stats.get((klass, kind))
@@ -128,8 +151,4 @@ class EncoderLearner:
 
     def ratios(self) -> dict[str, float]:
         """Each kind's median ratio over every class (for logs and plots); 1 when unmeasured."""
-        out = {}
-        for kind in KINDS:
-            logs = [x for (_, k), s in self.stats.items() if k == kind for x in s.recent]
-            out[kind] = math.exp(statistics.median(logs)) if logs else 1.0
-        return out
+        return {**dict.fromkeys(KINDS, 1.0), **self._overall()}
