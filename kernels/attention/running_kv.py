@@ -29,7 +29,7 @@ from kernels.attention.base import AttentionLayer
 if TYPE_CHECKING:
     from runtime.forward_batch import ForwardBatch
 
-DEFAULT_MAX_BYTES = 512 << 20  # the kept blocks of all layers together
+DEFAULT_MAX_BYTES = 256 << 20  # the kept blocks of all layers together
 CAPACITY_STEP = 256  # columns are allocated in multiples of this
 
 
@@ -58,6 +58,8 @@ class RunningKV:
         self._batch: ForwardBatch | None = None
         self._rebuild = True
         self._mask_view: torch.Tensor | None = None  # this step's mask, [rows*kv_heads, 1, width]
+        self._new_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # (request, column)
+        self._slots: torch.Tensor | None = None  # a rebuild's pool slots, [requests, width]
 
     def reset(self) -> None:
         """Forget the blocks (an extend ran: the next decode rebuilds)."""
@@ -69,7 +71,7 @@ class RunningKV:
         if batch.decode_tables is not None or batch.kv_pool.device.type != "cpu":
             return False
         kv = batch.kv_pool
-        width = _round_up(max(batch.seq_lens_list))
+        width = _round_up(max(batch.seq_lens_list) + 1)  # as _blocks_for sizes them
         columns = batch.batch_size * layer.num_kv_heads * layer.head_dim * width
         return 2 * 4 * columns * len(kv.k_buffers) <= self.max_bytes
 
@@ -106,25 +108,23 @@ class RunningKV:
             and max(lens) <= old.capacity
             and all(n == held + 1 for n, held in zip(lens, old.lens))
         )
+        self._new_keys = (torch.arange(len(rows)), torch.tensor(lens, dtype=torch.long) - 1)
         if steady:
             assert old is not None
-            positions = torch.tensor(lens, dtype=torch.long) - 1
-            old.mask[torch.arange(len(rows)), positions] = 0.0
+            old.mask[self._new_keys] = 0.0
             old.lens, old.layers_done = lens, 0
         else:
             self._blocks = _blocks_for(old, rows, lens, layer, layers)
+            self._slots = _held_slots(batch, rows, lens)
         self._rebuild = not steady
         self._batch = batch
         self._mask_view = _mask_view(self._blocks, layer.num_kv_heads, max(lens))
 
     def _gather_layer(self, blocks: _Blocks, layer: AttentionLayer, batch: ForwardBatch) -> None:
         """Copy this layer's keys of every request from the pool into the blocks."""
-        width = max(blocks.lens)
-        table = batch.req_to_token[list(blocks.rows), :width]
-        first = table[:, :1].expand(-1, width)
-        held = torch.arange(width)[None, :] < torch.tensor(blocks.lens)[:, None]
-        slots = torch.where(held, table, first)  # padding reads the request's first key
-        k, v = batch.kv_pool.get_kv(layer.layer_id, slots)  # [requests, width, kv_heads, dim]
+        assert self._slots is not None
+        width = self._slots.shape[1]
+        k, v = batch.kv_pool.get_kv(layer.layer_id, self._slots)  # [requests, width, heads, dim]
         n, d = len(blocks.rows) * layer.num_kv_heads, layer.head_dim
         blocks.k_t[layer.layer_id][:, :, :width] = k.permute(0, 2, 3, 1).reshape(n, d, width)
         blocks.v[layer.layer_id][:, :width] = v.permute(0, 2, 1, 3).reshape(n, width, d)
@@ -134,8 +134,8 @@ class RunningKV:
     ) -> None:
         """Write the step's one new key per request at its column."""
         requests, heads, d = len(blocks.rows), layer.num_kv_heads, layer.head_dim
-        at = torch.tensor(blocks.lens, dtype=torch.long) - 1
-        each = torch.arange(requests)
+        assert self._new_keys is not None
+        each, at = self._new_keys
         k_t = blocks.k_t[layer.layer_id].view(requests, heads, d, -1)
         v_all = blocks.v[layer.layer_id].view(requests, heads, -1, d)
         k_t[each, :, :, at] = k.reshape(requests, heads, d).float()
@@ -178,6 +178,15 @@ def _blocks_for(
     mask = torch.full((len(rows), capacity), float("-inf"))
     mask[torch.arange(capacity)[None, :] < torch.tensor(lens)[:, None]] = 0.0
     return _Blocks(rows=rows, lens=lens, k_t=k_t, v=v, mask=mask, layers_done=0)
+
+
+def _held_slots(batch: ForwardBatch, rows: tuple[int, ...], lens: list[int]) -> torch.Tensor:
+    """The pool slots of every request's keys, [requests, longest]; padding reads the request's
+    first key (finite, masked)."""
+    width = max(lens)
+    table = batch.req_to_token[list(rows), :width]
+    held = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
+    return torch.where(held, table, table[:, :1].expand(-1, width))
 
 
 def _mask_view(blocks: _Blocks, kv_heads: int, width: int) -> torch.Tensor:
