@@ -200,3 +200,14 @@ def test_decode_blocks_grow_past_their_capacity() -> None:
     for _ in range(4):  # lengths 255..258 cross the 256-column capacity
         run.step(rows)
     assert run.gathers == 2
+
+
+def test_decode_blocks_past_their_budget_take_the_gathering_path() -> None:
+    """With no room for kept blocks every step gathers from the pool, and stays exact."""
+    run = DecodeRun([5, 17, 9])
+    run.backend.running.max_bytes = 0
+    rows = list(run.lens)
+    for _ in range(3):
+        run.step(rows)
+    assert run.gathers == 3 * len(run.layers)
+    assert run.backend.running._blocks is None
