@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
+from runtime.allocator import keep_freed_memory  # noqa: E402
 from runtime.distributed import TPGroup  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
 from runtime.sampler import SamplingParams  # noqa: E402
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--instant-model", action="store_true", help="CPU time per step, no model")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    keep_freed_memory()  # as every server process does: freed buffers are not faulted in again
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_path is None:
             from runtime.tiny_checkpoint import make_checkpoint

@@ -9,8 +9,9 @@ import torch
 from numerics import assert_within_rounding
 
 from kernels.attention.base import AttentionLayer
-from kernels.attention.torch_backend import _attend
+from kernels.attention.torch_backend import TorchAttentionBackend, _attend
 from kernels.attention.varlen import varlen_attention
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.memory_pool import KVPool, ReqToTokenPool
 
 
@@ -89,3 +90,124 @@ def test_one_decode_slot_per_request_lands_at_its_position() -> None:
     assert pool.req_to_token[2, :6].tolist() == [0, 1, 2, 3, 4, 40]
     assert pool.req_to_token[0, 0] == 41 and pool.req_to_token[3, 7] == 42
     assert int(pool.req_to_token.count_nonzero()) == 7  # nothing else written
+
+
+class DecodeRun:
+    """Requests decoding over a real KV pool: each step allocates one slot per request, runs
+    every layer's attention through one backend and checks it against `naive_causal` over the
+    request's keys read back from the pool; counts the backend's pool gathers."""
+
+    def __init__(self, prompt_lens: list[int], layers: int = 2, heads: int = 4, kv_heads: int = 2):
+        self.gen = torch.Generator().manual_seed(sum(prompt_lens))
+        self.layers = [AttentionLayer(i, heads, kv_heads, 8, 8**-0.5) for i in range(layers)]
+        self.kv = KVPool(512, layers, kv_heads, 8, torch.float32)
+        self.kv._free = self.kv._free[torch.randperm(self.kv.size, generator=self.gen)]
+        self.table = ReqToTokenPool(8, 300)
+        self.table.alloc()  # row 0 unused: table rows differ from batch positions
+        self.lens: dict[int, int] = {}
+        self.backend = TorchAttentionBackend()
+        self.gathers = 0
+        get_kv = self.kv.get_kv
+
+        def counted(layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            self.gathers += 1
+            return get_kv(layer_id, slots)
+
+        self.kv.get_kv = counted  # type: ignore[method-assign]
+        for n in prompt_lens:
+            self.admit(n)
+
+    def admit(self, prompt_len: int) -> int:
+        row = self.table.alloc()
+        assert row is not None
+        slots = self.kv.alloc(prompt_len)
+        assert slots is not None
+        self.table.write(row, 0, slots)
+        for layer in self.layers:
+            k, v = torch.randn(2, prompt_len, layer.num_kv_heads, 8, generator=self.gen)
+            self.kv.set_kv(layer.layer_id, slots, k, v)
+        self.lens[row] = prompt_len
+        return row
+
+    def step(self, rows: list[int]) -> None:
+        slots = self.kv.alloc(len(rows))
+        assert slots is not None
+        self.table.write_each(rows, [self.lens[r] for r in rows], slots)
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.zeros(len(rows), dtype=torch.int64),
+            positions=torch.zeros(3, len(rows), dtype=torch.int64),
+            out_cache_loc=slots,
+            req_pool_indices_list=list(rows),
+            prefix_lens_list=[self.lens[r] for r in rows],
+            extend_lens_list=[1] * len(rows),
+            req_pool=self.table,
+            kv_pool=self.kv,
+        )
+        for layer in self.layers:
+            q, k, v = (
+                torch.randn(len(rows), h * 8, generator=self.gen)
+                for h in (layer.num_heads, layer.num_kv_heads, layer.num_kv_heads)
+            )
+            out = self.backend.forward(q, k, v, layer, batch).view(len(rows), -1, 8)
+            for i, row in enumerate(rows):
+                keys = self.table.req_to_token[row, : self.lens[row] + 1]
+                k_all = self.kv.k_buffers[layer.layer_id][keys]
+                v_all = self.kv.v_buffers[layer.layer_id][keys]
+                expected = naive_causal(q[i].view(1, -1, 8), k_all, v_all, layer.scaling)
+                assert_within_rounding(out[i : i + 1], expected, terms=8 + 2 * len(keys))
+        for row in rows:
+            self.lens[row] += 1
+
+
+def test_steady_decode_reads_no_pool_slot_and_attends_over_every_key() -> None:
+    """The first step of a batch gathers each layer's keys once; while the same requests keep
+    decoding, each step only appends its new key, and every step still attends over exactly
+    the request's keys (the pool's, new ones included)."""
+    run = DecodeRun([5, 17, 9])
+    rows = list(run.lens)
+    run.step(rows)
+    assert run.gathers == len(run.layers)
+    for _ in range(4):
+        run.step(rows)
+    assert run.gathers == len(run.layers)
+
+
+def test_decode_batch_that_changes_rebuilds_from_the_pool() -> None:
+    """A request leaving, a request joining, the order changing, an extend between two steps
+    and a step cut short each make the next step read the pool again, and attention stays
+    exact throughout."""
+    run = DecodeRun([5, 17, 9])
+    a, b, c = list(run.lens)
+    run.step([a, b, c])
+    for rows in ([a, c], [a, c, run.admit(3)], [c, a]):
+        before = run.gathers
+        run.step(rows)
+        assert run.gathers == before + len(run.layers)
+    run.backend.running.reset()  # what an extend forward does
+    before = run.gathers
+    run.step([c, a])
+    assert run.gathers == before + len(run.layers)
+    run.backend.running._blocks.layers_done = 1  # a step that stopped after its first layer
+    run.step([c, a])
+    assert run.gathers == before + 2 * len(run.layers)
+
+
+def test_decode_blocks_grow_past_their_capacity() -> None:
+    """A request outgrowing the kept columns gets larger blocks, rebuilt from the pool."""
+    run = DecodeRun([254, 7], layers=1)
+    rows = list(run.lens)
+    for _ in range(4):  # lengths 255..258 cross the 256-column capacity
+        run.step(rows)
+    assert run.gathers == 2
+
+
+def test_decode_blocks_past_their_budget_take_the_gathering_path() -> None:
+    """With no room for kept blocks every step gathers from the pool, and stays exact."""
+    run = DecodeRun([5, 17, 9])
+    run.backend.running.max_bytes = 0
+    rows = list(run.lens)
+    for _ in range(3):
+        run.step(rows)
+    assert run.gathers == 3 * len(run.layers)
+    assert run.backend.running._blocks is None

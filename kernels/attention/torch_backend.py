@@ -4,6 +4,9 @@ Extend (prefill) runs one request at a time, causal over its cached prefix and n
 (one new token per request) runs as one batched call: each request's K/V slots are gathered into
 a [requests, longest, kv_heads, head_dim] block with a mask over the padding, built once per
 forward and shared by all layers. A mixed step's decode tail takes the batched decode path too.
+On a CPU pool a decode step instead attends over blocks kept between steps
+(kernels/attention/running_kv.py): a steady batch writes one new key per request and gathers
+nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.base import AttentionLayer, store_kv
+from kernels.attention.running_kv import RunningKV
 
 if TYPE_CHECKING:
     from runtime.forward_batch import ForwardBatch
@@ -23,6 +27,7 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         self._decode_batch: ForwardBatch | None = None
         self._decode_index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.running = RunningKV()
 
     def forward(
         self,
@@ -34,8 +39,12 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         store_kv(k, v, layer, batch)
         q = q.view(-1, layer.num_heads, layer.head_dim)
-        if batch.is_decode:
-            return self._decode(q, layer, batch).view(-1, layer.num_heads * layer.head_dim)
+        if batch.is_decode and self.running.covers(batch, layer):
+            return self.running.attend(q, k, v, layer, batch).flatten(1)
+        if batch.is_decode:  # a static decode, or blocks past their byte budget: gather
+            self.running.reset()
+            return self._decode(q, layer, batch).flatten(1)
+        self.running.reset()  # the pool changes under an extend: the next decode rebuilds
         out = torch.empty_like(q)
         start = self._extend(q, out, layer, batch)
         if batch.decode_tail:
