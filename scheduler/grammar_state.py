@@ -28,6 +28,7 @@ from runtime.grammar import (
     GrammarError,
     GrammarMatcher,
     GrammarSpec,
+    ReasoningMatcher,
     fill_batch,
 )
 from scheduler.req import Req
@@ -103,7 +104,8 @@ class GrammarStates:
             compiled = future.result()
         except GrammarError as exc:
             raise GrammarError(str(exc), spec.param) from None
-        return compiler.backend.new_matcher(compiled)
+        matcher = compiler.backend.new_matcher(compiled)
+        return ReasoningMatcher.around(matcher, spec.think) if spec.think else matcher
 
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:

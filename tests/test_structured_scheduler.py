@@ -12,10 +12,11 @@ import jsonschema
 import pytest
 from grammar_cases import CHOICES, REGEXES, SCHEMAS
 from scheduler_harness import SchedulerHarness
+from think_tokens import add_think_tokens
 from transformers import AutoTokenizer
 
 from runtime.distributed import TPGroup
-from runtime.grammar import GrammarSpec
+from runtime.grammar import GrammarSpec, ThinkSection
 from runtime.io_struct import AbortReq, FinishKind, ReqOutput, TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
@@ -33,6 +34,13 @@ UNBOUNDED_NUMBERS = {4, 7}
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("structured") / "ck")
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """The same checkpoint (same weights), its vocabulary with <think> and </think> added."""
+    folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("thinking") / "ck")
+    return folder, add_think_tokens(folder)
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +220,61 @@ def test_two_ranks_take_rank_zeros_grammar_decisions(folder, tokenizer) -> None:
     assert results["tbad"]["finish"]["status"] == 400
     assert len(results["tfree"]["tokens"]) == 20
     assert info.kv_free + info.kv_evictable == info.kv_total
+
+
+def split_thought(tokens: list[int], think: ThinkSection) -> tuple[list[int], list[int]]:
+    """(the thinking section with its tags, the reply after it)."""
+    assert think.end_id in tokens, tokens
+    end = tokens.index(think.end_id) + 1
+    if think.start_id is not None:
+        assert tokens[0] == think.start_id
+    return tokens[:end], tokens[end:]
+
+
+def test_a_reasoning_model_thinks_freely_then_follows_the_schema(
+    thinking, model, tokenizer
+) -> None:
+    """The thinking section is free (noise that would never validate), the reply after
+    </think> follows the schema, with each rule (deepseek_r1: it thinks from the start; qwen3:
+    only if it opens with <think>), n > 1 choices each with its own state, and retraction."""
+    folder, ids = thinking
+    rules = {
+        "r1": ThinkSection(ids["</think>"]),
+        "q3": ThinkSection(ids["</think>"], ids["<think>"]),
+    }
+    bias = {ids["</think>"]: 6.0, ids["<think>"]: 6.0}
+    room = {"max_new_tokens": 100}
+    roomy = make_scheduler(folder, model)
+    tight = make_scheduler(folder, model, kv_tokens=120)
+    reqs = []
+    for name, think in rules.items():
+        spec = GrammarSpec("json_schema", GrammarSpec.json_schema(DIGITS).text, think=think)
+        reqs += [
+            request(f"{name}-{s}", spec, 8, temperature=1.0, seed=s, n=2, **room, logit_bias=bias)
+            for s in (1, 2)
+        ]
+    expected = run(roomy, reqs)
+    outputs = run(tight, reqs)
+    assert tight.counters.retractions > 0
+    assert outputs == expected  # each choice's matcher resumes where it was
+    eos = tight.cfg.eos_token_ids
+    thoughts = []
+    for (rid, _), (tokens, finish) in outputs.items():
+        assert finish.kind == FinishKind.STOP, (rid, finish)
+        thought, reply = split_thought(tokens, rules[rid[:2]])
+        thoughts.append(thought)
+        jsonschema.validate(json.loads(text_of(tokenizer, reply, eos)), DIGITS)
+    assert len(outputs) == 8 and any(len(t) > 2 for t in thoughts)
+
+
+def test_qwen3_rule_constrains_from_the_start_without_a_think_token(
+    thinking, model, tokenizer
+) -> None:
+    folder, ids = thinking
+    think = ThinkSection(ids["</think>"], ids["<think>"])
+    spec = GrammarSpec("json_schema", GrammarSpec.json_schema(SCHEMAS[1]).text, think=think)
+    scheduler = make_scheduler(folder, model)
+    tokens, finish = run(scheduler, [request("plain", spec)])[("plain", 0)]
+    assert finish.kind == FinishKind.STOP and ids["<think>"] not in tokens
+    text = text_of(tokenizer, tokens, scheduler.cfg.eos_token_ids)
+    jsonschema.validate(json.loads(text), SCHEMAS[1])
