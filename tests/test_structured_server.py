@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
 from grammar_cases import CHOICES, EBNF, EBNF_PATTERN, REGEXES, SCHEMAS
-from stress import LaunchedServer
 from test_openai_sampling import OneRankServer
 from test_server import Server, client, serve_then_check_teardown
 from test_tools import TOOLS_TEMPLATE
@@ -35,28 +33,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from serve_then_check_teardown(OneRankServer(str(folder), log))
 
 
-class ThinkingServer(OneRankServer):
-    """One rank serving a checkpoint with think tokens behind `--reasoning-parser qwen3`."""
-
-    def __init__(self, folder: str, log: Path) -> None:
-        flags = ["--model-path", folder, "--device", "cpu", "--max-total-tokens", "6000"]
-        LaunchedServer.__init__(self, [*flags, "--reasoning-parser", "qwen3"], log)
-        try:
-            self.wait_healthy(240)
-        except BaseException:
-            self.stop()
-            raise
-
-
 @pytest.fixture(scope="module")
 def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("thinking") / "qwen2_vl")
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": TOOLS_TEMPLATE}))
     ids = add_think_tokens(folder)
     log = tmp_path_factory.mktemp("log") / "thinking.log"
-    for srv in serve_then_check_teardown(ThinkingServer(str(folder), log)):
-        srv.think_ids = ids
-        yield srv
+    srv = OneRankServer(str(folder), log, "--reasoning-parser", "qwen3")
+    srv.think_ids = ids
+    yield from serve_then_check_teardown(srv)
 
 
 def chat(server: Server, **kw: Any):
