@@ -112,6 +112,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         fault_injection_rate=args.fault_injection_rate,
         random_seed=args.random_seed,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        enable_jump_forward=not args.disable_jump_forward,
         vocab_size=model.config.text.vocab_size,
         media_token_ids={
             Modality.IMAGE: model.config.image_token_id,

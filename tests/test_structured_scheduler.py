@@ -53,8 +53,12 @@ def tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def make_scheduler(folder: Path, model, kv_tokens: int = 8000) -> Scheduler:
+def make_scheduler(
+    folder: Path, model, kv_tokens: int = 8000, jump_forward: bool = True, mixed: bool = False
+) -> Scheduler:
     args = ServerArgs(
+        disable_jump_forward=not jump_forward,
+        enable_mixed_chunk=mixed,
         model_path=str(folder),
         device="cpu",
         max_total_tokens=kv_tokens,
@@ -278,3 +282,73 @@ def test_qwen3_rule_constrains_from_the_start_without_a_think_token(
     assert finish.kind == FinishKind.STOP and ids["<think>"] not in tokens
     text = text_of(tokenizer, tokens, scheduler.cfg.eos_token_ids)
     jsonschema.validate(json.loads(text), SCHEMAS[1])
+
+
+FIXED_KEYS = (0, 1, 3, 6, 9)  # objects with required keys: the grammar forces them
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_jump_forward_equals_step_by_step_decoding_in_fewer_steps(
+    folder, model, tokenizer, mixed
+) -> None:
+    """A forced token is the only one the mask allows, so step-by-step decoding picks it too
+    (greedy, or sampled: a seeded request draws from a generator keyed by its seed and the
+    token's position, so skipping the forced positions' draws changes no other draw). The
+    run's KV and positions, written by one extend, are those the decode steps would write, so
+    every token after it is the same too; only the step count differs."""
+    reqs = [
+        request(f"g{i}", GrammarSpec.json_schema(SCHEMAS[i]), max_new_tokens=200)
+        for i in FIXED_KEYS
+    ]
+    reqs += [
+        request(f"t{i}", GrammarSpec.json_schema(SCHEMAS[i]), temperature=1.0, seed=i, n=2)
+        for i in FIXED_KEYS
+    ]
+    reqs.append(request("free", None, ignore_eos=True, max_new_tokens=40))
+    stepwise = make_scheduler(folder, model, jump_forward=False, mixed=mixed)
+    jumping = make_scheduler(folder, model, mixed=mixed)
+    expected = run(stepwise, reqs)
+    outputs = run(jumping, reqs)
+    assert stepwise.counters.forced_tokens == 0 < jumping.counters.forced_tokens
+    assert outputs == expected
+    steps = [s.counters.decode_steps + s.counters.prefill_steps for s in (stepwise, jumping)]
+    assert steps[1] < steps[0]
+    eos = jumping.cfg.eos_token_ids
+    for (rid, _), (tokens, finish) in outputs.items():
+        if rid != "free":
+            assert finish.kind == FinishKind.STOP, rid
+            jsonschema.validate(json.loads(text_of(tokenizer, tokens, eos)), SCHEMAS[int(rid[1:])])
+
+
+def deltas(scheduler: Scheduler, req: TokenizedGenerateReq) -> list[ReqOutput]:
+    """The request's outputs step by step (each a delivered delta), once the scheduler idles."""
+    outputs, result = [], scheduler.step([req])
+    for _ in range(5000):
+        outputs += [o for o in result.outputs if o.new_token_ids]
+        if scheduler.idle:
+            return outputs
+        result = scheduler.step([])
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_forced_runs_keep_max_tokens_min_tokens_and_logprobs(folder, model) -> None:
+    """A run stops at max_tokens ("length" at exactly that many tokens); while a request is
+    under min_tokens no delivered delta reaches past it (the detokenizer arms stop strings per
+    delta); a request that asked for logprobs gets one real logprob per token (its forced
+    tokens decode one step each)."""
+    spec = GrammarSpec.json_schema(SCHEMAS[1])
+    scheduler = make_scheduler(folder, model)
+    for cap in (2, 5, 9):
+        tokens, finish = run(scheduler, [request(f"cap{cap}", spec, max_new_tokens=cap)])[
+            (f"cap{cap}", 0)
+        ]
+        assert finish.kind == FinishKind.LENGTH and len(tokens) == cap
+    assert max(len(o.new_token_ids) for o in deltas(scheduler, request("m0", spec))) > 1
+    least = 6
+    for out in deltas(scheduler, request("m6", spec, min_tokens=least)):
+        first = out.completion_tokens - len(out.new_token_ids) + 1
+        assert first >= least or out.completion_tokens < least, out
+    before = scheduler.counters.forced_tokens
+    outputs = deltas(scheduler, request("lp", spec, logprobs=0))
+    assert scheduler.counters.forced_tokens == before
+    assert all(len(o.new_token_ids) == len(o.logprobs) == 1 for o in outputs)

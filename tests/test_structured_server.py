@@ -298,3 +298,18 @@ def test_required_tool_call_after_thinking(thinking_server) -> None:
     check_calls(choice.message.tool_calls, set(PARAMETERS))
     info = httpx.get(thinking_server.url + "/server_info", timeout=30).json()
     assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
+
+
+def test_jump_forward_runs_stream_and_stop_strings_cut_them(server) -> None:
+    """The keys of a fixed schema are forced runs (counted in /server_info); a stop string
+    inside one still ends the reply there, streamed or not."""
+    fmt = response_format(SCHEMAS[1])
+    whole = chat(server, response_format=fmt).choices[0].message.content
+    assert '"vendor"' in whole
+    cut = chat(server, response_format=fmt, stop=["vendor"]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == whole[: whole.index("vendor")]
+    stream = chat(server, response_format=fmt, stop=["vendor"], stream=True)
+    text = "".join(c.delta.content or "" for chunk in stream for c in chunk.choices)
+    assert text == cut.message.content
+    info = httpx.get(server.url + "/server_info", timeout=30).json()
+    assert info["counters"]["forced_tokens"] > 0
