@@ -17,7 +17,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_every_share_is_measured_side_by_side(results: dict) -> None:
-    for name in ("0%", "50%", "100%", "100% stepwise"):
+    for name in ("0%", "50%", "100%", "50% stepwise", "100% stepwise"):
         row = results[name]
         assert row["tokens"] == 4 * 8 and row["tokens_per_s"] > 0  # the same work in each
     assert results["0%"]["mask_us_per_token"] == 0.0  # no constraint: no mask at all
