@@ -163,7 +163,7 @@ DIGITS = {  # about 60 tokens long: three such requests outgrow the small pool
 def test_retraction_keeps_constrained_outputs_valid_and_leaks_nothing(
     folder, model, tokenizer
 ) -> None:
-    roomy = make_scheduler(folder, model)
+    roomy = make_scheduler(folder, model, jump_forward=False)  # and stepwise
     # two are admitted (8 prompt tokens and half of 100 outputs reserved each), then outgrow it
     tight = make_scheduler(folder, model, kv_tokens=120)
     spec = GrammarSpec.json_schema(DIGITS)
@@ -174,6 +174,7 @@ def test_retraction_keeps_constrained_outputs_valid_and_leaks_nothing(
     outputs = run(tight, reqs)
     assert tight.counters.retractions > 0
     assert outputs == expected  # a retracted request's matcher resumes exactly where it was
+    assert tight.counters.forced_tokens > 0
     for req in reqs:
         tokens, finish = outputs[(req.rid, 0)]
         assert finish.kind == FinishKind.STOP
@@ -248,7 +249,7 @@ def test_a_reasoning_model_thinks_freely_then_follows_the_schema(
     }
     bias = {ids["</think>"]: 6.0, ids["<think>"]: 6.0}
     room = {"max_new_tokens": 100}
-    roomy = make_scheduler(folder, model)
+    roomy = make_scheduler(folder, model, jump_forward=False)
     tight = make_scheduler(folder, model, kv_tokens=120)
     reqs = []
     for name, think in rules.items():
@@ -260,7 +261,7 @@ def test_a_reasoning_model_thinks_freely_then_follows_the_schema(
     expected = run(roomy, reqs)
     outputs = run(tight, reqs)
     assert tight.counters.retractions > 0
-    assert outputs == expected  # each choice's matcher resumes where it was
+    assert outputs == expected  # each choice's matcher resumes where it was, jumps or not
     eos = tight.cfg.eos_token_ids
     thoughts = []
     for (rid, _), (tokens, finish) in outputs.items():
