@@ -152,7 +152,7 @@ class GrammarStates:
 
     def forced_run(self, req: Req, matcher: GrammarMatcher) -> list[int]:
         """The tokens the grammar forces after the one just accepted (llguidance's forced
-        tokens: their tokenization is settled), accepted now. None for a request that asked for
+        tokens: their tokenization is settled), accepted now; none for a request that asked for
         logprobs (each token keeps its own forward and its real logprob); cut to what
         max_tokens leaves, and short of min_tokens while the request is under it (the
         detokenizer arms stop strings per delivered run)."""
