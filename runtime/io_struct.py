@@ -103,6 +103,7 @@ class SchedulerCounters:
     refused: int = 0
     failed: int = 0  # requests ended by a fault of their own
     faults_injected: int = 0  # hits of a test's faults (scheduler/input_checks.py); 0 in production
+    forced_tokens: int = 0  # appended by jump-forward: a decode step saved for each
 
 
 @dataclass

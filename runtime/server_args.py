@@ -83,6 +83,11 @@ class ServerArgs:
         "extends, so they keep flowing while images are encoded and prefilled",
         default=False,
     )
+    disable_jump_forward: bool = _opt(
+        "structured outputs: decode the tokens a grammar forces one step each instead of "
+        "computing each forced run as one extend",
+        default=False,
+    )
     schedule_policy: str = _opt("waiting-queue order", default="fcfs", choices=["fcfs", "lpm"])
     disable_radix_cache: bool = _opt("turn off prefix caching", default=False)
     mm_cache_size_mb: int = _opt("encoder output cache size (0 disables)", default=256)

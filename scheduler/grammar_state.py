@@ -11,7 +11,9 @@ sampled tokens ended their grammar. The hooks, in the order a request meets them
 - `mask` before sampling: the batch's bitmasks, applied to the logits in one operation (None, at
   no cost, when no request in the batch is constrained).
 - `advance` after sampling: each kept token moves its matcher (invariant 17); a grammar that
-  can only end stops its request with "stop".
+  can only end stops its request with "stop". Jump-forward: the tokens the grammar then forces
+  are accepted too and appended after the sampled one; the scheduler computes them (and the
+  sampled token) as one extend in the next step (`Scheduler.forward_decode`).
 - `drop` when a request ends for any reason. Retraction keeps a request's tokens (only their KV
   is recomputed), so its matcher stays exactly where it was.
 """
@@ -29,6 +31,7 @@ from runtime.grammar import (
     GrammarError,
     GrammarMatcher,
     GrammarSpec,
+    ReasoningMatcher,
     fill_batch,
 )
 from scheduler.req import Req
@@ -39,8 +42,11 @@ CompilerFactory = Callable[[], GrammarCompiler]
 class GrammarStates:
     """The grammar state of the scheduler's requests, keyed by request identity."""
 
-    def __init__(self, tp: TPGroup, make_compiler: CompilerFactory | None) -> None:
+    def __init__(
+        self, tp: TPGroup, make_compiler: CompilerFactory | None, jump_forward: bool = True
+    ) -> None:
         self.tp = tp
+        self.jump_forward = jump_forward
         self._make = make_compiler
         self._compiler: GrammarCompiler | None = None
         self._futures: dict[int, tuple[Future[object], float]] = {}  # entry rank: compiles
@@ -104,7 +110,8 @@ class GrammarStates:
             compiled = future.result()
         except GrammarError as exc:
             raise GrammarError(str(exc), spec.param) from None
-        return compiler.backend.new_matcher(compiled)
+        matcher = compiler.backend.new_matcher(compiled)
+        return ReasoningMatcher.around(matcher, spec.think) if spec.think else matcher
 
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
@@ -123,11 +130,13 @@ class GrammarStates:
 
     def advance(
         self, reqs: Sequence[Req], tokens: Sequence[int], errors: dict[int, str]
-    ) -> set[int]:
-        """Entry rank, after sampling: move each constrained request's matcher by its token.
-        Returns the rows whose grammar has ended; a token the grammar refuses (or an engine
-        error) goes into `errors`, failing its request."""
-        ended = set()
+    ) -> tuple[set[int], dict[int, list[int]]]:
+        """Entry rank, after sampling: move each constrained request's matcher by its token,
+        then by the tokens its grammar forces next (jump-forward: row -> those tokens, which
+        the request appends after its token and computes in one extend). Returns the rows whose
+        grammar has ended and the forced runs; a token the grammar refuses (or an engine error)
+        goes into `errors`, failing its request."""
+        ended, forced = set(), {}
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             matcher = self.matchers.get(id(req))
             if matcher is None or i in errors:
@@ -136,9 +145,30 @@ class GrammarStates:
                 errors[i] = f"the grammar refused sampled token {int(token)}"
             elif matcher.error():
                 errors[i] = f"grammar engine error: {matcher.error()}"
-            elif matcher.is_terminated():
+            elif not matcher.is_terminated() and (run := self.forced_run(req, matcher)):
+                forced[i] = run
+            if i not in errors and matcher.is_terminated():
                 ended.add(i)
-        return ended
+        return ended, forced
+
+    def forced_run(self, req: Req, matcher: GrammarMatcher) -> list[int]:
+        """The tokens the grammar forces after the one just accepted (llguidance's forced
+        tokens: their tokenization is settled), accepted now; none for a request that asked for
+        logprobs (each token keeps its own forward and its real logprob); cut to what
+        max_tokens leaves, and short of min_tokens while the request is under it (the
+        detokenizer arms stop strings per delivered run)."""
+        if not self.jump_forward or req.params.logprobs is not None:
+            return []
+        produced = len(req.output_ids) + 1  # its sampled token is not appended yet
+        room = req.params.max_new_tokens - produced
+        if produced < req.params.min_tokens:
+            room = min(room, req.params.min_tokens - produced - 1)
+        run = []
+        for token in matcher.jump_forward().tokens[: max(room, 0)]:
+            if not matcher.accept_token(token):
+                break
+            run.append(token)
+        return run
 
     def drop(self, req: Req) -> None:
         """The request ended (finish, abort, failure): its state goes."""

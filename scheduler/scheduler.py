@@ -66,6 +66,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     check_integrity_when_idle: bool = True
     enable_mixed_chunk: bool = False  # running decodes ride along each prefill step
+    enable_jump_forward: bool = True  # tokens a grammar forces are computed as one extend
     vocab_size: int = 2**31  # token ids a request may name (logit_bias, allowed_token_ids)
     media_token_ids: dict[str, int] = field(default_factory=dict)  # modality -> placeholder id
 
@@ -100,7 +101,7 @@ class Scheduler:
         # an ordered set by identity (invariant 12): a reused rid never hides another's output
         self._touched: dict[Req, None] = {}
         self._was_idle = True
-        self.grammar = GrammarStates(tp, grammar_compiler)
+        self.grammar = GrammarStates(tp, grammar_compiler, cfg.enable_jump_forward)
         self.faults = faults
 
     # ------------------------------------------------------------------ the loop body
@@ -259,9 +260,10 @@ class Scheduler:
         fit in KV next to the chunk (else they wait for the next step, as without mixing)."""
         if not (self.cfg.enable_mixed_chunk and self.running):
             return []
-        if self.cache.free_or_evictable() < batch.new_tokens + len(self.running):
+        riding = [r for r in self.running if r.extend_len == 1]  # not a jump-forward run
+        if self.cache.free_or_evictable() < batch.new_tokens + len(riding):
             return []
-        return list(self.running)
+        return riding
 
     def run_prefill(self, batch: PrefillBatch) -> None:
         """Prefill a chunk of each request (and, in a mixed step, decode one token of each of
@@ -322,13 +324,23 @@ class Scheduler:
         self.isolate(list(self.running))
         if not self.running:
             return
-        self.cache.ensure_free(len(self.running))
-        logits = self.runner.decode(self.running)
-        self.sample_and_append(list(self.running), logits)
+        self.cache.ensure_free(decode_tokens(self.running))
+        self.sample_and_append(*self.forward_decode(self.running))
+
+    def forward_decode(self, reqs: list[Req]) -> tuple[list[Req], torch.Tensor]:
+        """One token of each request; a request with a jump-forward run computes the run (its
+        sampled token and the tokens its grammar forced after it) as an extend in the same
+        forward. Returns the requests in the logits' row order, and the logits."""
+        jumps = [r for r in reqs if r.extend_len > 1]
+        if not jumps:
+            return list(reqs), self.runner.decode(reqs)
+        singles = [r for r in reqs if r.extend_len == 1]
+        logits = self.runner.mixed(jumps, [r.extend_len for r in jumps], singles)
+        return [*jumps, *singles], logits
 
     def make_room_for_decode(self) -> None:
         """Retract the newest requests until one step of decode fits in KV."""
-        while self.running and self.cache.free_or_evictable() < len(self.running):
+        while self.running and self.cache.free_or_evictable() < decode_tokens(self.running):
             victim = max(self.running, key=lambda r: r.arrival)
             self.retract(victim)
 
@@ -348,8 +360,8 @@ class Scheduler:
         if self.tp.is_first:
             picked = self.sample(reqs, logits)
             logprobs = token_logprobs(logits, [r.params for r in reqs], picked[0])
-            picked = (*picked, self.grammar.advance(reqs, *picked))
-        tokens, errors, ended = self.tp.broadcast_pyobj(picked)
+            picked = (*picked, *self.grammar.advance(reqs, *picked))
+        tokens, errors, ended, forced = self.tp.broadcast_pyobj(picked)
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             if i in errors:
                 self.fail(req, errors[i])
@@ -357,12 +369,23 @@ class Scheduler:
             if i in logprobs:
                 req.logprobs.append(logprobs[i])
             req.append_token(int(token))
+            self.append_forced(req, forced.get(i, []))
             if i in ended and not req.finished:
                 req.finish = FinishKind.STOP  # the grammar can only end here
             self.counters.generated_tokens += 1
             self.touch(req)
             if req.finished:
                 self.finish_request(req)
+
+    def append_forced(self, req: Req, run: list[int]) -> None:
+        """Jump-forward: the tokens the grammar forced after the sampled one, each appended as
+        if sampled (stop tokens and max_tokens end it as usual); each saves a decode step."""
+        for token in run:
+            if req.finished:
+                return
+            req.append_token(token)
+            self.counters.generated_tokens += 1
+            self.counters.forced_tokens += 1
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], dict[int, str]]:
         params = [r.params for r in reqs]
@@ -485,6 +508,12 @@ class Scheduler:
             counters=dataclasses.replace(self.counters),
             encoder_plans=dict(self.runner.model.plan_counts),
         )
+
+
+def decode_tokens(reqs: list[Req]) -> int:
+    """KV slots the next decode step writes: one per request, a jump-forward run's length for
+    a request that has one."""
+    return sum(r.extend_len for r in reqs)
 
 
 def choice_params(p: SamplingParams) -> list[SamplingParams]:

@@ -17,8 +17,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_every_share_is_measured_side_by_side(results: dict) -> None:
-    for share in ("0%", "50%", "100%"):
-        assert results[share]["tokens"] > 0 and results[share]["tokens_per_s"] > 0
-    assert results["0%"]["tokens"] == 4 * 8  # unconstrained rows run to max_new_tokens
+    for name in ("0%", "50%", "100%", "50% stepwise", "100% stepwise"):
+        row = results[name]
+        assert row["tokens"] == 4 * 8 and row["tokens_per_s"] > 0  # the same work in each
     assert results["0%"]["mask_us_per_token"] == 0.0  # no constraint: no mask at all
     assert results["50%"]["mask_us_per_token"] > 0 and results["100%"]["mask_us_per_token"] > 0
+
+
+def test_jump_forward_saves_steps_on_the_same_work(results: dict) -> None:
+    jumping, stepwise = results["100%"], results["100% stepwise"]
+    assert stepwise["steps_saved"] == 0 < jumping["steps_saved"]
+    assert jumping["steps"] < stepwise["steps"]
+    assert results["jump_forward_steps_saved"] == jumping["steps_saved"]

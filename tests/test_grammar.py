@@ -337,6 +337,29 @@ def test_reasoning_matcher_constrains_after_thinking(compiler, tokenizer, stop_i
     assert all(matcher.accept_token(t) for t in digits)
 
 
+def test_reasoning_matcher_first_token_decides_with_a_start_token(compiler, tokenizer) -> None:
+    """The qwen3 rule: at the first position <think> or the grammar; either way, rollback to
+    the start gives the choice back."""
+    think_start = tokenizer.token_to_id("<|vision_start|>")  # stand-ins for <think> </think>
+    think_end = tokenizer.token_to_id("<|vision_end|>")
+    inner = compiler.new_matcher(GrammarSpec("regex", "[0-9]+"))
+    matcher = ReasoningMatcher(inner, think_end, think_start_id=think_start)
+    first = masks(matcher)
+    allowed = unpack_bitmask(first[None], VOCAB)[0]
+    digit, letter = tokenizer.encode("4").ids[0], tokenizer.encode("a").ids[0]
+    assert allowed[think_start] and allowed[digit] and not allowed[letter]
+    assert not allowed[think_end]
+    assert not matcher.accept_token(letter) and matcher.num_accepted == 0
+    assert matcher.accept_token(digit) and not matcher.thinking  # no thinking section
+    assert not matcher.accept_token(think_start)
+    matcher.rollback(1)
+    assert matcher.deciding and matcher.accept_token(think_start) and matcher.thinking
+    assert matcher.accept_token(letter) and matcher.accept_token(think_end)
+    assert not matcher.accept_token(letter) and matcher.accept_token(digit)
+    matcher.rollback(4)
+    assert matcher.deciding and bool((masks(matcher) == first).all())
+
+
 def test_fill_bitmask_refuses_a_wrong_buffer(compiler) -> None:
     matcher = compiler.new_matcher(GrammarSpec("regex", "[0-9]+"))
     with pytest.raises(ValueError):

@@ -26,9 +26,9 @@ QUESTION = "What is in the picture?"
 class OneRankServer(Server):
     """launch.py at tp 1 on CPU (the tp 2 paths are covered by test_server)."""
 
-    def __init__(self, folder: str, log: Path):
+    def __init__(self, folder: str, log: Path, *extra: str):
         flags = ["--model-path", folder, "--device", "cpu", "--max-total-tokens", "6000"]
-        LaunchedServer.__init__(self, flags, log)
+        LaunchedServer.__init__(self, [*flags, *extra], log)
         try:
             self.wait_healthy(240)
         except BaseException:

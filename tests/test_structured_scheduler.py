@@ -12,10 +12,11 @@ import jsonschema
 import pytest
 from grammar_cases import CHOICES, REGEXES, SCHEMAS
 from scheduler_harness import SchedulerHarness
+from think_tokens import add_think_tokens
 from transformers import AutoTokenizer
 
 from runtime.distributed import TPGroup
-from runtime.grammar import GrammarSpec
+from runtime.grammar import GrammarSpec, ThinkSection
 from runtime.io_struct import AbortReq, FinishKind, ReqOutput, TokenizedGenerateReq
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
@@ -36,6 +37,13 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """The same checkpoint (same weights), its vocabulary with <think> and </think> added."""
+    folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("thinking") / "ck")
+    return folder, add_think_tokens(folder)
+
+
+@pytest.fixture(scope="module")
 def model(folder: Path):
     return build_model(str(folder), TPGroup(), dtype="float32")
 
@@ -45,8 +53,12 @@ def tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def make_scheduler(folder: Path, model, kv_tokens: int = 8000) -> Scheduler:
+def make_scheduler(
+    folder: Path, model, kv_tokens: int = 8000, jump_forward: bool = True, mixed: bool = False
+) -> Scheduler:
     args = ServerArgs(
+        disable_jump_forward=not jump_forward,
+        enable_mixed_chunk=mixed,
         model_path=str(folder),
         device="cpu",
         max_total_tokens=kv_tokens,
@@ -151,7 +163,7 @@ DIGITS = {  # about 60 tokens long: three such requests outgrow the small pool
 def test_retraction_keeps_constrained_outputs_valid_and_leaks_nothing(
     folder, model, tokenizer
 ) -> None:
-    roomy = make_scheduler(folder, model)
+    roomy = make_scheduler(folder, model, jump_forward=False)  # and stepwise
     # two are admitted (8 prompt tokens and half of 100 outputs reserved each), then outgrow it
     tight = make_scheduler(folder, model, kv_tokens=120)
     spec = GrammarSpec.json_schema(DIGITS)
@@ -162,6 +174,7 @@ def test_retraction_keeps_constrained_outputs_valid_and_leaks_nothing(
     outputs = run(tight, reqs)
     assert tight.counters.retractions > 0
     assert outputs == expected  # a retracted request's matcher resumes exactly where it was
+    assert tight.counters.forced_tokens > 0
     for req in reqs:
         tokens, finish = outputs[(req.rid, 0)]
         assert finish.kind == FinishKind.STOP
@@ -212,3 +225,131 @@ def test_two_ranks_take_rank_zeros_grammar_decisions(folder, tokenizer) -> None:
     assert results["tbad"]["finish"]["status"] == 400
     assert len(results["tfree"]["tokens"]) == 20
     assert info.kv_free + info.kv_evictable == info.kv_total
+
+
+def split_thought(tokens: list[int], think: ThinkSection) -> tuple[list[int], list[int]]:
+    """(the thinking section with its tags, the reply after it)."""
+    assert think.end_id in tokens, tokens
+    end = tokens.index(think.end_id) + 1
+    if think.start_id is not None:
+        assert tokens[0] == think.start_id
+    return tokens[:end], tokens[end:]
+
+
+def test_a_reasoning_model_thinks_freely_then_follows_the_schema(
+    thinking, model, tokenizer
+) -> None:
+    """The thinking section is free (noise that would never validate), the reply after
+    </think> follows the schema, with each rule (deepseek_r1: it thinks from the start; qwen3:
+    only if it opens with <think>), n > 1 choices each with its own state, and retraction."""
+    folder, ids = thinking
+    rules = {
+        "r1": ThinkSection(ids["</think>"]),
+        "q3": ThinkSection(ids["</think>"], ids["<think>"]),
+    }
+    bias = {ids["</think>"]: 6.0, ids["<think>"]: 6.0}
+    room = {"max_new_tokens": 100}
+    roomy = make_scheduler(folder, model, jump_forward=False)
+    tight = make_scheduler(folder, model, kv_tokens=120)
+    reqs = []
+    for name, think in rules.items():
+        spec = GrammarSpec("json_schema", GrammarSpec.json_schema(DIGITS).text, think=think)
+        reqs += [
+            request(f"{name}-{s}", spec, 8, temperature=1.0, seed=s, n=2, **room, logit_bias=bias)
+            for s in (1, 2)
+        ]
+    expected = run(roomy, reqs)
+    outputs = run(tight, reqs)
+    assert tight.counters.retractions > 0
+    assert outputs == expected  # each choice's matcher resumes where it was, jumps or not
+    eos = tight.cfg.eos_token_ids
+    thoughts = []
+    for (rid, _), (tokens, finish) in outputs.items():
+        assert finish.kind == FinishKind.STOP, (rid, finish)
+        thought, reply = split_thought(tokens, rules[rid[:2]])
+        thoughts.append(thought)
+        jsonschema.validate(json.loads(text_of(tokenizer, reply, eos)), DIGITS)
+    assert len(outputs) == 8 and any(len(t) > 2 for t in thoughts)
+
+
+def test_qwen3_rule_constrains_from_the_start_without_a_think_token(
+    thinking, model, tokenizer
+) -> None:
+    folder, ids = thinking
+    think = ThinkSection(ids["</think>"], ids["<think>"])
+    spec = GrammarSpec("json_schema", GrammarSpec.json_schema(SCHEMAS[1]).text, think=think)
+    scheduler = make_scheduler(folder, model)
+    tokens, finish = run(scheduler, [request("plain", spec)])[("plain", 0)]
+    assert finish.kind == FinishKind.STOP and ids["<think>"] not in tokens
+    text = text_of(tokenizer, tokens, scheduler.cfg.eos_token_ids)
+    jsonschema.validate(json.loads(text), SCHEMAS[1])
+
+
+FIXED_KEYS = (0, 1, 3, 6, 9)  # objects with required keys: the grammar forces them
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_jump_forward_equals_step_by_step_decoding_in_fewer_steps(
+    folder, model, tokenizer, mixed
+) -> None:
+    """A forced token is the only one the mask allows, so step-by-step decoding picks it too
+    (greedy, or sampled: a seeded request draws from a generator keyed by its seed and the
+    token's position, so skipping the forced positions' draws changes no other draw). The
+    run's KV and positions, written by one extend, are those the decode steps would write, so
+    every token after it is the same too; only the step count differs."""
+    reqs = [
+        request(f"g{i}", GrammarSpec.json_schema(SCHEMAS[i]), max_new_tokens=200)
+        for i in FIXED_KEYS
+    ]
+    reqs += [
+        request(f"t{i}", GrammarSpec.json_schema(SCHEMAS[i]), temperature=1.0, seed=i, n=2)
+        for i in FIXED_KEYS
+    ]
+    reqs.append(request("free", None, ignore_eos=True, max_new_tokens=40))
+    stepwise = make_scheduler(folder, model, jump_forward=False, mixed=mixed)
+    jumping = make_scheduler(folder, model, mixed=mixed)
+    expected = run(stepwise, reqs)
+    outputs = run(jumping, reqs)
+    assert stepwise.counters.forced_tokens == 0 < jumping.counters.forced_tokens
+    assert outputs == expected
+    steps = [s.counters.decode_steps + s.counters.prefill_steps for s in (stepwise, jumping)]
+    assert steps[1] < steps[0]
+    eos = jumping.cfg.eos_token_ids
+    for (rid, _), (tokens, finish) in outputs.items():
+        if rid != "free":
+            assert finish.kind == FinishKind.STOP, rid
+            jsonschema.validate(json.loads(text_of(tokenizer, tokens, eos)), SCHEMAS[int(rid[1:])])
+
+
+def deltas(scheduler: Scheduler, req: TokenizedGenerateReq) -> list[ReqOutput]:
+    """The request's outputs step by step (each a delivered delta), once the scheduler idles."""
+    outputs, result = [], scheduler.step([req])
+    for _ in range(5000):
+        outputs += [o for o in result.outputs if o.new_token_ids]
+        if scheduler.idle:
+            return outputs
+        result = scheduler.step([])
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_forced_runs_keep_max_tokens_min_tokens_and_logprobs(folder, model) -> None:
+    """A run stops at max_tokens ("length" at exactly that many tokens); while a request is
+    under min_tokens no delivered delta reaches past it (the detokenizer arms stop strings per
+    delta); a request that asked for logprobs gets one real logprob per token (its forced
+    tokens decode one step each)."""
+    spec = GrammarSpec.json_schema(SCHEMAS[1])
+    scheduler = make_scheduler(folder, model)
+    for cap in (2, 5, 9):
+        tokens, finish = run(scheduler, [request(f"cap{cap}", spec, max_new_tokens=cap)])[
+            (f"cap{cap}", 0)
+        ]
+        assert finish.kind == FinishKind.LENGTH and len(tokens) == cap
+    assert max(len(o.new_token_ids) for o in deltas(scheduler, request("m0", spec))) > 1
+    least = 6
+    for out in deltas(scheduler, request("m6", spec, min_tokens=least)):
+        first = out.completion_tokens - len(out.new_token_ids) + 1
+        assert first >= least or out.completion_tokens < least, out
+    before = scheduler.counters.forced_tokens
+    outputs = deltas(scheduler, request("lp", spec, logprobs=0))
+    assert scheduler.counters.forced_tokens == before
+    assert all(len(o.new_token_ids) == len(o.logprobs) == 1 for o in outputs)

@@ -16,6 +16,7 @@ from grammar_cases import CHOICES, EBNF, EBNF_PATTERN, REGEXES, SCHEMAS
 from test_openai_sampling import OneRankServer
 from test_server import Server, client, serve_then_check_teardown
 from test_tools import TOOLS_TEMPLATE
+from think_tokens import add_think_tokens
 
 from runtime.tiny_checkpoint import make_checkpoint
 
@@ -30,6 +31,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     (folder / "chat_template.json").write_text(json.dumps(template))
     log = tmp_path_factory.mktemp("log") / "server.log"
     yield from serve_then_check_teardown(OneRankServer(str(folder), log))
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("thinking") / "qwen2_vl")
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": TOOLS_TEMPLATE}))
+    ids = add_think_tokens(folder)
+    log = tmp_path_factory.mktemp("log") / "thinking.log"
+    srv = OneRankServer(str(folder), log, "--reasoning-parser", "qwen3")
+    srv.think_ids = ids
+    yield from serve_then_check_teardown(srv)
 
 
 def chat(server: Server, **kw: Any):
@@ -226,3 +238,78 @@ def test_bad_tool_choice_is_a_400(server, choice) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": choice}
     resp = post(server, "/v1/chat/completions", body)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "tool_choice", resp.text
+
+
+def think_bias(server: Server) -> dict[str, Any]:
+    """The noise model opens and closes its thinking section soon (else it thinks for ever)."""
+    return {"logit_bias": {str(i): 6 for i in server.think_ids.values()}}
+
+
+def test_constraint_binds_only_what_follows_the_thinking_section(thinking_server) -> None:
+    schema = SCHEMAS[1]
+    fmt = response_format(schema)
+    extra = think_bias(thinking_server)
+    for seed in (1, 2):
+        reply = chat(
+            thinking_server, response_format=fmt, temperature=1, seed=seed, n=2, extra_body=extra
+        )
+        for choice in reply.choices:
+            assert choice.finish_reason == "stop", choice.message
+            assert choice.message.model_extra.get("reasoning_content") is not None
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    # a reply that does not open with <think> has no thinking section: JSON from its first token
+    never = {"logit_bias": {str(thinking_server.think_ids["<think>"]): -100}}
+    plain = chat(thinking_server, response_format=fmt, extra_body=never)
+    assert plain.choices[0].message.model_extra.get("reasoning_content") is None
+    jsonschema.validate(json.loads(plain.choices[0].message.content), schema)
+
+
+def test_streamed_thinking_then_constrained_content(thinking_server) -> None:
+    schema = SCHEMAS[6]
+    stream = chat(
+        thinking_server,
+        stream=True,
+        temperature=1,
+        seed=5,
+        extra_body={"structured_outputs": {"json": schema}} | think_bias(thinking_server),
+    )
+    content, thought, reasons = "", None, []
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            if (piece := choice.delta.model_extra.get("reasoning_content")) is not None:
+                thought = (thought or "") + piece
+            reasons.append(choice.finish_reason)
+    assert reasons[-1] == "stop" and thought is not None
+    jsonschema.validate(json.loads(content), schema)
+
+
+def test_required_tool_call_after_thinking(thinking_server) -> None:
+    reply = chat(
+        thinking_server,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=1,
+        seed=2,
+        extra_body=think_bias(thinking_server),
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    check_calls(choice.message.tool_calls, set(PARAMETERS))
+    info = httpx.get(thinking_server.url + "/server_info", timeout=30).json()
+    assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
+
+
+def test_jump_forward_runs_stream_and_stop_strings_cut_them(server) -> None:
+    """The keys of a fixed schema are forced runs (counted in /server_info); a stop string
+    inside one still ends the reply there, streamed or not."""
+    fmt = response_format(SCHEMAS[1])
+    whole = chat(server, response_format=fmt).choices[0].message.content
+    assert '"vendor"' in whole
+    cut = chat(server, response_format=fmt, stop=["vendor"]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == whole[: whole.index("vendor")]
+    stream = chat(server, response_format=fmt, stop=["vendor"], stream=True)
+    text = "".join(c.delta.content or "" for chunk in stream for c in chunk.choices)
+    assert text == cut.message.content
+    info = httpx.get(server.url + "/server_info", timeout=30).json()
+    assert info["counters"]["forced_tokens"] > 0

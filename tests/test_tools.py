@@ -12,9 +12,13 @@ import pytest
 from fastapi.testclient import TestClient
 from openai import OpenAI
 from test_api_layer import FakeManager, sse_events
+from think_tokens import THINK_TOKENS
+from tokenizers import AddedToken
+from transformers import PreTrainedTokenizerFast
 
+from runtime.grammar import ThinkSection
 from runtime.server_args import ServerArgs
-from runtime.tiny_checkpoint import make_checkpoint
+from runtime.tiny_checkpoint import build_tokenizer, make_checkpoint
 from tokenizer_manager.api.base import ApiContext
 from tokenizer_manager.api.chat import ChatServing
 from tokenizer_manager.api.usage import ApiCounters, UsageRecorder
@@ -199,10 +203,30 @@ def test_without_a_parser_thinking_stays_content_and_cannot_be_dropped() -> None
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "include_reasoning"
 
 
-def test_a_constraint_with_a_reasoning_parser_is_refused_naming_it() -> None:
-    """It would bind the thinking section too: a 400 rather than a constrained thought."""
-    http = thinking_server(reasoning_parser="qwen3")
+def tiny_tokenizer(think: bool) -> PreTrainedTokenizerFast:
+    tok = build_tokenizer()
+    if think:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_a_constraint_with_a_reasoning_parser_starts_after_the_thinking_section() -> None:
+    """The constraint carries the think tokens to the scheduler (which applies it after
+    </think>); a vocabulary without them cannot say where that is: a 400 naming the field."""
+    for rule, start in (("qwen3", True), ("deepseek_r1", False)):
+        fake = FakeManager(THOUGHT, reasoning_parser=rule)
+        fake.tokenizer = tiny_tokenizer(think=True)
+        http = TestClient(create_app(fake))
+        body = {"messages": ASK, "response_format": {"type": "json_object"}}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        end_id, start_id = fake.tokenizer.convert_tokens_to_ids(["</think>", "<think>"])
+        think = fake.params[-1].grammar.think
+        assert think == ThinkSection(end_id, start_id if start else None)
+    fake = FakeManager(THOUGHT, reasoning_parser="qwen3")
+    fake.tokenizer = tiny_tokenizer(think=False)
+    http = TestClient(create_app(fake))
     for field, value in (("response_format", {"type": "json_object"}), ("tool_choice", "required")):
         body = {"messages": ASK, "tools": [WEATHER], field: value}
         resp = http.post("/v1/chat/completions", json=body)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
+        assert "<think>" in resp.json()["error"]["message"]

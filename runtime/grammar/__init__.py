@@ -15,6 +15,7 @@ from runtime.grammar.base import (
     GrammarMatcher,
     GrammarSpec,
     JumpForward,
+    ThinkSection,
 )
 from runtime.grammar.bitmask import BatchMask, apply_bitmask, fill_batch
 from runtime.grammar.compiler import CompileLimits, GrammarCompiler
@@ -31,6 +32,7 @@ __all__ = [
     "GrammarSpec",
     "JumpForward",
     "ReasoningMatcher",
+    "ThinkSection",
     "apply_bitmask",
     "checkpoint_compiler",
     "fill_batch",

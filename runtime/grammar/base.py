@@ -37,13 +37,25 @@ class GrammarError(ValueError):
 
 
 @dataclass(frozen=True)
+class ThinkSection:
+    """The thinking section a reasoning model writes before the constrained part of its reply
+    (`--reasoning-parser`): `end_id` is `</think>`; with `start_id` (the qwen3 rule) the reply
+    thinks only if its first token is `<think>`, else (deepseek_r1) it thinks from its start."""
+
+    end_id: int
+    start_id: int | None = None
+
+
+@dataclass(frozen=True)
 class GrammarSpec:
     """One request's constraint. `text` is canonical (JSON for schemas and choices), so equal
-    constraints share one compiled grammar; `param` names the request field it came from."""
+    constraints share one compiled grammar; `param` names the request field it came from;
+    `think` (not part of the key) makes the constraint start after a thinking section."""
 
     kind: GrammarKind
     text: str
     param: str | None = field(default=None, compare=False)
+    think: ThinkSection | None = field(default=None, compare=False)
 
     @property
     def key(self) -> tuple[str, str]:

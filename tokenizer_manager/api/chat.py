@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+from runtime.grammar import ThinkSection
 from runtime.io_struct import StrOutput
 from runtime.sampler import SamplingParams
 from tokenizer_manager.api.base import check_model
@@ -19,7 +22,11 @@ from tokenizer_manager.api.openai_common import (
     stream_usage,
 )
 from tokenizer_manager.api.outputs import finish_reason
-from tokenizer_manager.api.reasoning_parser import ReasoningStream, split_reasoning
+from tokenizer_manager.api.reasoning_parser import (
+    ReasoningStream,
+    split_reasoning,
+    think_section,
+)
 from tokenizer_manager.api.structured import OPENAI_READERS
 from tokenizer_manager.api.tool_choice import forced_tools, tool_call_grammar
 from tokenizer_manager.api.tool_parser import ParsedToolCall, ToolCallStream, parse_tool_calls
@@ -254,6 +261,14 @@ def add_tool_grammar(req: ChatCompletionRequest, engine: dict[str, Any]) -> None
     engine["grammar"] = tool_call_grammar(forced, req.parallel_tool_calls is not False)
 
 
+def single_token_id(tokenizer: Any, token: str) -> int | None:
+    """`token`'s id when the vocabulary holds it as one token, else None."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    if found is None or tokenizer.convert_ids_to_tokens(found) != token:
+        return None
+    return found
+
+
 def check_top_logprobs(req: ChatCompletionRequest) -> None:
     """top_logprobs asks for alternatives of the logprobs it needs (OpenAI's rule)."""
     if req.top_logprobs and not req.logprobs:
@@ -277,7 +292,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
             "n": req.n,
         }
         add_tool_grammar(req, engine)
-        self.check_grammar_with_reasoning(engine)
+        self.constrain_after_thinking(engine)
         cap = req.max_completion_tokens or req.max_tokens
         return GenerateInput(
             self.request_id(req),
@@ -292,13 +307,23 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
     def shape(self, req: ChatCompletionRequest) -> ReplyShape:
         return reply_shape(req, self.ctx.reasoning_parser)
 
-    def check_grammar_with_reasoning(self, engine: dict[str, Any]) -> None:
-        """A constraint would bind the thinking section too: refused until the grammar can
-        start after it."""
+    def constrain_after_thinking(self, engine: dict[str, Any]) -> None:
+        """With a reasoning parser the model thinks freely and the constraint binds what follows
+        `</think>`, as SGLang does; a vocabulary without single think tokens cannot tell where
+        that is (refused)."""
         spec = engine.get("grammar")
-        if spec is not None and self.ctx.reasoning_parser is not None:
-            reason = "a constraint after the thinking section of --reasoning-parser is not built"
+        if spec is None or self.ctx.reasoning_parser is None:
+            return
+        if self.think_tokens is None:
+            reason = "the tokenizer has no single <think> / </think> tokens for --reasoning-parser"
             raise unsupported(spec.param or "response_format", reason)
+        engine["grammar"] = dataclasses.replace(spec, think=self.think_tokens)
+
+    @cached_property
+    def think_tokens(self) -> ThinkSection | None:
+        assert self.ctx.reasoning_parser is not None
+        tokenizer = self.tm.tokenizer
+        return think_section(self.ctx.reasoning_parser, lambda t: single_token_id(tokenizer, t))
 
     def check_reasoning(self, req: ChatCompletionRequest) -> None:
         """Without a reasoning parser the thinking stays in the content: it cannot be left out."""

@@ -12,8 +12,10 @@ A reply that never closes its section is all thinking. Streamed and whole replie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from runtime.grammar import ThinkSection
 from tokenizer_manager.api.tool_parser import partial_tag_length
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -76,3 +78,14 @@ def split_reasoning(rule: str, text: str) -> tuple[str | None, str]:
     first, rest = stream.feed(text), stream.finish()
     reasoning, content = first[0] + rest[0], first[1] + rest[1]
     return (reasoning if stream.thought else None), content
+
+
+def think_section(rule: str, token_id: Callable[[str], int | None]) -> ThinkSection | None:
+    """The thinking section as a constraint sees it: `</think>` (and, for the qwen3 rule,
+    `<think>`) as single tokens (`token_id` maps a token to its id, None when the vocabulary
+    has no such token); None when they are not."""
+    end = token_id(THINK_END)
+    start = token_id(THINK_START) if rule == "qwen3" else None
+    if end is None or (rule == "qwen3" and start is None):
+        return None
+    return ThinkSection(end, start)
