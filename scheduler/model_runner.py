@@ -91,15 +91,17 @@ class ModelRunner:
 
     def decode(self, seqs: list[Req]) -> torch.Tensor:
         """One step: each sequence's last token (not yet in KV) goes through the model."""
-        with self._threads_for(seqs):
-            return self._run(ForwardMode.DECODE, seqs, [1] * len(seqs))
+        lens = [1] * len(seqs)
+        with self._threads_for(seqs, lens):
+            return self._run(ForwardMode.DECODE, seqs, lens)
 
     @contextlib.contextmanager
-    def _threads_for(self, seqs: list[Req]) -> Iterator[None]:
-        """One intra-op thread for a small CPU decode step (see SMALL_STEP_MACS), else as
-        configured."""
+    def _threads_for(self, seqs: list[Req], lens: list[int]) -> Iterator[None]:
+        """One intra-op thread for a small CPU step (see SMALL_STEP_MACS), else as configured:
+        a decode step, or a mixed one of a few new tokens (jump-forward's forced runs)."""
         threads = torch.get_num_threads()
-        if self.device != "cpu" or threads == 1 or self._decode_macs(seqs) >= SMALL_STEP_MACS:
+        small = self._step_macs(seqs, lens) < SMALL_STEP_MACS
+        if self.device != "cpu" or threads == 1 or not small:
             yield
             return
         torch.set_num_threads(1)
@@ -108,9 +110,11 @@ class ModelRunner:
         finally:
             torch.set_num_threads(threads)
 
-    def _decode_macs(self, seqs: list[Req]) -> int:
-        context = sum(seq.kv_len for seq in seqs)
-        return len(seqs) * self.macs_per_token + context * self.macs_per_context
+    def _step_macs(self, seqs: list[Req], lens: list[int]) -> int:
+        """Multiply-adds of a step: weights per new token, plus each new token's attention
+        over its request's keys (what the KV holds, and the step's own)."""
+        context = sum(n * (seq.kv_len + n) for seq, n in zip(seqs, lens))
+        return sum(lens) * self.macs_per_token + context * self.macs_per_context
 
     def mixed(
         self, seqs: list[Req], extend_lens: list[int], decodes: list[Req]
@@ -119,7 +123,8 @@ class ModelRunner:
         what its KV holds) plus one decode token of each of `decodes` (none: a plain extend);
         returns the last-token logits of seqs, then of decodes."""
         lens = [*extend_lens, *[1] * len(decodes)]
-        return self._run(ForwardMode.EXTEND, [*seqs, *decodes], lens, len(decodes))
+        with self._threads_for([*seqs, *decodes], lens):
+            return self._run(ForwardMode.EXTEND, [*seqs, *decodes], lens, len(decodes))
 
     def _run(
         self,

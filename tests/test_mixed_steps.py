@@ -178,3 +178,32 @@ def drain_some(sched: Scheduler, result: StepResult, outputs: dict, steps: int) 
             outputs.setdefault(out.rid, []).extend(out.new_token_ids)
         result = sched.step([])
     return result
+
+
+def test_small_mixed_steps_run_on_one_thread_like_small_decodes() -> None:
+    """A mixed step of a few new tokens (a short chunk riding with decodes, or jump-forward's
+    forced runs) is as small as a decode step and gets its one thread; a long extend keeps
+    every thread."""
+    threads_seen: list[tuple[int, int]] = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sched = make_scheduler(400, mixed=True, chunk=64)
+        sched.runner.macs_per_token = 1 << 20  # 16 new tokens or more: not small
+        inner = sched.runner.model
+
+        def recording(batch: ForwardBatch, encode: object = None) -> torch.Tensor:
+            threads_seen.append((int(batch.input_ids.numel()), torch.get_num_threads()))
+            return inner(batch, encode)
+
+        sched.runner.model = recording
+        drain(sched, sched.step([request("long", 40)]), {})
+        drain(sched, sched.step([request("a", 3, seed=1)]), {})
+        sched.step([request("b", 2, new=4, seed=2)])
+        drain(sched, sched.step([request("c", 3, seed=3)]), {})
+    finally:
+        torch.set_num_threads(before)
+    assert (40, 2) in threads_seen  # the long prefill keeps both threads
+    small = [t for n, t in threads_seen if n < 16]
+    assert small and set(small) == {1}, threads_seen
+    assert any(n > 1 for n, _ in threads_seen if n < 16)  # some small step was an extend
