@@ -178,6 +178,7 @@ class Server:
         if not self.wait_group_gone(STOP_GRACE_S):
             signal_group(self.proc.pid, signal.SIGKILL)
             self.wait_group_gone(STOP_GRACE_S)
+        self.proc.wait()  # the leader is gone or a zombie by now: reap it
 
     def wait_group_gone(self, timeout_s: float) -> bool:
         """Reap the leader and wait until no process of its group runs; False on timeout."""

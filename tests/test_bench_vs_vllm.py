@@ -261,3 +261,31 @@ def test_running_stops_the_server_when_the_run_fails(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert not alive(child) and not alive(server.proc.pid)
     assert os.path.exists(server.log)
+
+
+# ------------------------------------------------------------- py-spy phases (profile_vllm_decode)
+
+
+def test_py_spy_samples_fall_in_the_innermost_listed_phase() -> None:
+    import profile_vllm_decode as profile
+
+    raw = "\n".join(
+        [
+            "thread (0x1);run (core.py:1);execute_model (r.py:2);_model_forward (r.py:3) 6",
+            "thread (0x1);run (core.py:1);execute_model (r.py:2);_sample (r.py:9) 2",
+            "thread (0x1);run (core.py:1);execute_model (r.py:2);helper (r.py:5) 1",
+            "thread (0x1);run (core.py:1);dequeue (shm.py:4) 3",
+            "thread (0x2);loop (t.py:1);select (t.py:2) 5",
+            "not a sample line",
+        ]
+    )
+    threads = profile.phase_samples(raw, "worker")
+    assert threads["thread (0x1)"] == {
+        "forward": 6,
+        "sampling": 2,
+        "other work in execute_model": 1,
+        "waiting for the engine (idle)": 3,
+    }
+    assert threads["thread (0x2)"] == {"other": 5}
+    assert profile.process_kind("VLLM::EngineCore") == "engine"
+    assert profile.process_kind("python -m vllm.entrypoints.openai.api_server") == "api"
