@@ -541,7 +541,7 @@ def greedy_rows(
 
 def greedy_table(rows: Sequence[dict[str, Any]]) -> str:
     names = list(rows[0]["servers"]) if rows else []
-    head = "| case | prompt tokens (" + ", ".join([*names, "HF"]) + ") | equal | "
+    head = "| case | prompt tokens (" + ", ".join([*names, "HF"]) + ") | servers agree | "
     head += " | ".join(f"{n} vs HF" for n in names) + " |"
     lines = [head, "|" + "---|" * (3 + len(names))]
     for r in rows:

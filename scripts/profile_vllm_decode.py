@@ -79,7 +79,7 @@ def cmdline(pid: int) -> str:
 
 def phase_of(stack: list[str], phases: tuple[tuple[str, tuple[str, ...]], ...]) -> str:
     """The first phase (in listed order) one of whose functions is on the stack."""
-    names = {frame.split(" ", 1)[0] for frame in stack}
+    names = {frame.split(" ", 1)[0].rsplit(".", 1)[-1] for frame in stack}  # Class.method
     for phase, functions in phases:
         if names.intersection(functions):
             return phase
@@ -88,8 +88,8 @@ def phase_of(stack: list[str], phases: tuple[tuple[str, tuple[str, ...]], ...]) 
 
 def phase_samples(raw: str, kind: str) -> dict[str, Counter[str]]:
     """py-spy's raw output with thread ids -> per thread, samples per phase. One line is
-    `thread (0x..);f1;f2;... count`; each thread is sampled all the time (idle included), so a
-    thread's shares are shares of wall time."""
+    `thread (TID): NAME;Class.f1 (file:line);f2 (file:line);... count`; every thread is
+    sampled all the time (idle included), so a thread's shares are shares of wall time."""
     threads: dict[str, Counter[str]] = {}
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")

@@ -271,21 +271,23 @@ def test_py_spy_samples_fall_in_the_innermost_listed_phase() -> None:
 
     raw = "\n".join(
         [
-            "thread (0x1);run (core.py:1);execute_model (r.py:2);_model_forward (r.py:3) 6",
-            "thread (0x1);run (core.py:1);execute_model (r.py:2);_sample (r.py:9) 2",
-            "thread (0x1);run (core.py:1);execute_model (r.py:2);helper (r.py:5) 1",
-            "thread (0x1);run (core.py:1);dequeue (shm.py:4) 3",
-            "thread (0x2);loop (t.py:1);select (t.py:2) 5",
+            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);"
+            "Runner._model_forward (r.py:3) 6",
+            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);"
+            "Sampler._sample (r.py:9) 2",
+            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);h (r.py:5) 1",
+            "thread (7): MainThread;run (core.py:1);MessageQueue.dequeue (shm.py:4) 3",
+            "thread (8): io;Thread.run (t.py:1);select (t.py:2) 5",
             "not a sample line",
         ]
     )
     threads = profile.phase_samples(raw, "worker")
-    assert threads["thread (0x1)"] == {
+    assert threads["thread (7): MainThread"] == {
         "forward": 6,
         "sampling": 2,
         "other work in execute_model": 1,
         "waiting for the engine (idle)": 3,
     }
-    assert threads["thread (0x2)"] == {"other": 5}
+    assert threads["thread (8): io"] == {"other": 5}
     assert profile.process_kind("VLLM::EngineCore") == "engine"
     assert profile.process_kind("python -m vllm.entrypoints.openai.api_server") == "api"
