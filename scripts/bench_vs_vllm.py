@@ -21,7 +21,7 @@ Groups and workloads (--quick: 4 requests each, at most 8 output tokens, 1 round
         images3       16 chats of three images (224 to 448 px), 16 words, 16 tokens, 8 at a time
         shared-image  32 chats on one shared 448x448 image, 32 words, 16 tokens, 16 at a time
         decode        32 text chats, 32 words, 128 tokens, 16 at a time
-        long-prompt   8 text chats of about 2.4k prompt tokens, 8 tokens, 2 at a time
+        long-prompt   8 text chats of about 3.4k prompt tokens, 8 tokens, 2 at a time
         mixed         48 chats (text 64 tokens, one image 32 tokens, alternating), Poisson 4/s,
                       at most 16 in flight
   tp2   the ViT DP-vs-TP comparison: tessera --tp 2 with and without --mm-enable-dp-encoder,
