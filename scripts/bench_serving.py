@@ -233,10 +233,12 @@ class RequestRecord:
 def finish_trace(trace: StreamTrace, start: float, end: float) -> RequestRecord:
     if trace.error is not None:
         return RequestRecord(ok=False, latency=end - start, error=trace.error)
-    if not trace.chunk_times:
-        return RequestRecord(ok=False, latency=end - start, error="stream ended without content")
-    times = trace.chunk_times
     usage = trace.usage or {}
+    times = trace.chunk_times
+    if not times and usage.get("completion_tokens"):
+        times = [end]  # tokens that show no text yet (a held-back partial UTF-8 char)
+    if not times:
+        return RequestRecord(ok=False, latency=end - start, error="stream ended without content")
     return RequestRecord(
         ok=True,
         latency=end - start,

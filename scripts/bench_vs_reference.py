@@ -65,6 +65,7 @@ DEFAULT_SERVERS = {
 }
 REFERENCE = "reference"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+STOP_GRACE_S = 30.0
 STARTED_CHILD = re.compile(r"started (\S+) \(pid (\d+)\)")
 
 
@@ -118,19 +119,21 @@ class Server:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     cpus: list[int] | None = None  # its own CPUs (with --cpus-per-server), inherited by children
+    env: dict[str, str] = field(default_factory=dict)  # set over the inherited environment
+    cwd: Path = ROOT
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         argv = [*self.argv, "--port", str(self.port)]
         if self.cpus is not None:
             argv = ["taskset", "--cpu-list", ",".join(map(str, self.cpus)), *argv]
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                argv, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,
             )  # fmt: skip
 
@@ -167,14 +170,45 @@ class Server:
         }
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """End the whole process group: also children left behind when the leader already exited
+        (a server that spawns engine or rank processes); SIGKILL what outlives the grace period."""
+        if self.proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGINT)
+        signal_group(self.proc.pid, signal.SIGINT)
+        if not self.wait_group_gone(STOP_GRACE_S):
+            signal_group(self.proc.pid, signal.SIGKILL)
+            self.wait_group_gone(STOP_GRACE_S)
+        self.proc.wait()  # the leader is gone or a zombie by now: reap it
+
+    def wait_group_gone(self, timeout_s: float) -> bool:
+        """Reap the leader and wait until no process of its group runs; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.proc.poll()
+            if not group_alive(self.proc.pid):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still runs (a zombie leader does not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def make_server(spec: str, model_path: str, log_dir: Path) -> Server:

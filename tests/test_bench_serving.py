@@ -117,6 +117,20 @@ def test_stream_trace_without_usage_counts_chunks() -> None:
     assert bench.finish_trace(trace, start=0.0, end=0.5).output_tokens == 4
 
 
+
+def test_stream_trace_tokens_without_text_succeed_at_the_end() -> None:
+    """A server may generate tokens that show no text yet (vLLM holds back an incomplete UTF-8
+    character, e.g. with max_tokens 1): the usage chunk proves them, the first token is the end."""
+    trace = bench.StreamTrace()
+    trace.feed(sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}), 0.1)
+    trace.feed(sse({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}}), 0.4)
+    record = bench.finish_trace(trace, start=0.0, end=0.5)
+    assert record.ok and record.ttft == pytest.approx(0.5) and record.itl == ()
+    assert (record.output_tokens, record.prompt_tokens) == (1, 9)
+    empty = bench.StreamTrace()
+    empty.feed(sse({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 0}}), 0.4)
+    assert not bench.finish_trace(empty, start=0.0, end=0.5).ok
+
 def test_stream_trace_errors() -> None:
     trace = bench.StreamTrace()
     trace.feed(sse(content_chunk("x")), 0.1)

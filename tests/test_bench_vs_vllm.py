@@ -1,0 +1,293 @@
+"""scripts/bench_vs_vllm.py without vLLM: workloads, the summary and its ratios, the tables, the
+greedy verdicts, and the teardown of a server's whole process group (a dummy server whose leader
+leaves a child behind, and one that ignores SIGINT)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_vs_reference
+import bench_vs_vllm as bench  # scripts/ is on sys.path (conftest)
+import pytest
+from waits import wait_until
+
+# ---------------------------------------------------------------- workloads
+
+
+def test_mixed_requests_alternate_text_and_image_chats() -> None:
+    scenario = bench.SCENARIOS["mixed"]
+    requests = bench.build_requests(scenario, seed=5, stream=0)
+    assert len(requests) == scenario.num_prompts
+    assert [len(r.image_urls) for r in requests[:4]] == [0, 1, 0, 1]
+    assert [r.output_len for r in requests[:2]] == [64, 32]
+    assert len({r.text for r in requests}) == len(requests)
+    assert len({r.image_urls for r in requests[1::2]}) == len(requests) // 2
+
+
+def test_shared_image_scenario_sends_one_image_with_different_texts() -> None:
+    requests = bench.build_requests(bench.quick(bench.SCENARIOS["shared-image"]), seed=1, stream=0)
+    assert len({r.image_urls for r in requests}) == 1
+    assert len(requests[0].image_urls) == 1
+    assert len({r.text for r in requests}) == len(requests)
+
+
+def test_requests_depend_on_seed_and_stream_only() -> None:
+    scenario = bench.quick(bench.SCENARIOS["images3"])
+    again = bench.build_requests(scenario, seed=2, stream=0)
+    assert bench.build_requests(scenario, seed=2, stream=0) == again
+    assert all(len(r.image_urls) == 3 for r in again)
+    other_round = bench.build_requests(scenario, seed=3, stream=0)
+    warmup = bench.build_requests(scenario, seed=2, stream=1)
+    assert not {r.image_urls for r in again} & {r.image_urls for r in other_round}
+    assert not {r.image_urls for r in again} & {r.image_urls for r in warmup}
+
+
+def test_quick_keeps_shapes_and_cuts_counts() -> None:
+    full = bench.SCENARIOS["decode"]
+    small = bench.quick(full)
+    assert (small.num_prompts, small.concurrency) == (bench.QUICK_PROMPTS, full.concurrency)
+    assert small.parts[0].output_len == bench.QUICK_OUTPUT_LEN
+    assert small.parts[0].input_len == full.parts[0].input_len
+    assert bench.quick(bench.SCENARIOS["vit-tp2"]).parts[0].output_len == 1
+
+
+def test_long_prompt_is_over_two_thousand_tokens() -> None:
+    """Counted with the tokenizer every tiny checkpoint carries (the hd64 and 100m presets too)."""
+    from runtime.tiny_checkpoint import build_tokenizer
+
+    request = bench.build_requests(bench.SCENARIOS["long-prompt"], seed=0, stream=0)[0]
+    assert len(build_tokenizer().encode(request.text).ids) > 2000
+
+
+# ---------------------------------------------------------------- summary and ratios
+
+
+def run(server: str, scenario: str, req_s: float, ttft_p99: float | None, failed: int = 0) -> dict:
+    row = {m: None for m in bench.METRICS}
+    row |= {"req_s": req_s, "out_tok_s": req_s * 10, "ttft_p99_ms": ttft_p99}
+    return row | {"server": server, "scenario": scenario, "failed": failed}
+
+
+def hand_made_runs() -> list[dict[str, Any]]:
+    return [
+        run("tessera", "decode", 3.0, 100.0),
+        run("tessera", "decode", 1.0, 300.0),
+        run("tessera", "decode", 2.0, None, failed=1),
+        run("vllm", "decode", 2.0, 400.0),
+        run("vllm", "decode", 4.0, 200.0),
+    ]
+
+
+def test_summary_takes_medians_over_rounds() -> None:
+    summary = bench.summarize(hand_made_runs())
+    mine = summary[("decode", "tessera")]
+    assert mine["req_s"] == 2.0 and mine["out_tok_s"] == 20.0
+    assert mine["ttft_p99_ms"] == 200.0  # the round without a value is left out
+    assert (mine["rounds"], mine["failed"]) == (3, 1)
+    assert summary[("decode", "vllm")]["req_s"] == 3.0
+    assert summary[("decode", "vllm")]["itl_p50_ms"] is None
+
+
+def test_ratios_are_first_over_second() -> None:
+    summary = bench.summarize(hand_made_runs())
+    ratios = bench.pair_ratios(summary, "decode", ("tessera", "vllm"))
+    assert ratios["req_s"] == pytest.approx(2.0 / 3.0)
+    assert ratios["ttft_p99_ms"] == pytest.approx(200.0 / 300.0)
+    assert ratios["itl_p99_ms"] is None
+    assert bench.pair_ratios(summary, "image1", ("tessera", "vllm")) is None
+    group = bench.Group((), ("decode", "image1"), (("tessera", "vllm"), ("vllm", "tessera")))
+    rows = bench.ratio_rows(summary, [group])
+    assert [(r["scenario"], r["pair"]) for r in rows] == [
+        ("decode", ["tessera", "vllm"]),
+        ("decode", ["vllm", "tessera"]),
+    ]
+    assert rows[1]["ratios"]["req_s"] == pytest.approx(1.5)
+    assert bench.ratio(1.0, 0.0) is None and bench.ratio(None, 2.0) is None
+
+
+def test_tables_show_medians_and_ratios() -> None:
+    summary = bench.summarize(hand_made_runs())
+    group = bench.Group((), ("decode",), (("tessera", "vllm"),))
+    text = bench.markdown(summary, bench.ratio_rows(summary, [group]))
+    lines = text.splitlines()
+    assert "| decode | tessera | 2.00 | 20.0 | - | 200.0 | - | - | - | 3 | 1 |" in lines
+    assert "| decode | vllm | 3.00 | 30.0 | - | 300.0 | - | - | - | 2 | 0 |" in lines
+    assert "| decode | tessera / vllm | 0.67x | 0.67x | 0.67 | - |" in lines
+    header = next(line for line in lines if line.startswith("| workload | server"))
+    assert header.count("|") == lines[lines.index(header) + 1].count("|")
+
+
+def test_rotation_alternates_who_goes_first() -> None:
+    assert [bench.rotated(["a", "b"], r) for r in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+
+
+def test_vllm_server_runs_outside_the_repository(tmp_path: Path) -> None:
+    args = bench.parse_args(["--model-path", "/tmp/m", "--log-dir", str(tmp_path)])
+    assert args.group == ["tp1", "tp2"] and args.rounds == 3
+    spec = bench.GROUPS["tp2"].servers[2]
+    server = bench.make_server(spec, args)
+    assert server.cwd == tmp_path.resolve() and server.env["PYTHONPATH"] == ""
+    assert server.argv[-2:] == ["--mm-encoder-tp-mode", "data"]
+    assert len(server.env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in bench.vllm_env(())
+    tessera = bench.make_server(bench.GROUPS["tp2"].servers[0], args)
+    assert tessera.argv[1] == "launch.py" and "--mm-enable-dp-encoder" in tessera.argv
+    assert bench.parse_args(["--model-path", "m", "--quick"]).rounds == 1
+
+
+# ---------------------------------------------------------------- greedy verdicts
+
+
+def test_greedy_verdicts() -> None:
+    assert bench.verdict({"text": "ab"}, "ab") == "equal"
+    assert bench.verdict({"text": "ab"}, "ab\ufffd").startswith("equal less a trailing partial")
+    assert bench.verdict({"text": "abX"}, "abc") == "differs at char 2"
+    assert bench.verdict({"text": "a"}, "abc") == "differs at char 1"
+    assert bench.verdict({"error": "HTTP 400: x"}, "abc") == "error: HTTP 400: x"
+    expected = [{"text": "hi", "prompt_tokens": 5}]
+    same = bench.greedy_rows(
+        {
+            "tessera": [{"text": "hi", "prompt_tokens": 5}],
+            "vllm": [{"text": "h", "prompt_tokens": 5}],
+        },
+        expected,
+    )[0]
+    assert same["prompt_tokens_equal"] and same["verdicts"]["vllm"] == "differs at char 1"
+    other = bench.greedy_rows(
+        {
+            "tessera": [{"text": "hi", "prompt_tokens": 5}],
+            "vllm": [{"text": "hi", "prompt_tokens": 6}],
+        },
+        expected,
+    )[0]
+    assert not other["prompt_tokens_equal"]
+    assert "| 0 | 5, 6, 5 | False | equal | equal |" in bench.greedy_table([other])
+
+
+def test_greedy_cases_cover_text_and_images() -> None:
+    cases = bench.greedy_cases()
+    images = [sum(p["type"] == "image_url" for p in c["messages"][0]["content"]) for c in cases]
+    assert images == [0, 0, 0, 0, 1, 1, 2]
+    assert all(c["temperature"] == 0.0 and "ignore_eos" not in c for c in cases)
+
+
+# ---------------------------------------------------------------- process-group teardown
+
+LEAVES_A_CHILD = """
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    open(sys.argv[1], "w").write(str(child.pid))
+    time.sleep(float(sys.argv[2]))  # then the leader exits and the child stays behind
+"""
+
+IGNORES_SIGINT = """
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    open(sys.argv[1], "w").write(str(child.pid))
+    time.sleep(120)
+"""
+
+SERVES_HEALTH = """
+    import http.server, subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    open(sys.argv[1], "w").write(str(child.pid))
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[-1])), Health).serve_forever()
+"""
+
+
+def dummy_server(tmp_path: Path, code: str, *args: str) -> tuple[Any, Path]:
+    script = tmp_path / "dummy.py"
+    script.write_text(textwrap.dedent(code))
+    pid_file = tmp_path / "child.pid"
+    argv = [sys.executable, str(script), str(pid_file), *args]
+    return bench_vs_reference.Server("dummy", argv, tmp_path / "dummy.log"), pid_file
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def started_child(pid_file: Path) -> int:
+    wait_until(lambda: pid_file.exists() and pid_file.read_text(), timeout=30)
+    return int(pid_file.read_text())
+
+
+def test_stop_ends_children_the_leader_left_behind(tmp_path: Path) -> None:
+    server, pid_file = dummy_server(tmp_path, LEAVES_A_CHILD, "0")
+    server.start()
+    child = started_child(pid_file)
+    server.proc.wait(30)
+    assert alive(child)  # the leader is gone, its child is not
+    server.stop()
+    assert not alive(child)
+
+
+def test_stop_kills_a_group_that_ignores_sigint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench_vs_reference, "STOP_GRACE_S", 0.5)
+    server, pid_file = dummy_server(tmp_path, IGNORES_SIGINT)
+    server.start()
+    child = started_child(pid_file)
+    server.stop()
+    assert not alive(child) and server.proc.returncode is not None
+    assert not bench_vs_reference.group_alive(server.proc.pid)
+
+
+def test_running_stops_the_server_when_the_run_fails(tmp_path: Path) -> None:
+    server, pid_file = dummy_server(tmp_path, SERVES_HEALTH)
+    with pytest.raises(RuntimeError, match="workload failed"):
+        with bench.running(server, ready_timeout=60.0):
+            child = started_child(pid_file)
+            raise RuntimeError("workload failed")
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child) and not alive(server.proc.pid)
+    assert os.path.exists(server.log)
+
+
+# ------------------------------------------------------------- py-spy phases (profile_vllm_decode)
+
+
+def test_py_spy_samples_fall_in_the_innermost_listed_phase() -> None:
+    import profile_vllm_decode as profile
+
+    raw = "\n".join(
+        [
+            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);"
+            "Runner._model_forward (r.py:3) 6",
+            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);"
+            "Sampler._sample (r.py:9) 2",
+            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);h (r.py:5) 1",
+            "thread (7): MainThread;run (core.py:1);MessageQueue.dequeue (shm.py:4) 3",
+            "thread (8): io;Thread.run (t.py:1);select (t.py:2) 5",
+            "not a sample line",
+        ]
+    )
+    threads = profile.phase_samples(raw, "worker")
+    assert threads["thread (7): MainThread"] == {
+        "forward": 6,
+        "sampling": 2,
+        "other work in execute_model": 1,
+        "waiting for the engine (idle)": 3,
+    }
+    assert threads["thread (8): io"] == {"other": 5}
+    assert profile.process_kind("VLLM::EngineCore") == "engine"
+    assert profile.process_kind("python -m vllm.entrypoints.openai.api_server") == "api"
