@@ -224,6 +224,43 @@ def test_a_client_media_id_stands_for_its_image(server: Server, oracle: dict) ->
     assert post_chat(server, body).status_code == 400
 
 
+def test_an_image_the_ranks_hold_goes_by_key(server: Server, oracle: dict) -> None:
+    """Once sent, an image goes to the ranks by key: with the ranks' encoder caches holding it
+    (after other text, so the radix cache cannot), no pixel byte is sent and the answer is the
+    one the pixels give; after a flush (the ranks lost it) the ranks ask, get the pixels once,
+    and the answer is HF's. Idle: no pixels held, no pin, KV all free or evictable."""
+    image, question = image_part(noise_image()), {"type": "text", "text": QUESTION}
+    look = [{"type": "text", "text": "Look closely."}, image, question]
+    chat(server, [image, question])  # sent once (by key already if another test sent it)
+    flush = lambda: httpx.post(server.url + "/flush_cache", timeout=30).status_code  # noqa: E731
+
+    def delta(turn: list[dict]) -> tuple[str, dict[str, int]]:
+        before = idle_info(server)
+        text = chat(server, turn).choices[0].message.content
+        after = idle_info(server)
+        keys = ("pixel_bytes_sent", "items_sent_by_key", "items_asked_again")
+        moved = {k: after["media"][k] - before["media"][k] for k in keys}
+        moved["hits"] = after["encoder_cache"]["hits"] - before["encoder_cache"]["hits"]
+        return text, moved
+
+    assert flush() == 200
+    text, moved = delta([image, question])
+    assert text == oracle["text"]["one_image"]
+    assert moved["items_sent_by_key"] == moved["items_asked_again"] == 1
+    assert moved["pixel_bytes_sent"] > 0  # the answer to the ranks' question
+    hit, moved = delta(look)
+    assert moved == {
+        "pixel_bytes_sent": 0, "items_sent_by_key": 1, "items_asked_again": 0, "hits": 1
+    }
+    assert flush() == 200
+    miss, moved = delta(look)
+    assert miss == hit and moved["items_asked_again"] == 1
+    info = idle_info(server)
+    assert info["media"]["requests_holding_pixels"] == 0 and info["encoder_cache"]["pins"] == 0
+    assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
+    assert len(shm_media_files(server.proc.pid)) == info["media"]["processed_cache"]["items"]
+
+
 def test_chat_video_equals_hf(server: Server, oracle: dict) -> None:
     url = "data:video/mp4;base64," + base64.b64encode(oracle["video"]).decode()
     content = [

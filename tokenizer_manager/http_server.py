@@ -137,7 +137,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "mm_enable_dp_encoder": tm.args.mm_enable_dp_encoder,
             "mm_encoder_mode": tm.args.mm_encoder_mode,
             **asdict(info),
-            "media": tm.mm.info() if tm.mm is not None else None,
+            "media": tm.media_info(),
             "api": vars(app.state.counters) | {"in_flight": len(tm.states)},
         }
 

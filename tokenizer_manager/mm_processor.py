@@ -200,7 +200,6 @@ class AsyncMMDataProcessor:
         self._closed = False
         # processed items by digest; None: every item goes to a worker
         self.cache = ProcessedCache(cache_bytes, shm_dir) if cache_bytes > 0 else None
-        self.pixel_bytes_sent = 0
         logger.info(
             "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes, "
             "processed-item cache of %d MiB",
@@ -218,10 +217,8 @@ class AsyncMMDataProcessor:
             raise RuntimeError("the media worker processes did not start")
 
     def info(self) -> dict[str, object]:
-        """For /server_info: the pixel bytes handed to requests (each sent on to the ranks) and
-        the processed-item cache's size and counters (None when it is off)."""
-        cache = None if self.cache is None else self.cache.info()
-        return {"pixel_bytes_sent": self.pixel_bytes_sent, "processed_cache": cache}
+        """For /server_info: the processed-item cache's size and counters (None when off)."""
+        return {"processed_cache": None if self.cache is None else self.cache.info()}
 
     def worker_pids(self) -> list[int]:
         return self._cpu.pids()
@@ -317,7 +314,6 @@ class AsyncMMDataProcessor:
                 self.cache.put(result)
         for i in todo:
             self._remember(parts[i], results[i], state.spec)
-        self.pixel_bytes_sent += sum(int(result.pixel_values.nbytes) for result in results)
         return [result.to_prepared() for result in results]
 
     def _cached(self, item: _Fetched, spec: ProcessorSpec) -> ProcessedMedia | None:

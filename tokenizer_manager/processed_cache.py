@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.logging_utils import get_logger
-from runtime.transport.shm import SharedTensor, new_media_path
+from runtime.transport.shm import SharedTensor, link_copy
 from tokenizer_manager.media_types import ProcessedMedia
 
 logger = get_logger(__name__)
@@ -142,26 +142,9 @@ class ProcessedCache:
         return self._copy_file(pixels)
 
     def _copy_file(self, source: SharedTensor) -> SharedTensor:
-        """A new owned name in this process's shared memory for the bytes of `source`: a hard
-        link (no copy; pixels are inputs, never written in place, so the names may share their
-        pages), or a copy where linking fails."""
         if self.shm_dir is None:
             raise OSError("a shared pixel file without a shared-memory folder")
-        path = new_media_path(self.shm_dir)
-        try:
-            os.link(source.path, path)
-        except OSError:
-            return self._write_copy(source)
-        return SharedTensor(path, source.shape, source.dtype)
-
-    def _write_copy(self, source: SharedTensor) -> SharedTensor:
-        assert self.shm_dir is not None
-        array = np.memmap(source.path, np.dtype(source.dtype), "r", shape=source.shape)
-        try:
-            written = SharedTensor.write(array, new_media_path(self.shm_dir))
-        finally:
-            del array
-        return SharedTensor(written.path, written.shape, written.dtype)
+        return link_copy(source, self.shm_dir)
 
 
 def _with_pixels(item: ProcessedMedia, pixels: np.ndarray | SharedTensor) -> ProcessedMedia:

@@ -30,6 +30,7 @@ from runtime.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetServerInfoReq,
+    PixelsWanted,
     ServerInfo,
     ShutdownReq,
     StrOutput,
@@ -65,6 +66,7 @@ from tokenizer_manager.multimodal_inputs import (
     expand_placeholder_ids,
     expand_placeholders,
 )
+from tokenizer_manager.pixel_ledger import PixelLedger
 from tokenizer_manager.prompt_limits import max_prompt_chars
 from tokenizer_manager.protocol import APIError
 
@@ -148,6 +150,8 @@ class TokenizerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.chat_template = load_chat_template(args.model_path, self.tokenizer)
         self.mm = mm
+        # pixels go to the ranks only when their encoder caches may lack the item
+        self.pixels = PixelLedger(args.mm_cache_size_mb > 0, mm.shm_dir if mm else None)
         self.context_length = context_length(args, self.config)
         # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
         self.budget = TokenBudget(self.context_length, kv_total or self.context_length)
@@ -212,6 +216,10 @@ class TokenizerManager:
                     self._route(out)
             case FlushCacheOut() | ServerInfo():
                 self._reply(msg)
+            case PixelsWanted(rid=rid, hashes=hashes):
+                answer = self.pixels.answer(rid, hashes)
+                if answer is not None:
+                    self._send(answer)
             case ShutdownReq():
                 logger.info("the detokenizer has shut down")
             case _:
@@ -452,6 +460,7 @@ class TokenizerManager:
         n = req.sampling_params.n
         state = self.states[rid] = ReqState(timeline, n=n)
         self.client_rids.add(req.rid)
+        self.pixels.hold(rid, req.mm_inputs)
         self._send(dataclasses.replace(req, rid=rid))
         try:
             ended = 0
@@ -468,6 +477,7 @@ class TokenizerManager:
             if not state.finished:
                 self._send(AbortReq(rid))
             self.states.pop(rid, None)
+            self.pixels.release(rid)
             self.client_rids.discard(req.rid)
 
     def check_admission(self, rid: str) -> None:
@@ -489,6 +499,10 @@ class TokenizerManager:
                 code="server_overloaded",
                 retry_after=1,
             )
+
+    def media_info(self) -> dict[str, object] | None:
+        """/server_info's media: the processed-item cache and the pixels sent to the ranks."""
+        return None if self.mm is None else self.mm.info() | self.pixels.info()
 
     def stalled(self) -> bool:
         """Requests are running and nothing came back for --health-stall-timeout seconds. A

@@ -204,6 +204,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def link_copy(source: SharedTensor, shm_dir: str) -> SharedTensor:
+    """A new owned name in `shm_dir` for the bytes of `source`: a hard link (no copy; pixels are
+    inputs, never written in place, so the names may share their pages), or a copy where linking
+    fails. Each name has its own owner: the file's pages go when the last name does."""
+    path = new_media_path(shm_dir)
+    try:
+        os.link(source.path, path)
+    except OSError:
+        array = np.memmap(source.path, np.dtype(source.dtype), "r", shape=source.shape)
+        try:
+            written = SharedTensor.write(array, path)
+        finally:
+            del array
+        return SharedTensor(written.path, written.shape, written.dtype)
+    return SharedTensor(path, source.shape, source.dtype)
+
+
 def remove_file(path: str) -> None:
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         os.unlink(path)
