@@ -134,6 +134,7 @@ class GenerateInput:
     media: list[MediaRef] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat: for the template
     mm_processor_kwargs: dict[str, Any] | None = None  # the client's media settings, unchecked
+    media_scope: str = ""  # the caller's scope of client media ids (http_server.media_scope)
 
 
 class TokenizerManager:
@@ -273,6 +274,7 @@ class TokenizerManager:
         counts), and the prepared media."""
         spec = self.media_spec(inp.mm_processor_kwargs)
         prompt, refs = await self.prompt_of(inp)
+        refs = [dataclasses.replace(ref, scope=inp.media_scope) for ref in refs]
         self.check_media_count(refs)
         if prompt is None:
             return self.checked_ids(inp.input_ids or []), []
