@@ -25,6 +25,12 @@ anything (the smoke setting of the tests does not).
 Per configuration and turn it prints the median time to first token of the image and of the
 text-only conversations and their ratio, the main-process and media-worker CPU per image, and the
 pixel MB sent to the ranks; the speed-up of the cache is the "off" row against the "on" row.
+
+On a machine others load, `--rounds N` starts every configuration's server at once (idle
+servers sleep) and runs N rounds; each round runs every configuration's conversations (new
+images each round), in an order that rotates from round to round, so the configurations share
+the machine's load alike. The summary is the median over the rounds of each (configuration,
+turn) row, with the 1-minute load average seen while the rows were measured.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import base64
 import hashlib
 import io
 import json
+import os
 import statistics
 import sys
 import time
@@ -172,6 +179,7 @@ async def run_config(server: Server, args: argparse.Namespace, seed: int) -> lis
                 after = costs(server, sync)
                 text_out = await wave(api, texts, k)
                 rows.append(row(server.name, k, image_out, text_out, before, after, images))
+                rows[-1]["load_avg"] = os.getloadavg()[0]
                 print(line(rows[-1]), flush=True)
     return rows
 
@@ -197,6 +205,7 @@ COLUMNS = [
     ("server", "{}"), ("turn", "{}"), ("ttft_ms", "{:.1f}"), ("text_ttft_ms", "{:.1f}"),
     ("ttft_vs_text", "{:.2f}"), ("prompt_tokens", "{:.0f}"), ("main_cpu_ms_per_image", "{:.2f}"),
     ("worker_cpu_ms_per_image", "{:.2f}"), ("pixel_mb_to_ranks", "{:.2f}"),
+    ("load_avg", "{:.1f}"),
 ]  # fmt: skip
 
 
@@ -284,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=448, help="side of the square images, px")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="rounds of every configuration, rotated")
     p.add_argument("--hash-only", action="store_true", help="only the hash micro-benchmark")
     p.add_argument(
         "--frontend-only",
@@ -297,17 +307,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every round's rows (each with its `round`): the servers run side by side, idle in turn."""
     args.log_dir.mkdir(parents=True, exist_ok=True)
+    specs = args.server or DEFAULT_SERVERS
+    servers = [make_server(spec, args.model_path, args.log_dir) for spec in specs]
     rows: list[dict[str, Any]] = []
-    for spec in args.server or DEFAULT_SERVERS:
-        server = make_server(spec, args.model_path, args.log_dir)
-        try:
+    try:
+        for server in servers:
             server.start()
+        for server in servers:
             server.wait_ready(args.ready_timeout)
-            rows += asyncio.run(run_config(server, args, args.seed))
-        finally:
+        for r in range(args.rounds):
+            for server in servers[r % len(servers) :] + servers[: r % len(servers)]:
+                seed = args.seed + 1000 * r  # new images every round
+                rows += [x | {"round": r} for x in asyncio.run(run_config(server, args, seed))]
+    finally:
+        for server in servers:
             server.stop()
     return rows
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (configuration, turn): the median of every number over the rounds."""
+    keys = list(dict.fromkeys((r["server"], r["turn"]) for r in rows))
+    out = []
+    for server, k in keys:
+        group = [r for r in rows if (r["server"], r["turn"]) == (server, k)]
+        numbers = {
+            name: statistics.median(r[name] for r in group)
+            for name, value in group[0].items()
+            if isinstance(value, float | int) and name not in ("turn", "round")
+        }
+        out.append({"server": server, "turn": k, **numbers, "rounds": len(group)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -320,7 +352,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["frontend"] = frontend_costs(args.model_path, args.image_size)
         print(json.dumps(report["frontend"]), flush=True)
     if not args.hash_only and not args.frontend_only:
-        report["turns"] = run_servers(args)
+        report["rounds"] = run_servers(args)
+        report["turns"] = medians(report["rounds"])
         print(table(report["turns"]))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -35,3 +35,15 @@ def test_the_hash_comparison_is_reported(report: dict) -> None:
     speeds = report["hash"]
     assert speeds["sha256_gb_s"] > 0 and speeds["xxh3_128_gb_s"] > 0
     assert speeds["xxh3_vs_sha256"] == speeds["xxh3_128_gb_s"] / speeds["sha256_gb_s"]
+
+
+def test_rounds_are_summarised_by_their_medians(report: dict) -> None:
+    assert [r["round"] for r in report["rounds"]] == [0, 0]
+    assert all(r["rounds"] == 1 and r["load_avg"] >= 0 for r in report["turns"])
+    rows = [
+        {"server": "on", "turn": 1, "round": i, "ttft_ms": t, "load_avg": 2.0 + i}
+        for i, t in enumerate((30.0, 10.0, 20.0))
+    ]
+    assert bench_multiturn.medians(rows) == [
+        {"server": "on", "turn": 1, "ttft_ms": 20.0, "load_avg": 3.0, "rounds": 3}
+    ]
