@@ -22,9 +22,14 @@ new images one at a time and then the same 8 again: CPU per image on a miss and 
 counts CPU in 10 ms ticks: use enough images of a real size for the per-turn columns to mean
 anything (the smoke setting of the tests does not).
 
+A third set of conversations sends the same kind of images with a client media id (`uuid`) on
+each part, and from the second turn on the ids without the bytes (`ids_vs_text`: its time to first
+token against the text-only one).
+
 Per configuration and turn it prints the median time to first token of the image and of the
-text-only conversations and their ratio, the main-process and media-worker CPU per image, and the
-pixel MB sent to the ranks; the speed-up of the cache is the "off" row against the "on" row.
+text-only conversations and their ratio, the main-process and media-worker CPU per image (and,
+to tell the images' share from a request's own, the main-process CPU per text-only request), and
+the pixel MB sent to the ranks; the speed-up of the cache is the "off" row against the "on" row.
 
 On a machine others load, `--rounds N` starts every configuration's server at once (idle
 servers sleep) and runs N rounds; each round runs every configuration's conversations (new
@@ -77,10 +82,21 @@ class Conversation:
     def ask(self, turn: int) -> None:
         if turn:
             self.messages.append({"role": "user", "content": QUESTIONS[(turn - 1) % 5]})
+        if turn == 1:  # a client with media ids sends the bytes once, then the ids alone
+            for part in self.messages[0]["content"]:
+                if "uuid" in part:
+                    part.pop("image_url")
 
 
-def image_conversation(rng: np.random.Generator, size: int) -> Conversation:
+def image_conversation(
+    rng: np.random.Generator, size: int, ids: bool = False
+) -> Conversation:
+    """2 new images and a question; `ids`: each image part carries a client `uuid`, and the
+    conversation resends the ids without the bytes from its second turn."""
     parts = [{"type": "image_url", "image_url": {"url": image_url(rng, size)}} for _ in range(2)]
+    if ids:
+        prefix = f"bench-{rng.integers(1 << 62):x}"
+        parts = [part | {"uuid": f"{prefix}-{j}"} for j, part in enumerate(parts)]
     content = [*parts, {"type": "text", "text": "Look at these two images."}]
     return Conversation([{"role": "user", "content": content}], 2)
 
@@ -99,14 +115,17 @@ class Api:
 
 async def turn(api: Api, conv: Conversation) -> tuple[float, int]:
     """One streamed request; (seconds to the first token, prompt tokens). The answer joins the
-    conversation."""
+    conversation. The clock starts once the body is encoded: a client's own JSON encoding (10
+    ms for two 448-pixel PNGs here) is not the server's time."""
     body = {
         "model": api.model, "messages": conv.messages, "max_tokens": api.max_tokens,
         "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
     }  # fmt: skip
+    payload, headers = json.dumps(body).encode(), {"content-type": "application/json"}
     start, first, text, prompt = time.perf_counter(), None, [], 0
-    async with api.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+    post = api.client.stream("POST", "/v1/chat/completions", content=payload, headers=headers)
+    async with post as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
@@ -171,6 +190,7 @@ async def run_config(server: Server, args: argparse.Namespace, seed: int) -> lis
         words = await filler_words(api, image_prompt)
         images = [image_conversation(rng, args.image_size) for _ in range(args.conversations)]
         texts = [text_conversation(words) for _ in range(args.conversations)]
+        by_id = [image_conversation(rng, args.image_size, True) for _ in range(args.conversations)]
         rows = []
         with httpx.Client(base_url=url, timeout=60, trust_env=False) as sync:
             for k in range(args.turns):
@@ -178,7 +198,14 @@ async def run_config(server: Server, args: argparse.Namespace, seed: int) -> lis
                 image_out = await wave(api, images, k)
                 after = costs(server, sync)
                 text_out = await wave(api, texts, k)
+                text_cost = costs(server, sync)
+                id_out = await wave(api, by_id, k)
                 rows.append(row(server.name, k, image_out, text_out, before, after, images))
+                text_main = (text_cost["main_cpu_s"] - after["main_cpu_s"]) * 1e3 / len(texts)
+                rows[-1]["text_main_cpu_ms_per_request"] = text_main
+                rows[-1]["ids_vs_text"] = statistics.median(t for t, _ in id_out) / (
+                    rows[-1]["text_ttft_ms"] / 1e3
+                )
                 rows[-1]["load_avg"] = os.getloadavg()[0]
                 print(line(rows[-1]), flush=True)
     return rows
@@ -205,7 +232,7 @@ COLUMNS = [
     ("server", "{}"), ("turn", "{}"), ("ttft_ms", "{:.1f}"), ("text_ttft_ms", "{:.1f}"),
     ("ttft_vs_text", "{:.2f}"), ("prompt_tokens", "{:.0f}"), ("main_cpu_ms_per_image", "{:.2f}"),
     ("worker_cpu_ms_per_image", "{:.2f}"), ("pixel_mb_to_ranks", "{:.2f}"),
-    ("load_avg", "{:.1f}"),
+    ("text_main_cpu_ms_per_request", "{:.2f}"), ("ids_vs_text", "{:.2f}"), ("load_avg", "{:.1f}"),
 ]  # fmt: skip
 
 

@@ -23,7 +23,7 @@ def test_every_turn_is_measured_against_a_text_prefix_of_its_length(report: dict
     assert [(r["server"], r["turn"]) for r in turns] == [("cache-on", 1), ("cache-on", 2)]
     for r in turns:
         assert abs(r["text_prompt_tokens"] - r["prompt_tokens"]) <= 0.05 * r["prompt_tokens"]
-        assert r["ttft_ms"] > 0 and r["text_ttft_ms"] > 0
+        assert r["ttft_ms"] > 0 and r["text_ttft_ms"] > 0 and r["ids_vs_text"] > 0
     # 2 conversations x 2 images of 112x112: 64 patches of 1176 float32 each, sent once; the
     # resent images go to the ranks by key
     assert turns[0]["pixel_mb_to_ranks"] == pytest.approx(4 * 64 * 1176 * 4 / 1e6)
