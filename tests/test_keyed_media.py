@@ -103,6 +103,25 @@ def test_an_item_the_ranks_lost_is_asked_for_and_the_request_completes(
     assert harness.info().counters.pixels_wanted == 1
 
 
+def test_with_an_encoder_cache_too_small_for_the_item_every_keyed_request_asks(
+    cases: dict,
+) -> None:
+    """An encoder cache that stores nothing (the tiniest there is): the front end's guess is
+    always wrong, and every keyed request still completes as HF's, after one question each."""
+    first, other = cases["first"], cases["other"]
+    args = ServerArgs(
+        model_path=cases["folder"], tp_size=2, mm_encoder_mode="dp", mm_cache_size_mb=0
+    )
+    with SchedulerHarness(args) as h:
+        for rid, case in (("e", first), ("f", other)):
+            out = h.generate([request(case, rid, keyed=True)], pixels=pixels_of(first))
+            assert out[rid]["tokens"] == case.hf_tokens
+        assert [q.rid for q in asked(h)] == ["e", "f"]
+        info = h.info()
+    assert info.counters.pixels_wanted == 2 and info.encoder_cache.entries == 0
+    assert info.encoder_cache.pins == 0 and info.kv_free + info.kv_evictable == info.kv_total
+
+
 def test_nothing_is_held_once_idle(harness: SchedulerHarness) -> None:
     info = harness.info()
     assert info.running == info.waiting == 0
