@@ -88,6 +88,25 @@ class GetServerInfoReq:
 
 
 @dataclass
+class PixelsWanted:
+    """Scheduler rank 0 -> (detokenizer) -> TokenizerManager: a request sent some items by key
+    only (their pixels were sent before and the ranks' encoder caches held them), and at least
+    one rank no longer holds these; the request waits, out of every batch, for `ItemPixels`."""
+
+    rid: str
+    hashes: list[int]
+
+
+@dataclass
+class ItemPixels:
+    """TokenizerManager -> scheduler: the pixels `PixelsWanted` asked for, by item hash (a
+    shared-memory file by name, or a tensor out of band: runtime/transport/frames.py)."""
+
+    rid: str
+    features: dict[int, object]
+
+
+@dataclass
 class SchedulerCounters:
     """What the scheduler has done since start-up (on the entry rank)."""
 
@@ -104,6 +123,7 @@ class SchedulerCounters:
     failed: int = 0  # requests ended by a fault of their own
     faults_injected: int = 0  # hits of a test's faults (scheduler/input_checks.py); 0 in production
     forced_tokens: int = 0  # appended by jump-forward: a decode step saved for each
+    pixels_wanted: int = 0  # requests whose keyed items some rank lacked (pixels asked for)
 
 
 @dataclass
@@ -254,14 +274,16 @@ class BatchStrOut:
 # ---------------------------------------------------------------------- one union per channel
 
 # TokenizerManager -> scheduler: what the scheduler's loop handles, then the channel as a whole
-SchedulerRequest = TokenizedGenerateReq | AbortReq | FlushCacheReq | GetServerInfoReq
+SchedulerRequest = (
+    TokenizedGenerateReq | AbortReq | FlushCacheReq | GetServerInfoReq | ItemPixels
+)
 ToScheduler = SchedulerRequest | ShutdownReq
 # scheduler rank 0 -> the other ranks: the messages rank 0 received, forwarded unchanged
 RankBroadcast = ToScheduler
 # scheduler rank 0 -> detokenizer: a step's outputs, the replies to control requests
-ToDetokenizer = BatchTokenOut | FlushCacheOut | ServerInfo | ShutdownReq
+ToDetokenizer = BatchTokenOut | FlushCacheOut | ServerInfo | PixelsWanted | ShutdownReq
 # detokenizer -> TokenizerManager: text, and the replies passed through
-ToTokenizer = BatchStrOut | FlushCacheOut | ServerInfo | ShutdownReq
+ToTokenizer = BatchStrOut | FlushCacheOut | ServerInfo | PixelsWanted | ShutdownReq
 
 
 class UnknownMessage(TypeError):

@@ -132,9 +132,14 @@ class ServerArgs:
     media_fetch_timeout: float = _opt(
         "seconds for one media URL fetch: connect, headers, body and redirects", default=10.0
     )
-    api_key: str | None = _opt("bearer token required by the HTTP API (see --api-key-file)")
+    api_key: tuple[str, ...] = _opt(
+        "bearer token required by the HTTP API; give it again for more keys (one per tenant: "
+        "client media ids are scoped to the key presented); see --api-key-file",
+        default=(),
+        action="append",
+    )
     api_key_file: str | None = _opt(
-        "file holding the bearer token (keeps it out of the process list)"
+        "file holding the bearer tokens, one per line (keeps them out of the process list)"
     )
     max_request_bytes: int = _opt(
         "largest HTTP request body in bytes (413 beyond); default 64 MiB", default=64 << 20
@@ -238,7 +243,8 @@ class ServerArgs:
                 parser.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
                 continue
             kind = meta.pop("type", None) or {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(flag, dest=f.name, type=kind, default=f.default, **meta)
+            default = None if meta.get("action") == "append" else f.default
+            parser.add_argument(flag, dest=f.name, type=kind, default=default, **meta)
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
@@ -267,17 +273,19 @@ class ServerArgs:
         out.check()
         return out
 
-    def _read_api_key(self) -> str | None:
+    def _read_api_key(self) -> tuple[str, ...]:
         if self.api_key_file is None:
             return self.api_key
         if self.api_key:
             raise ValueError("give --api-key or --api-key-file, not both")
-        key = Path(self.api_key_file).read_text().strip()
-        if not key:
+        lines = Path(self.api_key_file).read_text().splitlines()
+        keys = tuple(key for line in lines if (key := line.strip()))
+        if not keys:
             raise ValueError(f"--api-key-file {self.api_key_file} is empty")
-        return key
+        return keys
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "api_key", _as_keys(self.api_key))
         # --mm-enable-dp-encoder is folded into the one encoder-mode field however the object
         # is made (CLI, constructor, dataclasses.replace), so readers see a single answer.
         if not self.mm_enable_dp_encoder_flag:
@@ -335,6 +343,15 @@ def _private_dir(path: str | None) -> str:
     if os.stat(path).st_mode & 0o077:
         raise ValueError(f"--ipc-dir {path} must be private to this user (chmod 700)")
     return path
+
+
+def _as_keys(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """--api-key as a tuple, however it was given: one key (a string), several (a list from
+    the command line), or none."""
+    keys = () if value is None else (value,) if isinstance(value, str) else tuple(value)
+    if any(not key for key in keys):
+        raise ValueError("--api-key must not be empty")
+    return keys
 
 
 def resolve_device(requested: str, tp_size: int, visible_gpus: int) -> str:

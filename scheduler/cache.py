@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from runtime.distributed import TPGroup
 from runtime.io_struct import EncoderCacheStats, RadixStats
-from scheduler.encoder_cache import EncoderCache
+from scheduler.encoder_cache import EncoderCache, agree_on_misses
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req
@@ -76,7 +77,8 @@ class CacheManager:
         return evictable - self.radix.evictable_size
 
     def unlock(self, req: Req) -> None:
-        """Undo `lock` for a request that did not fit the batch after all."""
+        """Undo `lock` (and `hold_keyed_items`) for a request that did not fit the batch."""
+        self.set_encoder_pins(req, frozenset())
         self.radix.dec_lock_ref(req.last_node)
         req.last_node = None
         self.req_pool.free(req.req_pool_index)
@@ -118,11 +120,25 @@ class CacheManager:
         return self.req_pool.req_to_token[req.req_pool_index, : req.kv_len].clone().cpu()
 
     # ------------------------------------------------------------------ encoder pins
+    def hold_keyed_items(self, req: Req, tp: TPGroup) -> list[int]:
+        """After `lock`: pin the encoder-cache entries of the items the request sent by key
+        and has still to read, when every rank holds them (one all-reduce, joined by every
+        rank: they admit alike); else pin nothing and return the hashes some rank lacks, whose
+        pixels the request must get from the front end before it can run."""
+        keyed = req.keyed_items(req.kv_len)
+        if not keyed:
+            return []
+        missing = agree_on_misses(sorted(keyed), self.encoder_cache, tp)
+        if not missing:
+            self.set_encoder_pins(req, req.encoder_pins | keyed)
+        return missing
+
     def pin_items_in_progress(self, req: Req, chunk_end: int) -> None:
         """Before a chunk runs: pin the encoder-cache entries of items that this chunk enters
         but does not finish (the pin holds from the moment the embedding is stored), so the next
-        chunk reads the embedding instead of encoding the item again; unpin the rest."""
-        pins = set()
+        chunk reads the embedding instead of encoding the item again, and of keyed items still
+        to be read (they have no pixels to encode again); unpin the rest."""
+        pins = set(req.keyed_items(req.kv_len))
         for item in req.mm.items if req.mm is not None else []:
             start = min(s for s, _ in item.offsets)
             end = max(e for _, e in item.offsets)

@@ -146,7 +146,7 @@ def serve(
     while True:
         frames = None
         if channel is not None:
-            frames = channel.recv_all(IDLE_POLL_MS if scheduler.idle else 0)
+            frames = channel.recv_all(IDLE_POLL_MS if scheduler.blocked else 0)
         frames = broadcast_frames(frames, tp.rank, tp.cpu_group, tp.size, shm_dir)
         loaded: list[str] = []
         msgs: list[RankBroadcast] = [from_frames(f, loaded) for f in frames]

@@ -69,6 +69,7 @@ class Req:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # entry rank, if it asked
     index: int = 0  # which of the request's n choices
     fork_of: Req | None = None  # choice 0, whose prefill the other choices wait for and share
+    wants_pixels: bool = False  # waits, out of every batch, for the pixels of keyed items
 
     @classmethod
     def from_message(
@@ -120,6 +121,14 @@ class Req:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    def keyed_items(self, start: int) -> frozenset[int]:
+        """Hashes of the items sent by key only (no pixels: the ranks' encoder caches held them
+        when the front end sent the request) whose placeholder run ends after token `start`."""
+        items = self.mm.items if self.mm is not None else []
+        return frozenset(
+            i.hash for i in items if i.feature is None and max(e for _, e in i.offsets) > start
+        )
 
     @property
     def finished(self) -> bool:

@@ -31,6 +31,8 @@ from runtime.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetServerInfoReq,
+    ItemPixels,
+    PixelsWanted,
     ReqOutput,
     ReqStart,
     SchedulerCounters,
@@ -98,6 +100,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._arrivals = 0
         self._started: list[ReqStart] = []
+        self._asks: list[PixelsWanted] = []  # this step's questions to the front end
         # an ordered set by identity (invariant 12): a reused rid never hides another's output
         self._touched: dict[Req, None] = {}
         self._was_idle = True
@@ -117,6 +120,8 @@ class Scheduler:
             self.run_decode()
         result.outputs = self.collect_outputs()
         result.started, self._started = self._started, []
+        result.replies.extend(self._asks)
+        self._asks = []
         if self.idle and not self._was_idle and self.cfg.check_integrity_when_idle:
             self.check_idle_accounting()  # once per transition to idle, not on every poll
         self._was_idle = self.idle
@@ -125,6 +130,13 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running and self.chunked is None
+
+    @property
+    def blocked(self) -> bool:
+        """Nothing can run until a message comes: idle, or every request waits for pixels."""
+        return not self.running and self.chunked is None and all(
+            r.wants_pixels for r in self.waiting
+        )
 
     @property
     def radix(self) -> RadixCache:
@@ -145,6 +157,8 @@ class Scheduler:
                 result.replies.append(self.flush_cache())
             case GetServerInfoReq():
                 result.replies.append(self.server_info())
+            case ItemPixels():
+                self.take_pixels(msg)
             case _:
                 raise UnknownMessage(msg, "tokenizer -> scheduler")
 
@@ -162,6 +176,17 @@ class Scheduler:
             req.index, req.fork_of = index, first
             first = first or req
             self.queue_request(req)
+
+    def take_pixels(self, msg: ItemPixels) -> None:
+        """The front end's answer to `PixelsWanted`: the waiting request gets its keyed items'
+        pixels and may be admitted again (a request that ended meanwhile: nothing to do)."""
+        for req in self.waiting:
+            if req.rid != msg.rid or req.mm is None:
+                continue
+            for item in req.mm.items:
+                if item.feature is None and item.hash in msg.features:
+                    item.feature = msg.features[item.hash]
+            req.wants_pixels = False
 
     def queue_request(self, req: Req) -> None:
         self._started.append(ReqStart.of(req.rid, req.params, req.index))
@@ -218,7 +243,7 @@ class Scheduler:
             batch.add(self.chunked, n)
             self.chunked = None
         for req in self.ordered_waiting():
-            if not (ready(req) and self.grammar.is_ready(req)):
+            if req.wants_pixels or not (ready(req) and self.grammar.is_ready(req)):
                 continue
             if not self.admit_into(batch, req, adder):
                 break
@@ -232,12 +257,27 @@ class Scheduler:
         locked = self.cache.lock(req)
         if locked is None:
             return False
+        if self.wait_for_pixels(req):
+            return True  # it holds nothing now; admission goes on with the next request
         adder.rem_total -= locked  # its cached prefix is no longer evictable
         n = adder.add(req.extend_len, req.remaining_new_tokens)
         if n is None:
             self.cache.unlock(req)
             return False
         batch.add(req, n)
+        return True
+
+    def wait_for_pixels(self, req: Req) -> bool:
+        """Items the request sent by key that some rank's encoder cache no longer holds (an
+        eviction since the front end sent it): the request gives its lock back and waits for
+        their pixels, which rank 0 asks the front end for; it never fails for this."""
+        missing = self.cache.hold_keyed_items(req, self.tp)
+        if not missing:
+            return False
+        self.cache.unlock(req)
+        req.wants_pixels = True
+        self.counters.pixels_wanted += 1
+        self._asks.append(PixelsWanted(req.rid, missing))
         return True
 
     def make_adder(self) -> PrefillAdder:
@@ -285,6 +325,7 @@ class Scheduler:
             self.sample_and_append(sampling, logits[rows])
         now = time.perf_counter()
         for req in done:
+            self.cache.set_encoder_pins(req, frozenset())  # its items are all read
             self.share_prompt(req)
             if req.retractions == 0:
                 self.counters.cached_prompt_tokens += req.cached_tokens

@@ -22,9 +22,20 @@ new images one at a time and then the same 8 again: CPU per image on a miss and 
 counts CPU in 10 ms ticks: use enough images of a real size for the per-turn columns to mean
 anything (the smoke setting of the tests does not).
 
+A third set of conversations sends the same kind of images with a client media id (`uuid`) on
+each part, and from the second turn on the ids without the bytes (`ids_vs_text`: its time to first
+token against the text-only one).
+
 Per configuration and turn it prints the median time to first token of the image and of the
-text-only conversations and their ratio, the main-process and media-worker CPU per image, and the
-pixel MB sent to the ranks; the speed-up of the cache is the "off" row against the "on" row.
+text-only conversations and their ratio, the main-process and media-worker CPU per image (and,
+to tell the images' share from a request's own, the main-process CPU per text-only request), and
+the pixel MB sent to the ranks; the speed-up of the cache is the "off" row against the "on" row.
+
+On a machine others load, `--rounds N` starts every configuration's server at once (idle
+servers sleep) and runs N rounds; each round runs every configuration's conversations (new
+images each round), in an order that rotates from round to round, so the configurations share
+the machine's load alike. The summary is the median over the rounds of each (configuration,
+turn) row, with the 1-minute load average seen while the rows were measured.
 """
 
 from __future__ import annotations
@@ -35,6 +46,8 @@ import base64
 import hashlib
 import io
 import json
+import math
+import os
 import statistics
 import sys
 import time
@@ -70,10 +83,21 @@ class Conversation:
     def ask(self, turn: int) -> None:
         if turn:
             self.messages.append({"role": "user", "content": QUESTIONS[(turn - 1) % 5]})
+        if turn == 1:  # a client with media ids sends the bytes once, then the ids alone
+            for part in self.messages[0]["content"]:
+                if "uuid" in part:
+                    part.pop("image_url")
 
 
-def image_conversation(rng: np.random.Generator, size: int) -> Conversation:
+def image_conversation(
+    rng: np.random.Generator, size: int, ids: bool = False
+) -> Conversation:
+    """2 new images and a question; `ids`: each image part carries a client `uuid`, and the
+    conversation resends the ids without the bytes from its second turn."""
     parts = [{"type": "image_url", "image_url": {"url": image_url(rng, size)}} for _ in range(2)]
+    if ids:
+        prefix = f"bench-{rng.integers(1 << 62):x}"
+        parts = [part | {"uuid": f"{prefix}-{j}"} for j, part in enumerate(parts)]
     content = [*parts, {"type": "text", "text": "Look at these two images."}]
     return Conversation([{"role": "user", "content": content}], 2)
 
@@ -92,14 +116,17 @@ class Api:
 
 async def turn(api: Api, conv: Conversation) -> tuple[float, int]:
     """One streamed request; (seconds to the first token, prompt tokens). The answer joins the
-    conversation."""
+    conversation. The clock starts once the body is encoded: a client's own JSON encoding (10
+    ms for two 448-pixel PNGs here) is not the server's time."""
     body = {
         "model": api.model, "messages": conv.messages, "max_tokens": api.max_tokens,
         "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
     }  # fmt: skip
+    payload, headers = json.dumps(body).encode(), {"content-type": "application/json"}
     start, first, text, prompt = time.perf_counter(), None, [], 0
-    async with api.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+    post = api.client.stream("POST", "/v1/chat/completions", content=payload, headers=headers)
+    async with post as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
@@ -164,6 +191,9 @@ async def run_config(server: Server, args: argparse.Namespace, seed: int) -> lis
         words = await filler_words(api, image_prompt)
         images = [image_conversation(rng, args.image_size) for _ in range(args.conversations)]
         texts = [text_conversation(words) for _ in range(args.conversations)]
+        media = (await client.get("/server_info")).json().get("media") or {}
+        ids = media.get("processed_cache") is not None  # ids need the processed-item cache
+        by_id = [image_conversation(rng, args.image_size, True) for _ in range(args.conversations)]
         rows = []
         with httpx.Client(base_url=url, timeout=60, trust_env=False) as sync:
             for k in range(args.turns):
@@ -171,7 +201,15 @@ async def run_config(server: Server, args: argparse.Namespace, seed: int) -> lis
                 image_out = await wave(api, images, k)
                 after = costs(server, sync)
                 text_out = await wave(api, texts, k)
+                text_cost = costs(server, sync)
+                id_out = await wave(api, by_id, k) if ids else [(math.nan, 0)]
                 rows.append(row(server.name, k, image_out, text_out, before, after, images))
+                text_main = (text_cost["main_cpu_s"] - after["main_cpu_s"]) * 1e3 / len(texts)
+                rows[-1]["text_main_cpu_ms_per_request"] = text_main
+                rows[-1]["ids_vs_text"] = statistics.median(t for t, _ in id_out) / (
+                    rows[-1]["text_ttft_ms"] / 1e3
+                )
+                rows[-1]["load_avg"] = os.getloadavg()[0]
                 print(line(rows[-1]), flush=True)
     return rows
 
@@ -197,6 +235,7 @@ COLUMNS = [
     ("server", "{}"), ("turn", "{}"), ("ttft_ms", "{:.1f}"), ("text_ttft_ms", "{:.1f}"),
     ("ttft_vs_text", "{:.2f}"), ("prompt_tokens", "{:.0f}"), ("main_cpu_ms_per_image", "{:.2f}"),
     ("worker_cpu_ms_per_image", "{:.2f}"), ("pixel_mb_to_ranks", "{:.2f}"),
+    ("text_main_cpu_ms_per_request", "{:.2f}"), ("ids_vs_text", "{:.2f}"), ("load_avg", "{:.1f}"),
 ]  # fmt: skip
 
 
@@ -284,6 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=448, help="side of the square images, px")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="rounds of every configuration, rotated")
     p.add_argument("--hash-only", action="store_true", help="only the hash micro-benchmark")
     p.add_argument(
         "--frontend-only",
@@ -297,17 +337,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every round's rows (each with its `round`): the servers run side by side, idle in turn."""
     args.log_dir.mkdir(parents=True, exist_ok=True)
+    specs = args.server or DEFAULT_SERVERS
+    servers = [make_server(spec, args.model_path, args.log_dir) for spec in specs]
     rows: list[dict[str, Any]] = []
-    for spec in args.server or DEFAULT_SERVERS:
-        server = make_server(spec, args.model_path, args.log_dir)
-        try:
+    try:
+        for server in servers:
             server.start()
+        for server in servers:
             server.wait_ready(args.ready_timeout)
-            rows += asyncio.run(run_config(server, args, args.seed))
-        finally:
+        for r in range(args.rounds):
+            for server in servers[r % len(servers) :] + servers[: r % len(servers)]:
+                seed = args.seed + 1000 * r  # new images every round
+                rows += [x | {"round": r} for x in asyncio.run(run_config(server, args, seed))]
+    finally:
+        for server in servers:
             server.stop()
     return rows
+
+
+def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (configuration, turn): the median of every number over the rounds."""
+    keys = list(dict.fromkeys((r["server"], r["turn"]) for r in rows))
+    out = []
+    for server, k in keys:
+        group = [r for r in rows if (r["server"], r["turn"]) == (server, k)]
+        numbers = {
+            name: statistics.median(r[name] for r in group)
+            for name, value in group[0].items()
+            if isinstance(value, float | int) and name not in ("turn", "round")
+        }
+        out.append({"server": server, "turn": k, **numbers, "rounds": len(group)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -320,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["frontend"] = frontend_costs(args.model_path, args.image_size)
         print(json.dumps(report["frontend"]), flush=True)
     if not args.hash_only and not args.frontend_only:
-        report["turns"] = run_servers(args)
+        report["rounds"] = run_servers(args)
+        report["turns"] = medians(report["rounds"])
         print(table(report["turns"]))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

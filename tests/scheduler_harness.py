@@ -15,6 +15,8 @@ from dist_utils import free_port
 from runtime.io_struct import (
     BatchTokenOut,
     GetServerInfoReq,
+    ItemPixels,
+    PixelsWanted,
     ServerInfo,
     ShutdownReq,
     TokenizedGenerateReq,
@@ -71,14 +73,23 @@ class SchedulerHarness:
             raise TimeoutError(f"no scheduler output in {timeout}s (dead ranks: {dead})")
         return self.out.recv_pyobj()
 
-    def generate(self, reqs: list[TokenizedGenerateReq], timeout: float = 300.0) -> dict:
-        """Send all requests at once; returns rid -> {"tokens", "cached", "finish"}."""
+    def generate(
+        self,
+        reqs: list[TokenizedGenerateReq],
+        timeout: float = 300.0,
+        pixels: dict[int, Any] | None = None,
+    ) -> dict:
+        """Send all requests at once; returns rid -> {"tokens", "cached", "finish"}. A
+        `PixelsWanted` is answered from `pixels` (item hash -> feature) as the front end does,
+        and kept in `pending` too."""
         results = {r.rid: {"tokens": [], "cached": None, "finish": None} for r in reqs}
         for r in reqs:
             self.send(r)
         deadline = time.monotonic() + timeout
         while any(v["finish"] is None for v in results.values()):
             msg = self.recv(max(0.1, deadline - time.monotonic()))
+            if isinstance(msg, PixelsWanted) and pixels is not None:
+                self.send(ItemPixels(msg.rid, {h: pixels[h] for h in msg.hashes}))
             if not isinstance(msg, BatchTokenOut):
                 self.pending.append(msg)
                 continue

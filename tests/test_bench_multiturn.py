@@ -23,9 +23,11 @@ def test_every_turn_is_measured_against_a_text_prefix_of_its_length(report: dict
     assert [(r["server"], r["turn"]) for r in turns] == [("cache-on", 1), ("cache-on", 2)]
     for r in turns:
         assert abs(r["text_prompt_tokens"] - r["prompt_tokens"]) <= 0.05 * r["prompt_tokens"]
-        assert r["ttft_ms"] > 0 and r["text_ttft_ms"] > 0
-        # 2 conversations x 2 images of 112x112: 64 patches of 1176 float32 each
-        assert r["pixel_mb_to_ranks"] == pytest.approx(4 * 64 * 1176 * 4 / 1e6)
+        assert r["ttft_ms"] > 0 and r["text_ttft_ms"] > 0 and r["ids_vs_text"] > 0
+    # 2 conversations x 2 images of 112x112: 64 patches of 1176 float32 each, sent once; the
+    # resent images go to the ranks by key
+    assert turns[0]["pixel_mb_to_ranks"] == pytest.approx(4 * 64 * 1176 * 4 / 1e6)
+    assert turns[1]["pixel_mb_to_ranks"] == 0
     assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"]  # the history grows
 
 
@@ -33,3 +35,15 @@ def test_the_hash_comparison_is_reported(report: dict) -> None:
     speeds = report["hash"]
     assert speeds["sha256_gb_s"] > 0 and speeds["xxh3_128_gb_s"] > 0
     assert speeds["xxh3_vs_sha256"] == speeds["xxh3_128_gb_s"] / speeds["sha256_gb_s"]
+
+
+def test_rounds_are_summarised_by_their_medians(report: dict) -> None:
+    assert [r["round"] for r in report["rounds"]] == [0, 0]
+    assert all(r["rounds"] == 1 and r["load_avg"] >= 0 for r in report["turns"])
+    rows = [
+        {"server": "on", "turn": 1, "round": i, "ttft_ms": t, "load_avg": 2.0 + i}
+        for i, t in enumerate((30.0, 10.0, 20.0))
+    ]
+    assert bench_multiturn.medians(rows) == [
+        {"server": "on", "turn": 1, "ttft_ms": 20.0, "load_avg": 3.0, "rounds": 3}
+    ]

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from runtime.server_args import ServerArgs
-from tokenizer_manager.http_server import create_app
+from tokenizer_manager.http_server import create_app, media_scope
 
 LIMIT = 4096
 
@@ -97,11 +97,31 @@ def test_api_key_dependency_guards_every_route_but_health() -> None:
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "demo"
 
 
+def test_api_key_may_be_given_for_several_callers() -> None:
+    assert ServerArgs.from_cli(["--api-key", "a", "--api-key", "b"]).api_key == ("a", "b")
+    assert ServerArgs.from_cli([]).api_key == () and ServerArgs(api_key="k").api_key == ("k",)
+    args = ServerArgs(model_path="/models/demo", api_key=("a", "b"))
+    http = TestClient(create_app(SimpleNamespace(args=args, context_length=128)))
+    for key, status in (("a", 200), ("b", 200), ("c", 401), ("ab", 401)):
+        reply = http.get("/v1/models", headers={"authorization": f"Bearer {key}"})
+        assert reply.status_code == status, key
+    with pytest.raises(ValueError, match="empty"):
+        ServerArgs(api_key=("a", ""))
+
+
+def test_each_key_is_its_own_media_scope() -> None:
+    scopes = {media_scope(f"Bearer {key}".encode()) for key in ("a", "b")}
+    assert len(scopes) == 2 and "" not in scopes
+    assert all(len(s) == 32 for s in scopes)  # a digest, never the key itself
+
+
 def test_api_key_file(tmp_path: Path) -> None:
     key = tmp_path / "key"
     key.write_text("from-a-file\n")
     args = ServerArgs.from_cli(["--api-key-file", str(key), "--device", "cpu"])
-    assert args.api_key == "from-a-file"
+    assert args.api_key == ("from-a-file",)
+    key.write_text("first\n\n  second \n")
+    assert ServerArgs.from_cli(["--api-key-file", str(key)]).api_key == ("first", "second")
     with pytest.raises(ValueError, match="api-key"):
         ServerArgs.from_cli(["--api-key-file", str(key), "--api-key", "x", "--device", "cpu"])
     key.write_text("\n")

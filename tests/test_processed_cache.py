@@ -94,6 +94,40 @@ def test_a_hit_returns_the_miss_without_a_worker(
     assert media_files(tmp_path) == []  # close() removed them
 
 
+def refuse_fetch(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a data: URL seen before was decoded again")
+
+
+def test_a_resent_data_url_is_not_decoded_again(checkpoint: str, tmp_path: Path) -> None:
+    """The same data: URL text is the same bytes: its item comes from the cache without a base64
+    decode or header read; other text for the same bytes is decoded, then found by its digest.
+    Its bytes still count against the request's budget."""
+    ref = image_ref(3)
+    spelled = MediaRef(IMAGE, ref.url.replace("data:image/png", "data:image/PNG", 1))
+
+    async def run() -> tuple[list, list, dict, MediaError]:
+        limits = MediaLimits(max_request_bytes=len(ref.url))
+        async with AsyncMMDataProcessor(
+            checkpoint, limits, shm_dir=str(tmp_path), cache_bytes=64 << 20
+        ) as mm:
+            first = received(await mm.process([ref]))
+            again = received(await mm.process([spelled]))  # decoded: its text is new
+            mm._fetch = refuse_fetch
+            mm._cpu.submit = refuse_jobs
+            second = received(await mm.process([ref]))
+            third = received(await mm.process([spelled]))
+            info = mm.cache.info()
+            over = await _error_of(mm.process([ref, ref]))
+            return first, [*again, *second, *third], info, over
+
+    first, later, info, over = asyncio.run(run())
+    for hit in later:
+        np.testing.assert_array_equal(hit.pixel_values.numpy(), first[0].pixel_values.numpy())
+        assert hit.digest == first[0].digest
+    assert (info["misses"], info["hits"], info["items"]) == (1, 3, 1)
+    assert over.code == "media_too_large"
+
+
 def test_a_different_image_misses(checkpoint: str, tmp_path: Path) -> None:
     async def run() -> dict:
         async with AsyncMMDataProcessor(

@@ -130,6 +130,7 @@ def chat_oracle(folder: str, frame_size: tuple[int, int], new_tokens: int) -> di
     prepared = process_video_bytes(video, spec, MediaLimits()).to_prepared()
     cases = {
         "one_image": ckpt.case("one_image", [noise_image(), QUESTION]),
+        "other_image": ckpt.case("other_image", [gradient_image(), QUESTION]),
         "two_images": ckpt.case("two_images", [gradient_image(), noise_image(), "Compare."]),
         "resent": ckpt.case("resent", [*RESENT_IMAGES, "Compare."]),
         "video": ckpt.case("video", [prepared, "What happens?"]),
@@ -222,6 +223,43 @@ def test_a_client_media_id_stands_for_its_image(server: Server, oracle: dict) ->
     assert reply.json()["error"]["param"] == "uuid" and "never-sent" in reply.text
     body["messages"][0]["content"] = [{"type": "text", "text": "hi", "uuid": "x"}]
     assert post_chat(server, body).status_code == 400
+
+
+def test_an_image_the_ranks_hold_goes_by_key(server: Server, oracle: dict) -> None:
+    """Once sent, an image goes to the ranks by key: with the ranks' encoder caches holding it
+    (after other text, so the radix cache cannot), no pixel byte is sent and the answer is the
+    one the pixels give; after a flush (the ranks lost it) the ranks ask, get the pixels once,
+    and the answer is HF's. Idle: no pixels held, no pin, KV all free or evictable."""
+    image, question = image_part(noise_image()), {"type": "text", "text": QUESTION}
+    look = [{"type": "text", "text": "Look closely."}, image, question]
+    chat(server, [image, question])  # sent once (by key already if another test sent it)
+    flush = lambda: httpx.post(server.url + "/flush_cache", timeout=30).status_code  # noqa: E731
+
+    def delta(turn: list[dict]) -> tuple[str, dict[str, int]]:
+        before = idle_info(server)
+        text = chat(server, turn).choices[0].message.content
+        after = idle_info(server)
+        keys = ("pixel_bytes_sent", "items_sent_by_key", "items_asked_again")
+        moved = {k: after["media"][k] - before["media"][k] for k in keys}
+        moved["hits"] = after["encoder_cache"]["hits"] - before["encoder_cache"]["hits"]
+        return text, moved
+
+    assert flush() == 200
+    text, moved = delta([image, question])
+    assert text == oracle["text"]["one_image"]
+    assert moved["items_sent_by_key"] == moved["items_asked_again"] == 1
+    assert moved["pixel_bytes_sent"] > 0  # the answer to the ranks' question
+    hit, moved = delta(look)
+    assert moved == {
+        "pixel_bytes_sent": 0, "items_sent_by_key": 1, "items_asked_again": 0, "hits": 1
+    }
+    assert flush() == 200
+    miss, moved = delta(look)
+    assert miss == hit and moved["items_asked_again"] == 1
+    info = idle_info(server)
+    assert info["media"]["requests_holding_pixels"] == 0 and info["encoder_cache"]["pins"] == 0
+    assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
+    assert len(shm_media_files(server.proc.pid)) == info["media"]["processed_cache"]["items"]
 
 
 def test_chat_video_equals_hf(server: Server, oracle: dict) -> None:
@@ -503,9 +541,9 @@ def test_client_disconnect_aborts_on_every_rank(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def keyed_server(folder: str, tmp_path_factory: pytest.TempPathFactory):
-    """The second server: an API key from a file, and the auto encoder mode."""
+    """The second server: two API keys from a file, and the auto encoder mode."""
     key = tmp_path_factory.mktemp("key") / "api-key"
-    key.write_text(API_KEY + "\n")
+    key.write_text(f"{API_KEY}\n{OTHER_KEY}\n")
     log = tmp_path_factory.mktemp("log") / "keyed.log"
     srv = Server(folder, log, "--api-key-file", str(key), encoder="auto")
     yield srv
@@ -546,6 +584,37 @@ def test_auto_encoder_mode_serves_hf_greedy(keyed_server: Server, oracle: dict) 
 
 
 API_KEY = "sekret-key"
+OTHER_KEY = "another-tenant"
+
+
+def test_client_media_ids_belong_to_the_key_that_sent_them(keyed_server: Server, oracle: dict):
+    """The same `uuid` under two API keys names two items: the second key cannot take the
+    first key's item by its id (a 400 without bytes), and its own bytes give its own answer.
+    Within one key, an id reused with other bytes serves the id's first item."""
+    from openai import BadRequestError, OpenAI
+
+    def ask(key: str, part: dict) -> str:
+        http = OpenAI(base_url=keyed_server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+        out = http.chat.completions.create(
+            model="qwen2_vl",
+            messages=[{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}],
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+        )
+        return out.choices[0].message.content
+
+    noise = image_part(noise_image()) | {"uuid": "tenant-id"}
+    gradient = image_part(gradient_image()) | {"uuid": "tenant-id"}
+    bare = {"type": "image_url", "uuid": "tenant-id"}
+    assert oracle["text"]["one_image"] != oracle["text"]["other_image"]
+    assert ask(API_KEY, noise) == oracle["text"]["one_image"]
+    with pytest.raises(BadRequestError) as refused:
+        ask(OTHER_KEY, bare)
+    assert refused.value.body["param"] == "uuid"
+    assert ask(OTHER_KEY, gradient) == oracle["text"]["other_image"]
+    assert ask(OTHER_KEY, bare) == oracle["text"]["other_image"]
+    assert ask(API_KEY, gradient) == oracle["text"]["one_image"]  # the id's first item
+    assert ask(API_KEY, bare) == oracle["text"]["one_image"]
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 HANG_UP = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Go on."}], **LONG}),

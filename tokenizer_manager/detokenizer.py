@@ -29,6 +29,7 @@ from runtime.io_struct import (
     FinishKind,
     FlushCacheOut,
     OutputLogprobs,
+    PixelsWanted,
     ReadyReport,
     ReqOutput,
     ReqStart,
@@ -296,8 +297,8 @@ class DetokenizerManager:
         match msg:
             case BatchTokenOut():
                 return self.handle_batch(msg)
-            case FlushCacheOut() | ServerInfo() | ShutdownReq():
-                return msg  # replies to the TokenizerManager's requests, and the shutdown
+            case FlushCacheOut() | ServerInfo() | PixelsWanted() | ShutdownReq():
+                return msg  # replies and questions for the TokenizerManager, and the shutdown
             case _:
                 raise UnknownMessage(msg, "scheduler -> detokenizer")
 

@@ -6,6 +6,7 @@ cancellation of a request whose client went away."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
@@ -91,24 +92,32 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(f"internal error: {type(exc).__name__}", status=500))
 
 
-def api_key_check(api_key: str) -> Callable[[Request], None]:
+def api_key_check(api_keys: tuple[str, ...]) -> Callable[[Request], None]:
     """A dependency that every route but /health runs: the bearer token, compared in constant
-    time. A dependency (not a middleware) leaves the client's disconnect visible to the route."""
-    expected = f"Bearer {api_key}".encode()
+    time with every key; the caller's media scope (`media_scope`) is the key it presented. A
+    dependency (not a middleware) leaves the client's disconnect visible to the route."""
+    expected = [f"Bearer {key}".encode() for key in api_keys]
 
     def check(request: Request) -> None:
         if request.url.path == "/health":
             return
         given = request.headers.get("authorization", "").encode("utf-8", "replace")
-        if not hmac.compare_digest(given, expected):
+        if not any([hmac.compare_digest(given, e) for e in expected]):  # a list: no early exit
             raise APIError(
                 "invalid or missing API key",
                 status=401,
                 code="invalid_api_key",
                 type="authentication_error",
             )
+        request.state.media_scope = media_scope(given)
 
     return check
+
+
+def media_scope(credentials: bytes) -> str:
+    """The scope of a caller's client media ids: a digest of the key it presented (the key
+    itself is never kept). Without --api-key every caller shares the scope ""."""
+    return hashlib.sha256(b"tessera media scope\0" + credentials).hexdigest()[:32]
 
 
 def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
@@ -137,7 +146,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "mm_enable_dp_encoder": tm.args.mm_enable_dp_encoder,
             "mm_encoder_mode": tm.args.mm_encoder_mode,
             **asdict(info),
-            "media": tm.mm.info() if tm.mm is not None else None,
+            "media": tm.media_info(),
             "api": vars(app.state.counters) | {"in_flight": len(tm.states)},
         }
 
@@ -157,7 +166,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
 
 class Handler(Protocol):
-    async def handle(self, req: Any, arrival: float) -> Response: ...
+    async def handle(self, req: Any, arrival: float, scope: str = "") -> Response: ...
 
 
 def add_api_route(app: FastAPI, path: str, model: type, serving: Handler) -> None:
@@ -166,7 +175,8 @@ def add_api_route(app: FastAPI, path: str, model: type, serving: Handler) -> Non
     async def route(request: Request) -> Response:
         app.state.counters.requests += 1
         req = await parse_body(request, model)
-        return await until_disconnect(request, serving.handle(req, request.state.arrival))
+        scope = getattr(request.state, "media_scope", "")
+        return await until_disconnect(request, serving.handle(req, request.state.arrival, scope))
 
     app.add_api_route(path, route, methods=["POST"], name=path)
 

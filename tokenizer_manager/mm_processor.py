@@ -14,7 +14,9 @@ bytes of the request are reserved in a budget shared by all requests (`MemoryBud
 
 With `cache_bytes` > 0 (`--mm-processor-cache-gb`), items already processed come from a
 `ProcessedCache` by their digest (the encoded bytes and the processor settings, hashed on the
-loop): a resent image skips its worker and needs no decoded-bytes reservation.
+loop): a resent image skips its worker and needs no decoded-bytes reservation. A data: URL whose
+text was seen before is found by a digest of that text, before its base64 decode, header read
+or thread hop (the same text is the same bytes).
 
 Errors: a client's bad media raises `MediaError` (400, param image_url / video_url). When a
 request's media take longer than `per_request_timeout`, the error is blamed on the client
@@ -57,7 +59,7 @@ from tokenizer_manager.media_worker import (
     process_image_bytes,
     process_video_bytes,
 )
-from tokenizer_manager.multimodal_inputs import PreparedMedia
+from tokenizer_manager.multimodal_inputs import PreparedMedia, new_digest
 from tokenizer_manager.processed_cache import ProcessedCache
 from tokenizer_manager.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 
@@ -200,7 +202,6 @@ class AsyncMMDataProcessor:
         self._closed = False
         # processed items by digest; None: every item goes to a worker
         self.cache = ProcessedCache(cache_bytes, shm_dir) if cache_bytes > 0 else None
-        self.pixel_bytes_sent = 0
         logger.info(
             "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes, "
             "processed-item cache of %d MiB",
@@ -218,10 +219,8 @@ class AsyncMMDataProcessor:
             raise RuntimeError("the media worker processes did not start")
 
     def info(self) -> dict[str, object]:
-        """For /server_info: the pixel bytes handed to requests (each sent on to the ranks) and
-        the processed-item cache's size and counters (None when it is off)."""
-        cache = None if self.cache is None else self.cache.info()
-        return {"pixel_bytes_sent": self.pixel_bytes_sent, "processed_cache": cache}
+        """For /server_info: the processed-item cache's size and counters (None when off)."""
+        return {"processed_cache": None if self.cache is None else self.cache.info()}
 
     def worker_pids(self) -> list[int]:
         return self._cpu.pids()
@@ -295,7 +294,7 @@ class AsyncMMDataProcessor:
     async def _process_all(
         self, parts: list[MediaRef], state: _RequestState, max_image_tokens: int | None
     ) -> list[PreparedMedia]:
-        results = [self._by_id(ref, state.spec) for ref in parts]
+        results = [self._by_id(ref, state.spec) or self._by_data_url(ref, state) for ref in parts]
         todo = [i for i, result in enumerate(results) if result is None]
         fetches = [self._fetch_one(i, parts[i], state) for i in todo]
         fetched = dict(zip(todo, await _all_or_first_error(fetches)))
@@ -315,9 +314,10 @@ class AsyncMMDataProcessor:
             results[i] = result
             if self.cache is not None:
                 self.cache.put(result)
+        for ref, result in zip(parts, results):  # an id first given with a known item too
+            self._remember_id(ref, result, state.spec)
         for i in todo:
-            self._remember(parts[i], results[i], state.spec)
-        self.pixel_bytes_sent += sum(int(result.pixel_values.nbytes) for result in results)
+            self._remember_data_url(parts[i], results[i], state.spec)
         return [result.to_prepared() for result in results]
 
     def _cached(self, item: _Fetched, spec: ProcessorSpec) -> ProcessedMedia | None:
@@ -341,9 +341,25 @@ class AsyncMMDataProcessor:
             )
         return found
 
-    def _remember(self, ref: MediaRef, result: ProcessedMedia | None, spec: ProcessorSpec) -> None:
-        if ref.uuid is not None and self.cache is not None and result and result.digest:
+    def _by_data_url(self, ref: MediaRef, state: _RequestState) -> ProcessedMedia | None:
+        """A data: URL whose text was processed before (so the same bytes): the cached item,
+        without its base64 decode, header read or thread hop; None otherwise."""
+        if self.cache is None or not _is_data_url(ref.url):
+            return None
+        found = self.cache.get_by_id(_data_url_id(ref, state.spec))
+        if found is not None:
+            state.add_bytes(len(ref.url) * 3 // 4, ref.modality)  # about its decoded size
+        return found
+
+    def _remember_id(self, ref: MediaRef, result: ProcessedMedia, spec: ProcessorSpec) -> None:
+        if ref.uuid is not None and self.cache is not None and result.digest:
             self.cache.remember(_media_id(ref, spec), result.digest)
+
+    def _remember_data_url(
+        self, ref: MediaRef, result: ProcessedMedia, spec: ProcessorSpec
+    ) -> None:
+        if _is_data_url(ref.url) and self.cache is not None and result.digest:
+            self.cache.remember(_data_url_id(ref, spec), result.digest)
 
     def _image_tokens(self, item: ProcessedMedia) -> int:
         if item.modality != Modality.IMAGE:
@@ -407,7 +423,11 @@ class AsyncMMDataProcessor:
 def _decodes_quickly(url: str) -> bool:
     """A data: URL small enough to decode on the event loop (pybase64: about 1 ms per 3 MB)
     and read the image header of there; a larger one goes to a thread (invariant 18)."""
-    return len(url) <= INLINE_DATA_URL_CHARS and url[:5].lower() == "data:"
+    return len(url) <= INLINE_DATA_URL_CHARS and _is_data_url(url)
+
+
+def _is_data_url(url: str) -> bool:
+    return url[:5].lower() == "data:"
 
 
 def _is_remote(url: str) -> bool:
@@ -436,6 +456,18 @@ def _media_id(ref: MediaRef, spec: ProcessorSpec) -> tuple[str, str, str]:
     processed with one set of settings, never for another."""
     settings = media_digest(ref.modality, b"", spec)
     return (ref.scope, f"{ref.modality.value}|{settings:x}", ref.uuid or "")
+
+
+DATA_URL_SCOPE = "\0data-url"  # no client's scope ("" or a key digest) can equal it
+
+
+def _data_url_id(ref: MediaRef, spec: ProcessorSpec) -> tuple[str, str, str]:
+    """A data: URL's own id: XXH3-128 of its text (the same text is the same bytes) with the
+    processor settings, in a scope of its own."""
+    settings = media_digest(ref.modality, b"", spec)
+    text = new_digest()
+    text.update(ref.url.encode("utf-8", "surrogatepass"))
+    return (DATA_URL_SCOPE, f"{ref.modality.value}|{settings:x}", text.hexdigest())
 
 
 def check_image_tokens(fetched: list[_Fetched], limit: int | None, known: int = 0) -> None:

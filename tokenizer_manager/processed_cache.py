@@ -3,7 +3,8 @@
 Client media ids: a content part may name its item with a `uuid`; the id (within the caller's
 scope) is remembered for the first item sent with it, and later requests that give the id are
 served that item without their bytes being read, even when they send other bytes with it (the id
-is the client's promise that the item is the same). Ids of other scopes never match.
+is the client's promise that the item is the same). Ids of other scopes never match: the scope
+is a digest of the API key the caller presented (`http_server.media_scope`), "" without keys.
 
 Clients resend a conversation's images every turn. The item's identity is its digest
 (`media_worker.media_digest`: the encoded bytes plus every processor setting that shapes the
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.logging_utils import get_logger
-from runtime.transport.shm import SharedTensor, new_media_path
+from runtime.transport.shm import SharedTensor, link_copy
 from tokenizer_manager.media_types import ProcessedMedia
 
 logger = get_logger(__name__)
@@ -142,26 +143,9 @@ class ProcessedCache:
         return self._copy_file(pixels)
 
     def _copy_file(self, source: SharedTensor) -> SharedTensor:
-        """A new owned name in this process's shared memory for the bytes of `source`: a hard
-        link (no copy; pixels are inputs, never written in place, so the names may share their
-        pages), or a copy where linking fails."""
         if self.shm_dir is None:
             raise OSError("a shared pixel file without a shared-memory folder")
-        path = new_media_path(self.shm_dir)
-        try:
-            os.link(source.path, path)
-        except OSError:
-            return self._write_copy(source)
-        return SharedTensor(path, source.shape, source.dtype)
-
-    def _write_copy(self, source: SharedTensor) -> SharedTensor:
-        assert self.shm_dir is not None
-        array = np.memmap(source.path, np.dtype(source.dtype), "r", shape=source.shape)
-        try:
-            written = SharedTensor.write(array, new_media_path(self.shm_dir))
-        finally:
-            del array
-        return SharedTensor(written.path, written.shape, written.dtype)
+        return link_copy(source, self.shm_dir)
 
 
 def _with_pixels(item: ProcessedMedia, pixels: np.ndarray | SharedTensor) -> ProcessedMedia:

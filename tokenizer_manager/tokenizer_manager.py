@@ -30,6 +30,7 @@ from runtime.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetServerInfoReq,
+    PixelsWanted,
     ServerInfo,
     ShutdownReq,
     StrOutput,
@@ -65,6 +66,7 @@ from tokenizer_manager.multimodal_inputs import (
     expand_placeholder_ids,
     expand_placeholders,
 )
+from tokenizer_manager.pixel_ledger import PixelLedger
 from tokenizer_manager.prompt_limits import max_prompt_chars
 from tokenizer_manager.protocol import APIError
 
@@ -132,6 +134,7 @@ class GenerateInput:
     media: list[MediaRef] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat: for the template
     mm_processor_kwargs: dict[str, Any] | None = None  # the client's media settings, unchecked
+    media_scope: str = ""  # the caller's scope of client media ids (http_server.media_scope)
 
 
 class TokenizerManager:
@@ -148,6 +151,8 @@ class TokenizerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.chat_template = load_chat_template(args.model_path, self.tokenizer)
         self.mm = mm
+        # pixels go to the ranks only when their encoder caches may lack the item
+        self.pixels = PixelLedger(args.mm_cache_size_mb > 0, mm.shm_dir if mm else None)
         self.context_length = context_length(args, self.config)
         # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
         self.budget = TokenBudget(self.context_length, kv_total or self.context_length)
@@ -212,6 +217,10 @@ class TokenizerManager:
                     self._route(out)
             case FlushCacheOut() | ServerInfo():
                 self._reply(msg)
+            case PixelsWanted(rid=rid, hashes=hashes):
+                answer = self.pixels.answer(rid, hashes)
+                if answer is not None:
+                    self._send(answer)
             case ShutdownReq():
                 logger.info("the detokenizer has shut down")
             case _:
@@ -265,6 +274,7 @@ class TokenizerManager:
         counts), and the prepared media."""
         spec = self.media_spec(inp.mm_processor_kwargs)
         prompt, refs = await self.prompt_of(inp)
+        refs = [dataclasses.replace(ref, scope=inp.media_scope) for ref in refs]
         self.check_media_count(refs)
         if prompt is None:
             return self.checked_ids(inp.input_ids or []), []
@@ -452,6 +462,7 @@ class TokenizerManager:
         n = req.sampling_params.n
         state = self.states[rid] = ReqState(timeline, n=n)
         self.client_rids.add(req.rid)
+        self.pixels.hold(rid, req.mm_inputs)
         self._send(dataclasses.replace(req, rid=rid))
         try:
             ended = 0
@@ -468,6 +479,7 @@ class TokenizerManager:
             if not state.finished:
                 self._send(AbortReq(rid))
             self.states.pop(rid, None)
+            self.pixels.release(rid)
             self.client_rids.discard(req.rid)
 
     def check_admission(self, rid: str) -> None:
@@ -489,6 +501,10 @@ class TokenizerManager:
                 code="server_overloaded",
                 retry_after=1,
             )
+
+    def media_info(self) -> dict[str, object] | None:
+        """/server_info's media: the processed-item cache and the pixels sent to the ranks."""
+        return None if self.mm is None else self.mm.info() | self.pixels.info()
 
     def stalled(self) -> bool:
         """Requests are running and nothing came back for --health-stall-timeout seconds. A

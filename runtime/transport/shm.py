@@ -7,8 +7,10 @@ reference, see `runtime.transport.frames`). Whoever unpickles it maps the file, 
 mapping budget (`MapBudget`). The file is owned by exactly one place at a time, and removed when
 its owner lets go: the TokenizerManager until the request is sent (dropped unsent: removed), then
 the scheduler ranks, where rank 0 removes it once every rank has mapped or read it
-(`runtime.transport.broadcast.release_loaded`). A server that stops sweeps what a killed process
-left behind (`sweep_media_files`).
+(`runtime.transport.broadcast.release_loaded`). An item sent by key only keeps its file in the
+TokenizerManager until the request ends (`tokenizer_manager.pixel_ledger`); what the ranks ask
+for again goes to them under a new name (`link_copy`), owned and removed as above. A server that
+stops sweeps what a killed process left behind (`sweep_media_files`).
 """
 
 from __future__ import annotations
@@ -202,6 +204,23 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def link_copy(source: SharedTensor, shm_dir: str) -> SharedTensor:
+    """A new owned name in `shm_dir` for the bytes of `source`: a hard link (no copy; pixels are
+    inputs, never written in place, so the names may share their pages), or a copy where linking
+    fails. Each name has its own owner: the file's pages go when the last name does."""
+    path = new_media_path(shm_dir)
+    try:
+        os.link(source.path, path)
+    except OSError:
+        array = np.memmap(source.path, np.dtype(source.dtype), "r", shape=source.shape)
+        try:
+            written = SharedTensor.write(array, path)
+        finally:
+            del array
+        return SharedTensor(written.path, written.shape, written.dtype)
+    return SharedTensor(path, source.shape, source.dtype)
 
 
 def remove_file(path: str) -> None:

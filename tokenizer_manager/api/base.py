@@ -74,8 +74,11 @@ class Serving(ABC, Generic[R]):
         self.ctx = ctx
         self.usage = ctx.usage
 
-    async def handle(self, req: R, arrival: float) -> Response:
+    async def handle(self, req: R, arrival: float, scope: str = "") -> Response:
+        """`scope`: the caller's media scope (client media ids are its own)."""
         rid, inputs = self.to_inputs(req)
+        for inp in inputs:
+            inp.media_scope = scope
         tokenized = [await self.tm.tokenize_request(inp) for inp in inputs]  # all checked first
         streams = [self.tm.generate(t, arrival) for t in tokenized]
         firsts = await first_outputs(streams)

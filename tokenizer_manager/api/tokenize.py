@@ -29,8 +29,8 @@ class TokenizeServing:
         self.tm = tm
         self.ctx = ctx
 
-    async def handle(self, req: TokenizeRequest, arrival: float) -> JSONResponse:
-        ids = await self.ids(req)
+    async def handle(self, req: TokenizeRequest, arrival: float, scope: str = "") -> JSONResponse:
+        ids = await self.ids(req, scope)
         body = {
             "count": len(ids),
             "max_model_len": self.tm.context_length,
@@ -41,11 +41,13 @@ class TokenizeServing:
         }
         return JSONResponse(body)
 
-    async def ids(self, req: TokenizeRequest) -> list[int]:
+    async def ids(self, req: TokenizeRequest, scope: str = "") -> list[int]:
         check_model(self.tm, req.model)
         self.ctx.unknown.check(req, TOKENIZE_REFUSED)
         refuse_fields(req, TOKENIZE_REFUSED)
-        ids, _ = await self.tm.prompt_ids(self.to_input(req))
+        inp = self.to_input(req)
+        inp.media_scope = scope
+        ids, _ = await self.tm.prompt_ids(inp)
         return ids
 
     def to_input(self, req: TokenizeRequest) -> GenerateInput:
@@ -75,7 +77,9 @@ class DetokenizeServing:
         self.tm = tm
         self.ctx = ctx
 
-    async def handle(self, req: DetokenizeRequest, arrival: float) -> JSONResponse:
+    async def handle(
+        self, req: DetokenizeRequest, arrival: float, scope: str = ""
+    ) -> JSONResponse:
         check_model(self.tm, req.model)
         self.ctx.unknown.check(req, ())
         vocab = self.tm.config.text.vocab_size
