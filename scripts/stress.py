@@ -76,7 +76,7 @@ class LaunchedServer:
     """launch.py with the given flags, in its own session, so that every process it starts can be
     found, and checked gone, through its process group."""
 
-    def __init__(self, flags: list[str], log: Path, env: dict[str, str]):
+    def __init__(self, flags: list[str], log: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
