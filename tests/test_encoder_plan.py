@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dist_utils import run_on_ranks
 from numerics import assert_within_rounding, max_abs_diff, rounding_bound, vision_terms
 
@@ -475,3 +476,41 @@ def test_calibration_agrees_across_ranks() -> None:
     assert costs0.dp_patch_s + costs0.dp_pair_s > 0 and costs0.tp_patch_s + costs0.tp_pair_s > 0
     assert costs0.all_reduce_s + costs0.all_reduce_byte_s > 0
     assert 0 < costs0.dp_alone_factor <= 1
+
+
+class SumGroup(TPGroup):
+    """rank/size of a shard with every collective the identity: each rank's partial result."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def test_a_shard_runs_on_one_contiguous_copy_of_its_slice() -> None:
+    """A sharded call computes with its rank's slice of the full weights (q, k and v parts
+    together) made contiguous once and reused; the ranks' partial sums add up to the full
+    layer's output."""
+    torch.manual_seed(0)
+    block = Qwen2VisionTransformer(_cfg("qwen2_vl"), TPGroup()).blocks[0]
+    for p in block.parameters():
+        p.data.normal_()
+    x = torch.randn(5, block.attn.qkv.weight.shape[1])
+    qkv, fc2 = block.attn.qkv, block.mlp.fc2
+    hidden = torch.randn(5, fc2.weight.shape[1])
+    local = hidden.shape[1] // 2  # each rank holds its half of the input features
+    partial = [fc2(hidden[:, r * local : (r + 1) * local], SumGroup(rank=r, size=2))
+               for r in range(2)]
+    full_sum = F.linear(hidden, fc2.weight) + 2 * fc2.bias  # each partial adds the bias once
+    # two partial sums against one: float32 summation order only
+    torch.testing.assert_close(partial[0] + partial[1], full_sum, rtol=1e-5, atol=1e-4)
+    for rank in range(2):
+        shard = SumGroup(rank=rank, size=2)
+        want = torch.cat([
+            F.linear(x, qkv.weight.narrow(0, s, n), qkv.bias.narrow(0, s, n))
+            for s, n in qkv.shard_parts(shard)
+        ], dim=-1)  # fmt: skip
+        # the same dot products, blocked into one matmul instead of three
+        torch.testing.assert_close(qkv(x, shard), want, rtol=1e-6, atol=1e-5)
+        cached = qkv._shard_cache["weight", 2, rank]
+        assert cached.is_contiguous() and cached.shape[0] == want.shape[1]
+        qkv(x, shard)
+        assert qkv._shard_cache["weight", 2, rank] is cached  # made once
