@@ -16,6 +16,11 @@ from dist_utils import run_on_ranks
 from numerics import assert_within_rounding, max_abs_diff, rounding_bound, vision_terms
 
 from runtime.distributed import TPGroup
+from runtime.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    prepare_shard_weights,
+)
 from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
 from vision.encoder_calibration import calibrate_encoder_costs
@@ -514,3 +519,14 @@ def test_a_shard_runs_on_one_contiguous_copy_of_its_slice() -> None:
         assert cached.is_contiguous() and cached.shape[0] == want.shape[1]
         qkv(x, shard)
         assert qkv._shard_cache["weight", 2, rank] is cached  # made once
+
+
+def test_auto_mode_makes_its_shard_copies_at_start_up() -> None:
+    """Every full-weight parallel layer of the tower has its rank's copy before any call, so a
+    GPU's memory plan (made after the model is built) sees those bytes."""
+    tower = Qwen2VisionTransformer(_cfg("qwen2_vl"), TPGroup())
+    shard = TPGroup(rank=1, size=2)
+    prepare_shard_weights(tower, shard)
+    layers = [m for m in tower.modules() if isinstance(m, (ColumnParallelLinear,
+                                                            RowParallelLinear))]
+    assert layers and all(("weight", 2, 1) in m._shard_cache for m in layers)

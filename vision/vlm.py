@@ -22,6 +22,7 @@ from kernels.attention import AttentionBackend, create_attention_backend
 from kernels.ops import TORCH_OPS, KernelOps, get_kernel_ops
 from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.layers.linear import prepare_shard_weights
 from runtime.layers.weights import LazyWeight
 from runtime.model_config import ModelConfig
 from runtime.model_loader import load_checkpoint, resolve_dtype
@@ -84,6 +85,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         """Auto mode: use `costs`, or calibrate now (every rank must call this together)."""
         if self.encoder_mode != "auto":
             raise RuntimeError("encoder costs apply only to the auto encoder mode")
+        if self.tp.size > 1:  # before the memory plan reads what is free
+            prepare_shard_weights(self.visual, self.tp)
         if costs is None:
             costs = calibrate_encoder_costs(self.visual, self.tp, self.tower_shape)
         self.auto_encoder = AutoEncoder(self.visual, self.tp, self.tower_shape, costs)

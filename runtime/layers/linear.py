@@ -120,6 +120,12 @@ class ColumnParallelLinear(nn.Module):
         return self.tp.all_gather(out, dim=-1) if self.gather_output else out
 
     def _forward_shard(self, x: torch.Tensor, shard: TPGroup) -> torch.Tensor:
+        weight, bias = self.shard_weights(shard)
+        out = F.linear(x, weight, bias)
+        return shard.all_gather(out, dim=-1) if self.gather_output else out
+
+    def shard_weights(self, shard: TPGroup) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This shard's (weight, bias): its rows of every output part, contiguous, kept."""
         _full_weights_only(self, shard)
         parts = self.shard_parts(shard)
 
@@ -127,9 +133,8 @@ class ColumnParallelLinear(nn.Module):
             return None if full is None else torch.cat([full.narrow(0, s, n) for s, n in parts])
 
         weight = _shard_weight(self, "weight", shard, lambda: rows(self.weight))
-        bias = _shard_weight(self, "bias", shard, lambda: rows(self.bias))
-        out = F.linear(x, weight, bias)
-        return shard.all_gather(out, dim=-1) if self.gather_output else out
+        assert weight is not None
+        return weight, _shard_weight(self, "bias", shard, lambda: rows(self.bias))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -241,18 +246,31 @@ class RowParallelLinear(nn.Module):
     def _load_bias(self, param: nn.Parameter, weight: LazyWeight | torch.Tensor) -> None:
         copy_checked(param.data, as_lazy(weight).load())
 
+    def shard_weights(self, shard: TPGroup) -> torch.Tensor:
+        """This shard's weight: its columns (input features), contiguous, kept."""
+        _full_weights_only(self, shard)
+        local = divide(self.weight.shape[1], shard.size, "input features")
+        weight = _shard_weight(
+            self, "weight", shard, lambda: self.weight.narrow(1, shard.rank * local, local)
+        )
+        assert weight is not None
+        return weight
+
     def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
         if shard is None:
             out = F.linear(x, self.weight)
             group = self.tp
         else:
-            _full_weights_only(self, shard)
-            local = divide(self.weight.shape[1], shard.size, "input features")
-            weight = _shard_weight(
-                self, "weight", shard, lambda: self.weight.narrow(1, shard.rank * local, local)
-            )
-            out = F.linear(x, weight)
+            out = F.linear(x, self.shard_weights(shard))
             group = shard
         if self.reduce_results:
             out = group.all_reduce(out)
         return out + self.bias if self.bias is not None else out
+
+
+def prepare_shard_weights(module: nn.Module, shard: TPGroup) -> None:
+    """Make every full-weight parallel layer's copy for `shard` now (at start-up, so that a
+    device's memory plan sees them), not at the first sharded call."""
+    for layer in module.modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) and layer.tp.size == 1:
+            layer.shard_weights(shard)
