@@ -16,6 +16,7 @@ Usage (scripts/make_tiny_checkpoint.py is the command-line wrapper of `main`):
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /data/q25-7b --preset 7b
     python scripts/make_tiny_checkpoint.py --arch qwen3_vl --out /tmp/tiny-qwen3-vl
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/vit-heavy --preset vit-heavy
+    python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /tmp/vit-hd64 --preset vit-hd64
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/hd64 --preset hd64
 
 For Qwen3-VL the 7b preset has the shapes of Qwen3-VL-8B.
@@ -39,7 +40,7 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-PRESETS = ("tiny", "vit-heavy", "hd64", "100m", "7b")
+PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m", "7b")
 # Presets built in float32 from a transformers model in memory; 7b is streamed in bfloat16.
 # vit-heavy (Qwen2-VL only) pairs a larger vision tower (depth 4, width 320, 4 heads of 80 as in
 # the published towers, so it shards at tp 2 and 4) with the tiny text model: a prefill-bound
@@ -49,7 +50,11 @@ PRESETS = ("tiny", "vit-heavy", "hd64", "100m", "7b")
 # 256-wide vision tower): the smallest shape every peer's CPU attention accepts, for side-by-side
 # runs. 100m (Qwen2-VL only, about 100M parameters: 12 decoder layers of width 768, 8 vision blocks
 # of width 512) is large enough that the model's arithmetic, not per-step overhead, dominates.
-SMALL_PRESETS = ("tiny", "vit-heavy", "hd64", "100m")
+# vit-hd64 (Qwen2.5-VL only) is the encoder-heavy shape with head_dim 64 in the decoder, so a peer
+# whose CPU attention needs it can run the ViT DP-vs-TP comparison: a 2-layer 256-wide decoder
+# (4 heads of 64, 2 KV heads) behind a depth-6 vision tower of width 320 (4 heads of 80, windowed
+# attention with full attention in blocks 2 and 5), so the time goes to the vision tower.
+SMALL_PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m")
 
 # Number of byte-level BPE tokens (256 byte symbols plus learned merges); the special tokens follow.
 BPE_VOCAB_SIZE = 368
@@ -158,6 +163,16 @@ TEXT_SHAPES["hd64"] = dict(
     max_position_embeddings=8192,
     mrope_section=[8, 12, 12],
 )
+TEXT_SHAPES["vit-hd64"] = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=768,
+    vocab_size=512,
+    max_position_embeddings=8192,
+    mrope_section=[8, 12, 12],
+)
 TEXT_SHAPES["100m"] = dict(
     hidden_size=768,
     num_hidden_layers=12,
@@ -185,6 +200,17 @@ VISION_SHAPES: dict[tuple[str, str], dict[str, Any]] = {
         out_hidden_size=64,
         window_size=56,
         fullatt_block_indexes=[1],
+        tokens_per_second=2,
+        hidden_act="silu",
+    ),
+    ("qwen2_5_vl", "vit-hd64"): dict(
+        depth=6,
+        hidden_size=320,
+        num_heads=4,
+        intermediate_size=1280,
+        out_hidden_size=256,
+        window_size=112,
+        fullatt_block_indexes=[2, 5],
         tokens_per_second=2,
         hidden_act="silu",
     ),

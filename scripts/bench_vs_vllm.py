@@ -4,6 +4,8 @@
     python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --rounds 3 --json hd64.json --md hd64.md
     python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --quick          # a short smoke run
     python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --greedy-check   # text vs transformers
+    python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --preset vit-hd64 --out /tmp/vit-hd64
+    python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --tp2-model-path /tmp/vit-hd64
 
 vLLM runs from its own virtualenv (--vllm-python, default /tmp/vllm-venv/bin/python, built by
 `../shared/tools/setup_vllm_cpu.sh`); this project's venv never imports it. Only one server runs
@@ -27,7 +29,9 @@ Groups and workloads (--quick: 4 requests each, at most 8 output tokens, 1 round
   tp2   the ViT DP-vs-TP comparison: tessera --tp 2 with and without --mm-enable-dp-encoder,
         vLLM --tensor-parallel-size 2 --mm-encoder-tp-mode data / weights (Gloo on CPU; vLLM's
         CPU workers bound one per core with VLLM_CPU_OMP_THREADS_BIND, as its automatic binding
-        wants one NUMA node per rank)
+        wants one NUMA node per rank); on --tp2-model-path when given (an encoder-heavy
+        checkpoint: the vit-hd64 preset), else on --model-path; the segments a stopped vLLM
+        leaves in /dev/shm are removed
         vit-tp2       16 chats of four images (112 to 672 px), 16 words, 1 token, 4 at a time
 
 Per workload and server the report gives the median over rounds of requests/s, output tokens/s,
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -204,27 +209,52 @@ def vllm_env(flags: Sequence[str]) -> dict[str, str]:
 
 def make_server(spec: ServerSpec, args: argparse.Namespace) -> Server:
     log = args.log_dir / f"{spec.name}.log"
+    model_path = args.tp2_model_path if tp_size(spec.flags) > 1 else args.model_path
     if spec.kind == TESSERA:
         flags = [*spec.flags, "--device", "cpu"]
-        argv = [sys.executable, "launch.py", "--model-path", args.model_path, *flags]
+        argv = [sys.executable, "launch.py", "--model-path", model_path, *flags]
         return Server(spec.name, argv, log)
     argv = [
         args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(Path(args.model_path).resolve()), "--dtype", "float32",
+        "--model", str(Path(model_path).resolve()), "--dtype", "float32",
         "--max-model-len", "4096", "--limit-mm-per-prompt", '{"image": 4}', *spec.flags,
     ]  # fmt: skip
     return Server(spec.name, argv, log, env=vllm_env(spec.flags), cwd=args.log_dir.resolve())
 
 
+SHM = Path("/dev/shm")
+VLLM_SHM_PREFIX = "vllm"  # its tp > 1 shared-memory broadcast segments, e.g. vllm_dist_...
+
+
+def shm_names() -> set[str]:
+    try:
+        return {p.name for p in SHM.iterdir()}
+    except OSError:
+        return set()
+
+
+def remove_new_segments(before: set[str], prefix: str) -> list[str]:
+    """Unlink the /dev/shm entries named `prefix...` that appeared since `before` (what a killed
+    server left behind); returns their names."""
+    left = sorted(n for n in shm_names() - before if n.startswith(prefix))
+    for name in left:
+        with contextlib.suppress(OSError):
+            (SHM / name).unlink()
+    return left
+
+
 @contextmanager
 def running(server: Server, ready_timeout: float) -> Iterator[Server]:
-    """The server, started and healthy; stopped (its whole process group) however the block ends."""
+    """The server, started and healthy; stopped (its whole process group) however the block ends,
+    and the shared-memory segments vLLM's ranks made removed (a stopped tp 2 vLLM leaves them)."""
+    before = shm_names()
     try:
         server.start()
         server.wait_ready(ready_timeout)
         yield server
     finally:
         server.stop()
+        remove_new_segments(before, VLLM_SHM_PREFIX)
 
 
 # ---------------------------------------------------------------- one measured run
@@ -571,6 +601,11 @@ def run_greedy_check(args: argparse.Namespace) -> int:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", required=True, help="a Qwen2-VL checkpoint with head_dim 64")
+    p.add_argument(
+        "--tp2-model-path", default=None,
+        help="checkpoint of the tp 2 group (default: --model-path); an encoder-heavy one with "
+        "head_dim 64: make_tiny_checkpoint.py --arch qwen2_5_vl --preset vit-hd64",
+    )  # fmt: skip
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="python of vLLM's venv")
     p.add_argument(
         "--group", action="append", choices=sorted(GROUPS), default=None,
@@ -591,6 +626,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--md", type=Path, default=None, help="write the markdown tables here")
     args = p.parse_args(argv)
     args.group = args.group or sorted(GROUPS)
+    args.tp2_model_path = args.tp2_model_path or args.model_path
     if args.quick:
         args.rounds, args.warmup = 1, min(args.warmup, 1)
     return args

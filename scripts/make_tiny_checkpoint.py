@@ -4,6 +4,7 @@
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /data/q25-7b --preset 7b
     python scripts/make_tiny_checkpoint.py --arch qwen3_vl --out /tmp/tiny-qwen3-vl
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/vit-heavy --preset vit-heavy
+    python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /tmp/vit-hd64 --preset vit-hd64
 """
 
 from __future__ import annotations

@@ -138,6 +138,29 @@ def test_vllm_server_runs_outside_the_repository(tmp_path: Path) -> None:
     tessera = bench.make_server(bench.GROUPS["tp2"].servers[0], args)
     assert tessera.argv[1] == "launch.py" and "--mm-enable-dp-encoder" in tessera.argv
     assert bench.parse_args(["--model-path", "m", "--quick"]).rounds == 1
+    assert tessera.argv[tessera.argv.index("--model-path") + 1] == "/tmp/m"
+
+
+def test_tp2_group_runs_on_its_own_checkpoint(tmp_path: Path) -> None:
+    argv = ["--model-path", "/tmp/a", "--tp2-model-path", "/tmp/b", "--log-dir", str(tmp_path)]
+    args = bench.parse_args(argv)
+    tp1 = bench.make_server(bench.GROUPS["tp1"].servers[1], args)
+    tp2 = bench.make_server(bench.GROUPS["tp2"].servers[3], args)
+    assert tp1.argv[tp1.argv.index("--model") + 1] == "/tmp/a"
+    assert tp2.argv[tp2.argv.index("--model") + 1] == "/tmp/b"
+
+
+def test_segments_a_server_left_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "SHM", tmp_path)
+    (tmp_path / "vllm_old").write_text("")  # there before the server: not ours
+    (tmp_path / "other").write_text("")
+    before = bench.shm_names()
+    for name in ("vllm_dist_1", "sem.mp-x"):
+        (tmp_path / name).write_text("")
+    assert bench.remove_new_segments(before, "vllm") == ["vllm_dist_1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "sem.mp-x", "vllm_old"]
 
 
 # ---------------------------------------------------------------- greedy verdicts

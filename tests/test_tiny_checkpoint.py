@@ -320,3 +320,20 @@ def test_peer_presets_have_head_dim_64(preset: str, low: float, high: float) -> 
     assert sum(flat["rope_scaling"]["mrope_section"]) * 2 == 64
     total = sum(p.numel() for p in mtc.meta_model("qwen2_vl", flat).parameters())
     assert low < total < high
+
+
+def test_encoder_heavy_peer_preset() -> None:
+    """vit-hd64: head_dim 64 in the decoder (what a peer's CPU attention needs), 80 in the vision
+    tower as published, and most of the weights in the vision tower."""
+    flat = mtc.flat_config(
+        "qwen2_5_vl", "vit-hd64", mtc.special_ids(mtc.build_tokenizer()), "float32"
+    )
+    vision = flat["vision_config"]
+    assert flat["hidden_size"] // flat["num_attention_heads"] == 64
+    assert sum(flat["rope_scaling"]["mrope_section"]) * 2 == 64
+    assert vision["hidden_size"] // vision["num_heads"] == 80
+    assert vision["out_hidden_size"] == flat["hidden_size"]
+    model = mtc.meta_model("qwen2_5_vl", flat)
+    total = sum(p.numel() for p in model.parameters())
+    visual = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
+    assert visual > 0.7 * total
