@@ -25,21 +25,26 @@ def decode_reserve(remaining_new_tokens: int) -> int:
     return math.ceil(min(remaining_new_tokens, RESERVE_CLIP) * NEW_TOKEN_RATIO)
 
 
-def batch_sharer(key: Sequence[int], cached: int, computed: Sequence[Sequence[int]]) -> int | None:
-    """Which of the batch's requests (`computed[i]`: the tokens request i holds in KV once this
-    step has run) also holds `key[:cached + IN_BATCH_SHARE_TOKENS]`, the `cached` tokens the tree
-    gives this request and the next ones it would compute itself; None when none does, or when
-    fewer tokens than that are left to share.
+def batch_sharer(
+    key: Sequence[int], cached: int, computed: Sequence[tuple[Sequence[int], int]]
+) -> int | None:
+    """Which of the batch's requests (`computed[i]`: request i's tokens and how many of them it
+    holds in KV once this step has run) also holds `key[:cached + IN_BATCH_SHARE_TOKENS]`: the
+    `cached` tokens the tree gives this request and the next ones it would compute itself; None
+    when none does, or when fewer tokens than that are left to share.
 
     Admitting such a request in the same step computes the shared tokens twice (a wave of chats
-    on one image prefills the image once per chat); one step later they are in the tree."""
+    on one image prefills the image once per chat); one step later they are in the tree. The
+    window after `cached` is compared first, so a request that shares nothing costs a 32-token
+    comparison per batch member."""
     end = cached + IN_BATCH_SHARE_TOKENS
     if len(key) < end:
         return None
-    head = list(key[:end])
-    for i, tokens in enumerate(computed):
-        if len(tokens) >= end and list(tokens[:end]) == head:
-            return i
+    window = list(key[cached:end])
+    for i, (tokens, held) in enumerate(computed):
+        if held >= end and list(tokens[cached:end]) == window:
+            if list(tokens[:cached]) == list(key[:cached]):
+                return i
     return None
 
 

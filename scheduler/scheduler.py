@@ -259,7 +259,7 @@ class Scheduler:
         tokens, an image's among them, a second time."""
         if self.radix.disable or not batch:
             return False
-        computed = [r.token_ids[: r.kv_len + n] for r, n in batch.chunks()]
+        computed = [(r.token_ids, r.kv_len + n) for r, n in batch.chunks()]
         sharer = batch_sharer(req.prefix_key(), self.cache.cached_prefix_len(req), computed)
         if sharer is None:
             return False

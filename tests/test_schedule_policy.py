@@ -57,17 +57,22 @@ def test_reserve_is_clipped() -> None:
     assert decode_reserve(10**6) == decode_reserve(512)
 
 
+def held(*token_lists: list[int]) -> list[tuple[list[int], int]]:
+    return [(tokens, len(tokens)) for tokens in token_lists]
+
+
 def test_batch_sharer_finds_a_request_that_computes_the_same_start() -> None:
     key = list(range(100, 140)) + [7, 8]
     other = list(range(100, 140)) + [9]
-    assert batch_sharer(key, 0, [[1, 2, 3], other]) == 1
-    assert batch_sharer(key, 8, [other]) == 0  # what comes after the cached tokens
+    assert batch_sharer(key, 0, held([1, 2, 3], other)) == 1
+    assert batch_sharer(key, 8, held(other)) == 0  # what comes after the cached tokens
 
 
 def test_batch_sharer_needs_the_whole_window_and_the_cached_head() -> None:
     key = list(range(100, 140))
-    assert batch_sharer(key, 0, [key[: IN_BATCH_SHARE_TOKENS - 1]]) is None  # computed too short
-    assert batch_sharer(key, 10, [key]) is None  # fewer than the window left to compute
+    short = [(key, IN_BATCH_SHARE_TOKENS - 1)]  # holds too few of them after this step
+    assert batch_sharer(key, 0, short) is None
+    assert batch_sharer(key, 10, held(key)) is None  # fewer than the window left to compute
     differs = [0, *key[1:]]  # the same window after a different head
-    assert batch_sharer(key, 1, [differs]) is None
+    assert batch_sharer(key, 1, held(differs)) is None
     assert batch_sharer(key, 0, []) is None
