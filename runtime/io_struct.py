@@ -124,6 +124,7 @@ class SchedulerCounters:
     faults_injected: int = 0  # hits of a test's faults (scheduler/input_checks.py); 0 in production
     forced_tokens: int = 0  # appended by jump-forward: a decode step saved for each
     pixels_wanted: int = 0  # requests whose keyed items some rank lacked (pixels asked for)
+    deferred_to_share: int = 0  # admissions put off a step to match a batch-mate's prompt
 
 
 @dataclass

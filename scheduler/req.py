@@ -70,6 +70,7 @@ class Req:
     index: int = 0  # which of the request's n choices
     fork_of: Req | None = None  # choice 0, whose prefill the other choices wait for and share
     wants_pixels: bool = False  # waits, out of every batch, for the pixels of keyed items
+    shares_prompt: bool = False  # a request waits to match its prompt: into the tree at once
 
     @classmethod
     def from_message(

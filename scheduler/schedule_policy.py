@@ -6,6 +6,7 @@ Pure logic over numbers, so every rule is unit-tested without a model.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Share of a request's remaining output budget reserved in KV when it is admitted; retraction
@@ -15,8 +16,36 @@ NEW_TOKEN_RATIO = 0.5
 RESERVE_CLIP = 512
 
 
+# A waiting request whose uncached prompt starts with this many tokens that a request of the
+# batch computes now waits one step, then finds them in the tree (see `batch_sharer`).
+IN_BATCH_SHARE_TOKENS = 32
+
+
 def decode_reserve(remaining_new_tokens: int) -> int:
     return math.ceil(min(remaining_new_tokens, RESERVE_CLIP) * NEW_TOKEN_RATIO)
+
+
+def batch_sharer(
+    key: Sequence[int], cached: int, computed: Sequence[tuple[Sequence[int], int]]
+) -> int | None:
+    """Which of the batch's requests (`computed[i]`: request i's tokens and how many of them it
+    holds in KV once this step has run) also holds `key[:cached + IN_BATCH_SHARE_TOKENS]`: the
+    `cached` tokens the tree gives this request and the next ones it would compute itself; None
+    when none does, or when fewer tokens than that are left to share.
+
+    Admitting such a request in the same step computes the shared tokens twice (a wave of chats
+    on one image prefills the image once per chat); one step later they are in the tree. The
+    window after `cached` is compared first, so a request that shares nothing costs a 32-token
+    comparison per batch member."""
+    end = cached + IN_BATCH_SHARE_TOKENS
+    if len(key) < end:
+        return None
+    window = list(key[cached:end])
+    for i, (tokens, held) in enumerate(computed):
+        if held >= end and list(tokens[cached:end]) == window:
+            if list(tokens[:cached]) == list(key[:cached]):
+                return i
+    return None
 
 
 @dataclass

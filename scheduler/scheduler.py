@@ -52,7 +52,7 @@ from scheduler.input_checks import RequestFaults, check_inputs
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req
-from scheduler.schedule_policy import PrefillAdder, decode_reserve
+from scheduler.schedule_policy import PrefillAdder, batch_sharer, decode_reserve
 from vision.fusion import overlaps
 
 logger = get_logger(__name__)
@@ -245,11 +245,27 @@ class Scheduler:
         for req in self.ordered_waiting():
             if req.wants_pixels or not (ready(req) and self.grammar.is_ready(req)):
                 continue
+            if self.shares_batch_prefix(batch, req):
+                continue
             if not self.admit_into(batch, req, adder):
                 break
         taken = set(batch.reqs)
         self.waiting = [r for r in self.waiting if r not in taken]
         return batch or None
+
+    def shares_batch_prefix(self, batch: PrefillBatch, req: Req) -> bool:
+        """The request's uncached prompt starts like one this step computes: it waits a step
+        (that prompt goes into the tree when its prefill ends) instead of computing the same
+        tokens, an image's among them, a second time."""
+        if self.radix.disable or not batch:
+            return False
+        computed = [(r.token_ids, r.kv_len + n) for r, n in batch.chunks()]
+        sharer = batch_sharer(req.prefix_key(), self.cache.cached_prefix_len(req), computed)
+        if sharer is None:
+            return False
+        batch.reqs[sharer].shares_prompt = True
+        self.counters.deferred_to_share += 1
+        return True
 
     def admit_into(self, batch: PrefillBatch, req: Req, adder: PrefillAdder) -> bool:
         """Lock the request's cached prefix and add its next chunk to the batch; False (and
@@ -334,9 +350,11 @@ class Scheduler:
                 self.running.append(req)
 
     def share_prompt(self, req: Req) -> None:
-        """A request with forks waiting: its prompt goes into the radix tree now, so each fork
-        matches it and prefills only its last token (images are not encoded again)."""
-        if req.finished or not any(r.fork_of is req for r in self.waiting):
+        """A request with forks waiting, or one that requests waiting a step to share its
+        prompt start (`shares_batch_prefix`): its prompt goes into the radix tree now, so they
+        match it (a fork prefills only its last token; images are not encoded again)."""
+        forks = any(r.fork_of is req for r in self.waiting)
+        if req.finished or not (req.shares_prompt or forks):
             return
         self.cache.insert_computed(req)
 

@@ -225,3 +225,59 @@ def test_client_ids_name_the_first_item_within_their_scope(checkpoint: str) -> N
     for error in (unknown, no_cache):
         assert (error.status, error.param, error.code) == (400, "uuid", "unknown_media_uuid")
         assert "photo-1" in error.message
+
+
+def test_concurrent_misses_on_one_image_decode_it_once(checkpoint: str, tmp_path: Path) -> None:
+    """A wave of requests that all send one new image (and a request that sends it twice): one
+    worker job for it, every request gets the same pixels, and no file outlives its owner."""
+    jobs: list[object] = []
+
+    async def run() -> tuple[list[list[PreparedMedia]], dict]:
+        async with AsyncMMDataProcessor(
+            checkpoint, MediaLimits(), shm_dir=str(tmp_path), cache_bytes=64 << 20
+        ) as mm:
+            await mm.warmup()
+            submit = mm._cpu.submit
+
+            def counted(*args: object) -> object:
+                jobs.append(args[0])
+                return submit(*args)
+
+            mm._cpu.submit = counted
+            wave = [[image_ref(7)] for _ in range(6)] + [[image_ref(7), image_ref(7)]]
+            outs = await asyncio.gather(*(mm.process(refs) for refs in wave))
+            return [received(out) for out in outs], mm.info()
+
+    outs, info = asyncio.run(run())
+    assert len(jobs) == 1
+    first = outs[0][0]
+    for out in outs:
+        for item in out:
+            np.testing.assert_array_equal(item.pixel_values.numpy(), first.pixel_values.numpy())
+            assert item.digest == first.digest
+    assert info["waited_for_other_requests"] == 7
+    assert media_files(tmp_path) == []
+
+
+def test_a_cancelled_decode_lets_its_waiters_decode(checkpoint: str, tmp_path: Path) -> None:
+    """The request that decodes an image goes away (a client hang-up) while others wait for
+    it: they decode it themselves and get it."""
+
+    async def run() -> tuple[list[PreparedMedia], dict]:
+        async with AsyncMMDataProcessor(
+            checkpoint, MediaLimits(), shm_dir=str(tmp_path), cache_bytes=64 << 20
+        ) as mm:
+            await mm.warmup()
+            leader = asyncio.ensure_future(mm.process([image_ref(8)]))
+            while not mm._in_flight._decoding:  # the leader is decoding it
+                await asyncio.sleep(0.001)
+            waiter = asyncio.ensure_future(mm.process([image_ref(8)]))
+            await asyncio.sleep(0.01)  # the waiter waits for the leader
+            leader.cancel()
+            return received(await waiter), mm.info()
+
+    (item,), info = asyncio.run(run())
+    assert item.grid_thw is not None
+    assert info["waited_for_other_requests"] == 0  # nothing came from the leader
+    assert info["processed_cache"]["items"] == 1  # the waiter decoded and cached it
+    assert media_files(tmp_path) == []

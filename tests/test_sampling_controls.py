@@ -277,18 +277,20 @@ def test_seeded_request_ignores_its_batch_with_every_control(world) -> None:
 
 
 def test_a_retracted_request_keeps_its_penalty_counts(world) -> None:
-    """Retraction recomputes KV only: the penalised tokens come out as without retraction."""
+    """Retraction recomputes KV only: the penalised tokens come out as without retraction.
+    Each prompt starts with a token of its own, so they share no prefix (prompts that do would
+    share their KV and need no retraction)."""
     text = case_named(world, "text")
     reqs = [
         TokenizedGenerateReq(
             f"r{i}",
-            list(text.input_ids),
+            [i + 1, *text.input_ids],
             SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True, **kw).normalize(),
         )
         for i, kw in enumerate([{"frequency_penalty": 1.0}, {"repetition_penalty": 1.5}, {}])
     ]
     roomy = run(world, reqs)
-    args = ServerArgs(device="cpu", max_total_tokens=len(text.input_ids) * 2 + 60)
+    args = ServerArgs(device="cpu", max_total_tokens=(len(text.input_ids) + 1) * 2 + 60)
     sched = build_scheduler(args, TPGroup(), world["model"])
     outputs = sched.step([dataclasses.replace(r) for r in reqs]).outputs
     while not sched.idle:

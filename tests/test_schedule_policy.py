@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from scheduler.schedule_policy import PrefillAdder, decode_reserve
+from scheduler.schedule_policy import (
+    IN_BATCH_SHARE_TOKENS,
+    PrefillAdder,
+    batch_sharer,
+    decode_reserve,
+)
 
 
 def adder(total: int = 1000, inp: int = 500, chunk: int = 64, reqs: int = 8) -> PrefillAdder:
@@ -50,3 +55,24 @@ def test_no_room_at_all() -> None:
 
 def test_reserve_is_clipped() -> None:
     assert decode_reserve(10**6) == decode_reserve(512)
+
+
+def held(*token_lists: list[int]) -> list[tuple[list[int], int]]:
+    return [(tokens, len(tokens)) for tokens in token_lists]
+
+
+def test_batch_sharer_finds_a_request_that_computes_the_same_start() -> None:
+    key = list(range(100, 140)) + [7, 8]
+    other = list(range(100, 140)) + [9]
+    assert batch_sharer(key, 0, held([1, 2, 3], other)) == 1
+    assert batch_sharer(key, 8, held(other)) == 0  # what comes after the cached tokens
+
+
+def test_batch_sharer_needs_the_whole_window_and_the_cached_head() -> None:
+    key = list(range(100, 140))
+    short = [(key, IN_BATCH_SHARE_TOKENS - 1)]  # holds too few of them after this step
+    assert batch_sharer(key, 0, short) is None
+    assert batch_sharer(key, 10, held(key)) is None  # fewer than the window left to compute
+    differs = [0, *key[1:]]  # the same window after a different head
+    assert batch_sharer(key, 1, held(differs)) is None
+    assert batch_sharer(key, 0, []) is None

@@ -32,7 +32,7 @@ def model(folder: Path):
 
 
 def make_scheduler(
-    model, kv_tokens: int, chunk: int = 512, encoder_cache_mb: int = 0
+    model, kv_tokens: int, chunk: int = 512, encoder_cache_mb: int = 0, radix: bool = True
 ) -> Scheduler:
     args = ServerArgs(
         device="cpu",
@@ -42,6 +42,7 @@ def make_scheduler(
         chunked_prefill_size=chunk,
         context_length=200,
         mm_cache_size_mb=encoder_cache_mb,
+        disable_radix_cache=not radix,
     )
     return build_scheduler(args, TPGroup(), model)
 
@@ -185,3 +186,40 @@ def test_a_message_outside_the_channels_union_is_a_loud_error(model) -> None:
     sched = make_scheduler(model, 400)
     with pytest.raises(UnknownMessage, match="tokenizer -> scheduler: unknown message BatchStrOut"):
         sched.step([BatchStrOut([])])
+
+
+def test_a_wave_on_one_image_prefills_the_image_once(model, folder: Path) -> None:
+    """Chats that start alike (the same image) and arrive together: the first computes the
+    shared start, the others wait one step and compute only their own tails; outputs are those
+    of a scheduler without the prefix cache, which computes every prompt whole."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    image = gradient_image((112, 112))
+    cases = [Checkpoint(folder).case("image", [image, f"word {i}"]) for i in range(4)]
+
+    def wave() -> list[TokenizedGenerateReq]:
+        return [
+            TokenizedGenerateReq(f"c{i}", case.input_ids, params, case.mm)
+            for i, case in enumerate(cases)
+        ]
+
+    def serve(scheduler: Scheduler) -> dict[str, list[int]]:
+        outputs: dict[str, list[int]] = {}
+        result = scheduler.step(wave())
+        while True:
+            for out in result.outputs:
+                outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+            if scheduler.idle:
+                return outputs
+            result = scheduler.step([])
+
+    shared = make_scheduler(model, 2000, encoder_cache_mb=1)
+    outputs = serve(shared)
+    plain = make_scheduler(model, 2000, encoder_cache_mb=1, radix=False)
+    assert outputs == serve(plain)
+    whole = sum(len(c.input_ids) for c in cases)
+    assert plain.counters.prompt_tokens_computed == whole
+    start = next(i for i, ids in enumerate(zip(*(c.input_ids for c in cases))) if len(set(ids)) > 1)
+    assert start > 16  # the image and the template before it
+    assert shared.counters.prompt_tokens_computed <= whole - 3 * (start - 1)
+    assert shared.counters.deferred_to_share == 3
+    assert shared.encoder_cache.counters.items_encoded == 1

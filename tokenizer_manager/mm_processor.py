@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -149,6 +149,43 @@ class MemoryBudget:
             self._changed.notify_all()
 
 
+class InFlight:
+    """Items some request is decoding now, by digest: a request that misses the cache on one of
+    them waits for that decode and copies its result from the cache, instead of decoding the
+    same bytes again (a wave of chats that all send one new image decodes it once)."""
+
+    def __init__(self) -> None:
+        self._decoding: dict[int, asyncio.Event] = {}
+        self.shared = 0  # items a request took from another's decode
+
+    def split(
+        self, misses: list[int], digests: dict[int, int | None]
+    ) -> tuple[list[int], list[int]]:
+        """(the misses this request decodes, now marked in flight; those it waits for)."""
+        leads, follows = [], []
+        for i in misses:
+            digest = digests[i]
+            if digest is not None and digest in self._decoding:
+                follows.append(i)
+                continue
+            if digest is not None:
+                self._decoding[digest] = asyncio.Event()
+            leads.append(i)
+        return leads, follows
+
+    async def wait(self, digest: int) -> None:
+        event = self._decoding.get(digest)
+        if event is not None:
+            await event.wait()
+
+    def finish(self, digests: Iterable[int | None]) -> None:
+        """The decodes of `digests` ended (done, failed or cancelled): their waiters go on."""
+        for digest in digests:
+            event = None if digest is None else self._decoding.pop(digest, None)
+            if event is not None:
+                event.set()
+
+
 class AsyncMMDataProcessor:
     """Turns a request's media references into `PreparedMedia`, in order, off the event loop.
 
@@ -202,6 +239,7 @@ class AsyncMMDataProcessor:
         self._closed = False
         # processed items by digest; None: every item goes to a worker
         self.cache = ProcessedCache(cache_bytes, shm_dir) if cache_bytes > 0 else None
+        self._in_flight = InFlight()  # items being decoded, by digest, for requests that miss
         logger.info(
             "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes, "
             "processed-item cache of %d MiB",
@@ -220,7 +258,8 @@ class AsyncMMDataProcessor:
 
     def info(self) -> dict[str, object]:
         """For /server_info: the processed-item cache's size and counters (None when off)."""
-        return {"processed_cache": None if self.cache is None else self.cache.info()}
+        cache = None if self.cache is None else self.cache.info()
+        return {"processed_cache": cache, "waited_for_other_requests": self._in_flight.shared}
 
     def worker_pids(self) -> list[int]:
         return self._cpu.pids()
@@ -300,31 +339,77 @@ class AsyncMMDataProcessor:
         fetched = dict(zip(todo, await _all_or_first_error(fetches)))
         known = sum(self._image_tokens(result) for result in results if result is not None)
         check_image_tokens(list(fetched.values()), max_image_tokens, known)
-        for i, item in fetched.items():
-            results[i] = self._cached(item, state.spec)
+        digests = {i: self._digest(item, state.spec) for i, item in fetched.items()}
+        for i, digest in digests.items():
+            results[i] = self._cached(digest)
         misses = [i for i in todo if results[i] is None]
-        reserved = sum(fetched[i].decoded_bytes for i in misses)
-        await self._memory.acquire(reserved)
+        leads, follows = self._in_flight.split(misses, digests)
         try:
-            jobs = [self._decode_one(fetched[i], state.spec) for i in misses]
-            decoded = await _all_or_first_error(jobs)
-        finally:
-            await self._memory.release(reserved)
-        for i, result in zip(misses, decoded):
+            jobs = [
+                self._lead(leads, fetched, digests, state.spec),
+                *(self._follow(fetched[i], digests[i], state.spec) for i in follows),
+            ]
+            decoded, *followed = await _all_or_first_error(jobs)
+        finally:  # also when the leading job was cancelled before it started
+            self._in_flight.finish(digests[i] for i in leads)
+        for i, result in zip([*leads, *follows], [*decoded, *followed]):
             results[i] = result
-            if self.cache is not None:
-                self.cache.put(result)
         for ref, result in zip(parts, results):  # an id first given with a known item too
             self._remember_id(ref, result, state.spec)
         for i in todo:
             self._remember_data_url(parts[i], results[i], state.spec)
         return [result.to_prepared() for result in results]
 
-    def _cached(self, item: _Fetched, spec: ProcessorSpec) -> ProcessedMedia | None:
+    def _digest(self, item: _Fetched, spec: ProcessorSpec) -> int | None:
+        """The item's key in the processed-item cache; None without the cache."""
+        return None if self.cache is None else media_digest(item.modality, item.data, spec)
+
+    def _cached(self, digest: int | None) -> ProcessedMedia | None:
         """The item from the processed-item cache (a copy this request owns), or None."""
-        if self.cache is None:
-            return None
-        return self.cache.get(media_digest(item.modality, item.data, spec))
+        return None if self.cache is None or digest is None else self.cache.get(digest)
+
+    async def _lead(
+        self,
+        leads: list[int],
+        fetched: dict[int, _Fetched],
+        digests: dict[int, int | None],
+        spec: ProcessorSpec,
+    ) -> list[ProcessedMedia]:
+        """Decode the items this request leads; whoever waits for them goes on once they are
+        cached (or failed)."""
+        try:
+            return await self._decode_all(leads, fetched, spec)
+        finally:
+            self._in_flight.finish(digests[i] for i in leads)
+
+    async def _decode_all(
+        self, misses: list[int], fetched: dict[int, _Fetched], spec: ProcessorSpec
+    ) -> list[ProcessedMedia]:
+        """Decode the misses in the workers (their decoded bytes reserved together) and put
+        each result in the cache."""
+        reserved = sum(fetched[i].decoded_bytes for i in misses)
+        await self._memory.acquire(reserved)
+        try:
+            jobs = [self._decode_one(fetched[i], spec) for i in misses]
+            decoded = await _all_or_first_error(jobs)
+        finally:
+            await self._memory.release(reserved)
+        if self.cache is not None:
+            for result in decoded:
+                self.cache.put(result)
+        return decoded
+
+    async def _follow(self, item: _Fetched, digest: int, spec: ProcessorSpec) -> ProcessedMedia:
+        """An item another request (or an earlier part of this one) is decoding: wait for it,
+        then take a copy from the cache; decode it here if that did not leave it cached (the
+        other failed or was cancelled, or the cache could not keep it)."""
+        await self._in_flight.wait(digest)
+        found = self._cached(digest)
+        if found is not None:
+            self._in_flight.shared += 1
+            return found
+        (result,) = await self._decode_all([0], {0: item}, spec)
+        return result
 
     def _by_id(self, ref: MediaRef, spec: ProcessorSpec) -> ProcessedMedia | None:
         """The item the client's id names (nothing fetched), or None to fetch it; an unknown id
