@@ -100,8 +100,7 @@ class ModelRunner:
         """One intra-op thread for a small CPU step (see SMALL_STEP_MACS), else as configured:
         a decode step, or a mixed one of a few new tokens (jump-forward's forced runs)."""
         threads = torch.get_num_threads()
-        small = self._step_macs(seqs, lens) < SMALL_STEP_MACS
-        if self.device != "cpu" or threads == 1 or not small:
+        if self.device != "cpu" or threads == 1 or self._step_macs(seqs, lens) >= SMALL_STEP_MACS:
             yield
             return
         torch.set_num_threads(1)

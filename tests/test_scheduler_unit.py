@@ -181,6 +181,27 @@ def test_small_cpu_decode_steps_run_on_one_thread(
     assert outputs == run(make_scheduler(model, kv_tokens=1024))[0]
 
 
+@pytest.mark.parametrize("device, threads", [("cuda", 2), ("cpu", 1)])
+def test_thread_rule_skips_the_step_size_where_it_cannot_matter(
+    model, monkeypatch: pytest.MonkeyPatch, device: str, threads: int
+) -> None:
+    """A GPU step, or a CPU process already on one thread, never sums the step's work."""
+    runner = make_scheduler(model, kv_tokens=256).runner
+    runner.device = device
+
+    def no_sum(*args: object) -> int:
+        raise AssertionError("the step's MACs were summed")
+
+    monkeypatch.setattr(runner, "_step_macs", no_sum)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with runner._threads_for([], []):
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_message_outside_the_channels_union_is_a_loud_error(model) -> None:
     sched = make_scheduler(model, 400)
     with pytest.raises(UnknownMessage, match="tokenizer -> scheduler: unknown message BatchStrOut"):
