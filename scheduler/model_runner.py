@@ -24,11 +24,11 @@ from scheduler.req import Req
 # cores it leaves free serve the media workers, the detokenizer and the HTTP server
 # (docs/benchmarks.md: +5 to 8% requests/s for a small model on 2 cores).
 SMALL_STEP_MACS = 1 << 24
-# A CPU decode step (with at most SMALL_STEP_MACS of prompt tokens riding along) under this many
+# A CPU decode step (with under SMALL_STEP_MACS of prompt tokens riding along) under this many
 # multiply-adds runs on one intra-op thread, as vLLM's CPU worker does: with the server's own
 # front end, detokenizer and clients on the same cores, a second OpenMP thread waits at every
 # barrier for a core that is busy (docs/benchmarks.md, "Decode step: one thread and compiled
-# small ops": one thread cost less CPU and less wall time at 0.2 and 1.4 G multiply-adds a
+# small ops": one thread cost less CPU and less wall time at 0.2 and 1.3 G multiply-adds a
 # step). A 7B model's single decode token (7 G) is above it and keeps every thread.
 DECODE_ONE_THREAD_MACS = 1 << 32
 
