@@ -9,7 +9,7 @@ import torch.nn.functional as F
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x holds [gate | up] on its last dimension; returns silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # silu's output is new: multiplied in place
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,16 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, returned in the input dtype."""
+    """RMSNorm computed in float32, returned in the input dtype. The same operations as
+    `weight * (x * rsqrt(mean(x^2) + eps))`, bit for bit, with the temporaries reused in
+    place (a decode step's small rows cost more in allocations than in arithmetic)."""
     dtype = x.dtype
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    scale = x32.pow(2).mean(dim=-1, keepdim=True).add_(eps).rsqrt_()
+    out = (x32 * scale).to(dtype)  # a new tensor in any dtype: safe to write
+    if weight.dtype != dtype:
+        return weight * out
+    return out.mul_(weight)
 
 
 def fused_add_rms_norm(

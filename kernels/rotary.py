@@ -69,5 +69,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def apply_rotary_qk(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] by the same angles."""
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] by the same angles:
+    one rotation over both heads' rows (half the small operations of two; the same values)."""
+    heads = q.shape[1]
+    both = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
+    return both[:, :heads], both[:, heads:]

@@ -67,6 +67,11 @@ class ServerArgs:
         "run every decode step eagerly (CUDA graphs are on by default on CUDA, off on CPU)",
         default=False,
     )
+    cpu_decode_threads: int = _opt(
+        "intra-op threads of a CPU decode step (and of a step whose new prompt tokens are few); "
+        "0: one thread under 2^32 multiply-adds a step, every rank thread above",
+        default=0,
+    )
     chunked_prefill_size: int = _opt("max prompt tokens of one request per step", default=2048)
     max_prefill_tokens: int = _opt("max prompt tokens of one prefill batch", default=8192)
     max_running_requests: int = _opt("max requests decoding at once", default=64)
@@ -318,6 +323,8 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be between 0 and 1")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("--cuda-graph-max-bs must be at least 1 (--disable-cuda-graph: none)")
+        if self.cpu_decode_threads < 0:
+            raise ValueError("--cpu-decode-threads must be 0 (by step size) or positive")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
         self.check_http()

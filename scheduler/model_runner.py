@@ -18,12 +18,31 @@ from runtime.memory_pool import KVLayout, ReqToTokenPool
 from runtime.multimodal import ItemEncoder
 from scheduler.req import Req
 
-# A decode step with less work than this (multiply-adds: weights times tokens, plus attention
-# over the KV) takes about a millisecond of one core; on a CPU it runs on one thread. Splitting
-# it gains less than the fork and join cost, and the cores it leaves free serve the media
-# workers, the detokenizer and the HTTP server (docs/benchmarks.md: +5 to 8% requests/s for a
-# small model on 2 cores). Any real model's step is far above it and keeps every thread.
+# A step's new prompt tokens with less work than this (multiply-adds: weights times tokens, plus
+# attention over the KV) take about a millisecond of one core: on a CPU the step runs on one
+# thread, as a decode step does. Splitting it gains less than the fork and join cost, and the
+# cores it leaves free serve the media workers, the detokenizer and the HTTP server
+# (docs/benchmarks.md: +5 to 8% requests/s for a small model on 2 cores).
 SMALL_STEP_MACS = 1 << 24
+# A CPU decode step (with under SMALL_STEP_MACS of prompt tokens riding along) under this many
+# multiply-adds runs on one intra-op thread, as vLLM's CPU worker does: with the server's own
+# front end, detokenizer and clients on the same cores, a second OpenMP thread waits at every
+# barrier for a core that is busy (docs/benchmarks.md, "Decode step: one thread and compiled
+# small ops": one thread cost less CPU and less wall time at 0.2 and 1.3 G multiply-adds a
+# step). A 7B model's single decode token (7 G) is above it and keeps every thread.
+DECODE_ONE_THREAD_MACS = 1 << 32
+
+
+def step_threads(threads: int, prompt_macs: int, macs: int, decode_threads: int = 0) -> int:
+    """Intra-op threads of one CPU step of `macs` multiply-adds, `prompt_macs` of them for new
+    prompt tokens (the rest: decode tokens), in a rank of `threads` threads. A step whose prompt
+    part is small is a decode step: `decode_threads` of them when set (capped at `threads`), else
+    one under DECODE_ONE_THREAD_MACS. A larger prompt part (a prefill) keeps every thread."""
+    if prompt_macs >= SMALL_STEP_MACS:
+        return threads
+    if decode_threads:
+        return min(decode_threads, threads)
+    return 1 if macs < DECODE_ONE_THREAD_MACS else threads
 
 
 class OutOfKVError(RuntimeError):
@@ -40,6 +59,7 @@ def kv_layout(model: nn.Module) -> KVLayout:
 
 class ModelRunner:
     graphs: DecodeGraphRunner | None = None  # static decodes (see __init__); None: never
+    decode_threads: int = 0  # a CPU decode step's threads (see __init__); 0: step_threads' rule
 
     def __init__(
         self,
@@ -51,13 +71,16 @@ class ModelRunner:
         device: str = "cpu",
         item_encoder: ItemEncoder | None = None,
         cuda_graph_max_bs: int = 0,
+        decode_threads: int = 0,
     ):
         """`item_encoder` encodes the media a prefill needs (default: the model's own
         `encode_items`; the scheduler gives its encoder cache in front of it).
         `cuda_graph_max_bs`: decodes of up to this many requests run over static buffers
-        (runtime/decode_graphs.py), as CUDA graphs on CUDA, eagerly elsewhere; 0: never."""
+        (runtime/decode_graphs.py), as CUDA graphs on CUDA, eagerly elsewhere; 0: never.
+        `decode_threads`: intra-op threads of a CPU decode step (0: by `step_threads`' rule)."""
         self.model = model
         self.device = device
+        self.decode_threads = decode_threads
         self.item_encoder = item_encoder or model.encode_items
         self.req_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
         layout = kv_layout(model)
@@ -92,27 +115,29 @@ class ModelRunner:
     def decode(self, seqs: list[Req]) -> torch.Tensor:
         """One step: each sequence's last token (not yet in KV) goes through the model."""
         lens = [1] * len(seqs)
-        with self._threads_for(seqs, lens):
+        with self._threads_for(seqs, lens, len(seqs)):
             return self._run(ForwardMode.DECODE, seqs, lens)
 
     @contextlib.contextmanager
-    def _threads_for(self, seqs: list[Req], lens: list[int]) -> Iterator[None]:
-        """One intra-op thread for a small CPU step (see SMALL_STEP_MACS), else as configured:
-        a decode step, or a mixed one of a few new tokens (jump-forward's forced runs)."""
+    def _threads_for(self, seqs: list[Req], lens: list[int], tail: int) -> Iterator[None]:
+        """A CPU step's intra-op threads by `step_threads`' rule (the last `tail` of `seqs`
+        decode one token each); the rank's own count again afterwards."""
         threads = torch.get_num_threads()
-        small = self._step_macs(seqs, lens) < SMALL_STEP_MACS
-        if self.device != "cpu" or threads == 1 or not small:
+        if self.device != "cpu" or threads == 1:
             yield
             return
-        torch.set_num_threads(1)
+        head = len(seqs) - tail
+        prompt = self._step_macs(seqs[:head], lens[:head])
+        macs = prompt + self._step_macs(seqs[head:], lens[head:])
+        torch.set_num_threads(step_threads(threads, prompt, macs, self.decode_threads))
         try:
             yield
         finally:
             torch.set_num_threads(threads)
 
     def _step_macs(self, seqs: list[Req], lens: list[int]) -> int:
-        """Multiply-adds of a step: weights per new token, plus each new token's attention
-        over its request's keys (what the KV holds, and the step's own)."""
+        """Multiply-adds of `seqs`' new tokens: weights per new token, plus each new token's
+        attention over its request's keys (what the KV holds, and the step's own)."""
         context = sum(n * (seq.kv_len + n) for seq, n in zip(seqs, lens))
         return sum(lens) * self.macs_per_token + context * self.macs_per_context
 
@@ -123,7 +148,7 @@ class ModelRunner:
         what its KV holds) plus one decode token of each of `decodes` (none: a plain extend);
         returns the last-token logits of seqs, then of decodes."""
         lens = [*extend_lens, *[1] * len(decodes)]
-        with self._threads_for([*seqs, *decodes], lens):
+        with self._threads_for([*seqs, *decodes], lens, len(decodes)):
             return self._run(ForwardMode.EXTEND, [*seqs, *decodes], lens, len(decodes))
 
     def _run(

@@ -102,6 +102,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         device=device,
         item_encoder=encoder_cache.wrap(model.encode_items, tp),
         cuda_graph_max_bs=args.decode_graph_bs,
+        decode_threads=args.cpu_decode_threads,
     )
     cfg = SchedulerConfig(
         max_running_requests=args.max_running_requests,

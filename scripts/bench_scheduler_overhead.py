@@ -1,6 +1,6 @@
 """Scheduler overhead per step: wall time of Scheduler.step minus time inside the model.
 
-    python scripts/bench_scheduler_overhead.py --requests 64 --steps 50
+    python scripts/bench_scheduler_overhead.py --requests 64 --steps 50 [--threads 2]
 
 Runs one rank in-process on the tiny checkpoint (or --model-path) with N text requests decoding
 together, and reports per-step total, model and scheduler-only time (median and p90).
@@ -77,8 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--instant-model", action="store_true", help="CPU time per step, no model")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the rank")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     keep_freed_memory()  # as every server process does: freed buffers are not faulted in again
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_path is None:
@@ -87,26 +89,29 @@ def main(argv: list[str] | None = None) -> None:
             args.model_path = str(make_checkpoint("qwen2_vl", Path(tmp) / "tiny"))
         scheduler, model = build(args.model_path, args.requests)
         params = SamplingParams(temperature=0.0, max_new_tokens=args.steps + 5, ignore_eos=True)
-        msgs = [
-            TokenizedGenerateReq(f"r{i}", [1 + (i * 7 + j) % 300 for j in range(32)], params)
-            for i in range(args.requests)
+        prompts = [
+            [1 + (i * 7 + j) % 300 for j in range(args.prompt_len)] for i in range(args.requests)
         ]
+        msgs = [TokenizedGenerateReq(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
         scheduler.step(msgs)
         while scheduler.waiting or scheduler.chunked:
             scheduler.step([])
         model.instant = args.instant_model
         clock = time.thread_time if args.instant_model else time.perf_counter
-        totals, models = [], []
+        totals, models, cpu = [], [], []
         for _ in range(args.steps):
             model.model_s = 0.0
-            start = clock()
+            start, start_cpu = clock(), time.process_time()
             scheduler.step([])
             totals.append(clock() - start)
+            cpu.append(time.process_time() - start_cpu)
             models.append(model.model_s)
-    print(f"{len(scheduler.running)} running requests, {args.steps} decode steps (CPU, 1 thread)")
+    threads = f"{args.threads} thread{'s' * (args.threads > 1)}"
+    print(f"{len(scheduler.running)} running requests, {args.steps} decode steps (CPU, {threads})")
     if args.instant_model:
         report("scheduler CPU (instant model)", totals)
         return
+    report("step CPU", cpu)  # every thread of the process: what the step takes from others
     overhead = [t - m for t, m in zip(totals, models)]
     for name, values in (("step total", totals), ("model", models), ("scheduler", overhead)):
         report(name, values)

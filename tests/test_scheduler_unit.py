@@ -32,10 +32,16 @@ def model(folder: Path):
 
 
 def make_scheduler(
-    model, kv_tokens: int, chunk: int = 512, encoder_cache_mb: int = 0, radix: bool = True
+    model,
+    kv_tokens: int,
+    chunk: int = 512,
+    encoder_cache_mb: int = 0,
+    radix: bool = True,
+    decode_threads: int = 0,
 ) -> Scheduler:
     args = ServerArgs(
         device="cpu",
+        cpu_decode_threads=decode_threads,
         max_total_tokens=kv_tokens,
         max_running_requests=8,
         max_prefill_tokens=512,
@@ -152,16 +158,10 @@ def test_request_constants_go_to_the_detokenizer_once(model) -> None:
     assert sum(len(o.new_token_ids) for r in [first, *later] for o in r.outputs) == 3
 
 
-@pytest.mark.parametrize("small", [True, False], ids=["small-step", "large-step"])
-def test_small_cpu_decode_steps_run_on_one_thread(
-    model, monkeypatch: pytest.MonkeyPatch, small: bool
-) -> None:
-    """A step under SMALL_STEP_MACS (the tiny model's decodes and short prefills alike) runs on
-    one intra-op thread and gives the threads back afterwards; a larger one (here: the limit
-    set to 1) keeps them. Outputs are the same."""
-    if not small:
-        monkeypatch.setattr(model_runner, "SMALL_STEP_MACS", 1)
-    scheduler = make_scheduler(model, kv_tokens=1024)
+def record_step_threads(
+    scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[str, int]]:
+    """(mode, intra-op threads) of every forward the scheduler's runner runs from now on."""
     seen: list[tuple[str, int]] = []
     forward = scheduler.runner._run
 
@@ -170,6 +170,21 @@ def test_small_cpu_decode_steps_run_on_one_thread(
         return forward(mode, *args, **kwargs)
 
     monkeypatch.setattr(scheduler.runner, "_run", recording_run)
+    return seen
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["small-step", "large-step"])
+def test_small_cpu_decode_steps_run_on_one_thread(
+    model, monkeypatch: pytest.MonkeyPatch, small: bool
+) -> None:
+    """A step under SMALL_STEP_MACS (the tiny model's decodes and short prefills alike) runs on
+    one intra-op thread and gives the threads back afterwards; a larger one (here: the limits
+    set to 1) keeps them. Outputs are the same."""
+    if not small:
+        monkeypatch.setattr(model_runner, "SMALL_STEP_MACS", 1)
+        monkeypatch.setattr(model_runner, "DECODE_ONE_THREAD_MACS", 1)
+    scheduler = make_scheduler(model, kv_tokens=1024)
+    seen = record_step_threads(scheduler, monkeypatch)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -180,6 +195,64 @@ def test_small_cpu_decode_steps_run_on_one_thread(
     assert {mode for mode, _ in seen} == {"DECODE", "EXTEND"}
     assert {n for _, n in seen} == ({1} if small else {2})
     assert outputs == run(make_scheduler(model, kv_tokens=1024))[0]
+
+
+def test_cpu_decode_step_threads_follow_its_size_and_the_override() -> None:
+    """A decode step (prompt part under SMALL_STEP_MACS) runs on one thread below
+    DECODE_ONE_THREAD_MACS whatever the rank's threads, on all of them above; a prefill keeps
+    every thread; --cpu-decode-threads sets a decode step's threads, capped at the rank's."""
+    small, decode_limit = model_runner.SMALL_STEP_MACS, model_runner.DECODE_ONE_THREAD_MACS
+    rule = model_runner.step_threads
+    hd64_16_requests = 16 * 12 * 2**20  # a 12 M-weight decoder, 16 decode tokens
+    assert rule(2, 0, hd64_16_requests) == 1
+    assert rule(8, small - 1, decode_limit - 1) == 1  # a short chunk riding with decodes
+    assert rule(2, 0, decode_limit) == 2 and rule(8, 0, 7 * 10**9) == 8
+    assert rule(4, small, small) == 4  # a prefill: every thread
+    assert rule(4, 0, hd64_16_requests, decode_threads=2) == 2
+    assert rule(2, 0, hd64_16_requests, decode_threads=3) == 2
+    assert rule(4, small, small, decode_threads=1) == 4  # the override is for decode steps
+
+
+def test_cpu_decode_threads_flag_sets_a_decode_steps_threads(
+    model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--cpu-decode-threads 2 runs the tiny model's decode steps on two of the rank's three
+    threads (the rule alone would give one); its prefills keep all three. A negative count is
+    refused."""
+    assert ServerArgs.from_cli(["--cpu-decode-threads", "2"]).cpu_decode_threads == 2
+    with pytest.raises(ValueError, match="--cpu-decode-threads"):
+        ServerArgs(cpu_decode_threads=-1).check()
+    monkeypatch.setattr(model_runner, "SMALL_STEP_MACS", 1)  # every prefill is large
+    scheduler = make_scheduler(model, kv_tokens=1024, decode_threads=2)
+    seen = record_step_threads(scheduler, monkeypatch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        run(scheduler)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(seen) == {("DECODE", 2), ("EXTEND", 3)}
+
+
+@pytest.mark.parametrize("device, threads", [("cuda", 2), ("cpu", 1)])
+def test_thread_rule_skips_the_step_size_where_it_cannot_matter(
+    model, monkeypatch: pytest.MonkeyPatch, device: str, threads: int
+) -> None:
+    """A GPU step, or a CPU process already on one thread, never sums the step's work."""
+    runner = make_scheduler(model, kv_tokens=256).runner
+    runner.device = device
+
+    def no_sum(*args: object) -> int:
+        raise AssertionError("the step's MACs were summed")
+
+    monkeypatch.setattr(runner, "_step_macs", no_sum)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with runner._threads_for([], [], 0):
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_message_outside_the_channels_union_is_a_loud_error(model) -> None:
