@@ -122,6 +122,18 @@ def test_exploration_stops_once_plans_a_third_apart_separate() -> None:
     assert learner.settled[size_class(ONE_LARGE)][0] == "tp"
 
 
+def test_plans_two_percent_apart_are_not_told_apart_forever() -> None:
+    """DP is truly 2% slower than TP on one large item: within the quiet machine's spread, so the
+    bands never separate them; after a few tries DP cannot gain the 3% tolerance and is left
+    alone (telling them apart would cost a try every 8th call for as long as the server runs)."""
+    dp, tp = (plans_by_kind(ONE_LARGE, 2, SHAPE, CALIBRATED)[k].est_s for k in ("dp", "tp"))
+    truth = Scale(dp=1.02 * tp / dp)
+    learner = EncoderLearner()
+    runs = noisy_run(learner, ONE_LARGE, truth, 400)
+    assert learner.explored <= 8 and not any(c.explored for c in runs[200:])
+    assert learner.explore_fraction * 400 == 50  # what the budget alone would have allowed
+
+
 def test_exploration_resumes_when_the_chosen_plans_cost_drifts() -> None:
     """Settled on TP, then TP gets 1.2x slower (DP stays): TP's own estimate leaves its band,
     the plans no longer separate, DP is tried again, then the class settles again on TP (still

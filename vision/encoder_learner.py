@@ -20,7 +20,9 @@ Choosing (`EncoderLearner.choose`), given the best plan of each kind under the m
   a quiet machine two plans 15% apart separate after one try of the slower one). Borrowed from
   other classes: how far borrowing missed in the classes where it can be checked, plus the
   noise. Untried anywhere: `untried_spread`. Two kinds are *separated* once the worse one's
-  optimistic end lies above the greedy plan's pessimistic end;
+  optimistic end lies above the greedy plan's pessimistic end, less `tolerance` once the worse
+  one has `min_tries` measurements in the class (two plans within 3% of each other are not
+  worth telling apart: with only the last 9 calls in a median, their bands never would);
 - when every other kind is separated from the greedy plan, the class is *settled*: nothing is
   explored there until the greedy plan's own estimate moves by more than its band from where it
   stood when the class settled (new evidence: the machine changed), and then the bands decide
@@ -105,8 +107,10 @@ class EncoderLearner:
     prior_noise: float = 0.15  # one call's log spread until `min_misses` misses are measured
     noise_floor: float = 0.02  # no machine is trusted to repeat a call closer than this
     min_misses: int = 6
-    confidence: float = 3.0  # band = confidence * noise / sqrt(n)
+    confidence: float = 2.5  # band = confidence * noise / sqrt(n)
     explore_fraction: float = 0.125  # at most this share of all calls explore
+    tolerance: float = 0.03  # a plan tried `min_tries` times that cannot gain this is left alone
+    min_tries: int = 3
     calls: int = 0
     explored: int = 0
     stats: dict[tuple[SizeClass, str], RatioStats] = field(default_factory=dict)
@@ -222,12 +226,20 @@ class EncoderLearner:
             (best, KINDS.index(p.kind), p)
             for p in plans.values()
             if p.kind != greedy.kind
-            and (best := math.log(max(p.est_s, 1e-12)) - self.width(klass, p.kind)) < worst_greedy
+            and (best := math.log(max(p.est_s, 1e-12)) - self.width(klass, p.kind))
+            < worst_greedy - self._margin(klass, p.kind)
         ]
         if not open_ and (klass, greedy.kind) in self.stats:
             self.settled[klass] = greedy.kind, self.stats[klass, greedy.kind].log_ratio()
         ready = [x for x in open_ if not self.pending[klass, x[2].kind]]
         return min(ready, key=lambda x: x[:2])[2] if ready else None
+
+    def _margin(self, klass: SizeClass, kind: str) -> float:
+        """What a kind must be able to gain (log) to be tried again once measured
+        `min_tries` times in the class: plans closer than `tolerance` are not worth a try."""
+        got = self.stats.get((klass, kind))
+        enough = got is not None and len(got.recent) >= self.min_tries
+        return math.log1p(self.tolerance) if enough else 0.0
 
     def observe(self, choice: Choice, seconds: float) -> None:
         """Learn from one call's agreed time (every rank calls this alike, in call order)."""
