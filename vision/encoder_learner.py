@@ -234,6 +234,14 @@ class EncoderLearner:
         ready = [x for x in open_ if not self.pending[klass, x[2].kind]]
         return min(ready, key=lambda x: x[:2])[2] if ready else None
 
+    def eager(self, klass: SizeClass) -> bool:
+        """Whether a call of this class should be learned from at once rather than with the
+        next batch of times: fewer than `min_tries` of its calls measured, or a try of another
+        kind there not yet measured (a wrong calibration then costs one call, not a batch)."""
+        measured = sum(s.count for (c, _), s in self.stats.items() if c == klass)
+        trying = any(n for (c, _), n in self.pending.items() if c == klass)
+        return measured < self.min_tries or trying
+
     def _margin(self, klass: SizeClass, kind: str) -> float:
         """What a kind must be able to gain (log) to be tried again once measured
         `min_tries` times in the class: plans closer than `tolerance` are not worth a try."""
