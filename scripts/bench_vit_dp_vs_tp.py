@@ -97,6 +97,7 @@ class ModeResult:
     collective_bytes_per_rank: int
     plans: dict[str, int]
     plans_per_round: list[dict[str, int]]  # auto only: its plans in each round, warm-up first
+    round_ms: list[float]  # each timed round's time per batch, in order (after the warm-up)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -281,6 +282,7 @@ def summarize(
         nbytes,
         plans,
         rounds,
+        [t * 1e3 for t in times],
     )
 
 

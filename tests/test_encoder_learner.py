@@ -103,6 +103,82 @@ def test_exploration_stops_once_the_estimates_separate() -> None:
     assert {c.plan.kind for c in runs[8:]} == {"dp"}
 
 
+NOISE = (1.0, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97)  # a quiet machine's call-to-call spread
+
+
+def noisy_run(learner: EncoderLearner, grids: list[list[int]], truth: Scale,
+              calls: int) -> list[Choice]:
+    return [step(learner, grids, truth, NOISE[learner.calls % len(NOISE)]) for _ in range(calls)]
+
+
+def test_exploration_stops_once_plans_a_third_apart_separate() -> None:
+    """The calibration is right: on one large item DP is 1.31x slower than TP. On a quiet
+    machine (2-3% spread) one or two tries of DP separate the two, and DP is never tried again
+    over 400 calls (a fixed band of 1.5x after one try kept trying it every 8th call)."""
+    learner = EncoderLearner()
+    runs = noisy_run(learner, ONE_LARGE, Scale(), 400)
+    assert 1 <= learner.explored <= 2 and not any(c.explored for c in runs[40:])
+    assert {c.plan.kind for c in runs if not c.explored} == {"tp"}
+    assert learner.settled[size_class(ONE_LARGE)][0] == "tp"
+
+
+def test_plans_two_percent_apart_are_not_told_apart_forever() -> None:
+    """DP is truly 2% slower than TP on one large item: within the quiet machine's spread, so the
+    bands never separate them; after a few tries DP cannot gain the 3% tolerance and is left
+    alone (telling them apart would cost a try every 8th call for as long as the server runs)."""
+    dp, tp = (plans_by_kind(ONE_LARGE, 2, SHAPE, CALIBRATED)[k].est_s for k in ("dp", "tp"))
+    truth = Scale(dp=1.02 * tp / dp)
+    learner = EncoderLearner()
+    runs = noisy_run(learner, ONE_LARGE, truth, 400)
+    assert learner.explored <= 8 and not any(c.explored for c in runs[200:])
+    assert learner.explore_fraction * 400 == 50  # what the budget alone would have allowed
+
+
+def test_exploration_resumes_when_the_chosen_plans_cost_drifts() -> None:
+    """Settled on TP, then TP gets 1.2x slower (DP stays): TP's own estimate leaves its band,
+    the plans no longer separate, DP is tried again, then the class settles again on TP (still
+    the faster by 9%)."""
+    learner = EncoderLearner()
+    noisy_run(learner, ONE_LARGE, Scale(), 200)
+    explored = learner.explored
+    drifted = noisy_run(learner, ONE_LARGE, Scale(tp=1.2), 200)
+    tried = [i for i, c in enumerate(drifted) if c.explored]
+    assert tried and tried[-1] < 150, tried  # tried again, then stopped again
+    assert learner.explored - explored == len(tried) <= 6
+    assert [c.plan.kind for c in drifted[-20:]] == ["tp"] * 20
+
+
+def test_decisive_neighbours_spare_a_new_class_its_exploration() -> None:
+    """DP is 3x slower than calibrated. Two single-image classes each try DP once and agree
+    about it; a third single-image size then borrows DP's ratio with a narrow band and never
+    tries it (an untried kind's 4x band made every new class try it once)."""
+    learner = EncoderLearner()
+    truth = Scale(dp=3.0)
+    for i in range(120):
+        step(learner, [[1, 64, 64]] if i % 2 else [[1, 32, 32]], truth)
+    assert learner.borrow_miss() == pytest.approx(0.0, abs=1e-9)
+    new = [step(learner, [[1, 48, 48]], truth) for _ in range(40)]
+    assert {c.plan.kind for c in new} == {"tp"} and not any(c.explored for c in new)
+
+
+def test_one_try_at_a_time_while_its_time_is_not_yet_learned() -> None:
+    """Times arrive in batches (the ranks share them every few calls): a class with a large
+    unused budget tries an unseparated kind once, not on every call before the first try's
+    time is learned."""
+    learner = EncoderLearner()
+    for _ in range(80):
+        step(learner, ONE_LARGE, Scale())
+    pending = []
+    for _ in range(4):
+        plans = plans_by_kind(MANY_SMALL, 2, SHAPE, CALIBRATED, scale_of(learner, MANY_SMALL))
+        pending.append(learner.choose(size_class(MANY_SMALL), plans))
+    tried = [c.plan.kind for c in pending if c.explored]
+    assert len(tried) == len(set(tried)) >= 1  # each kind at most once until measured
+    for choice in pending:
+        learner.observe(choice, true_seconds(MANY_SMALL, choice.plan, Scale()))
+    assert not learner.pending[size_class(MANY_SMALL), tried[0]]
+
+
 def test_a_plan_measured_slower_switches_without_exploring() -> None:
     """The calibration's TP measures 3x slower: DP's estimate is lower now, so auto runs it."""
     learner = EncoderLearner()

@@ -468,6 +468,19 @@ def test_auto_converges_alike_on_every_rank(auto_results: list[dict], truth: str
         assert late == {_truly_best(grids, AUTO_TRUTHS[truth])}, (name, calls)
 
 
+@pytest.mark.parametrize("truth", list(AUTO_TRUTHS))
+def test_a_wrong_calibration_costs_one_call_per_shape(auto_results: list[dict],
+                                                      truth: str) -> None:
+    """A class's first calls are learned from at once, not with the next batch of times: from
+    each shape's second call on, every greedy call runs the truly faster plan (the calibration
+    is 3x wrong for one of the two shapes)."""
+    history = auto_results[0][truth]["history"]
+    for name, grids in AUTO_BATCHES.items():
+        calls = [record for shape_name, record in history if shape_name == name]
+        greedy = {r.kind for r in calls[1:] if not r.explored}
+        assert greedy == {_truly_best(grids, AUTO_TRUTHS[truth])}, (name, calls[:4])
+
+
 def calibration_worker(tp: TPGroup) -> tuple[EncoderCosts, EncoderPlan]:
     tower = _tower("qwen2_vl")
     shape = TowerShape.of(tower.cfg, 4)

@@ -170,6 +170,7 @@ def test_vit_benchmark_prints_every_mode(tmp_path: Path) -> None:
     assert sum(dp["patches_per_rank"]) == tp["patches_per_rank"][0]
     assert tp["collective_bytes_per_rank"] > 0 and dp["collective_bytes_per_rank"] > 0
     assert sum(auto["plans"].values()) == 2  # one plan per timed batch
+    assert len(auto["round_ms"]) == 2 and min(auto["round_ms"]) > 0  # each timed round
     history, rounds = data["auto_history"], auto["plans_per_round"]
     assert len(history) == len(rounds) == 2  # one auto call per round, warm-up rounds included
     for h, counts in zip(history, rounds):

@@ -14,13 +14,23 @@ Choosing (`EncoderLearner.choose`), given the best plan of each kind under the m
 - the greedy plan is the one with the lowest estimate. With nothing measured every ratio is 1
   (an untried hybrid is priced with TP's and DP's ratios on its two parts), so the first calls
   do what the calibration says: the better static mode for the batch shape;
-- each kind's estimate has a band: `untried_spread` while the kind has no measurement in the
-  class, then `1 + spread / sqrt(n)` after n measurements. Two kinds are *separated* once the
-  worse one's optimistic end lies above the better one's pessimistic end; a kind separated
-  from the greedy plan is not run again for that class, until new measurements of the greedy
-  plan (it keeps running) move its estimate close again;
-- otherwise the unseparated kind with the lowest optimistic estimate is explored, but only
-  while explorations stay within `explore_fraction` of all calls (counted over the whole run).
+- each kind's estimate has a band (`width`, in log units). Measured n times in the class:
+  `confidence * noise / sqrt(n)`, where `noise` is the robust spread of one call's time around
+  its kind's median, pooled over every class and kind (the machine's noise, not a constant: on
+  a quiet machine two plans 15% apart separate after one try of the slower one). Borrowed from
+  other classes: how far borrowing missed in the classes where it can be checked, plus the
+  noise. Untried anywhere: `untried_spread`. Two kinds are *separated* once the worse one's
+  optimistic end lies above the greedy plan's pessimistic end, less `tolerance` once the worse
+  one has `min_tries` measurements in the class (two plans within 3% of each other are not
+  worth telling apart: with only the last 9 calls in a median, their bands never would);
+- when every other kind is separated from the greedy plan, the class is *settled*: nothing is
+  explored there until the greedy plan's own estimate moves by more than its band from where it
+  stood when the class settled (new evidence: the machine changed), and then the bands decide
+  afresh;
+- otherwise the unseparated kind with the lowest optimistic estimate is explored, but never on
+  a class's first call, never while an earlier try of that kind in that class is not yet
+  measured, and only while explorations stay within `explore_fraction` of all calls (counted
+  over the whole run).
 
 Every rank feeds the same times in the same order (see AutoEncoder), so every rank holds the
 same state and chooses the same plan: agreement by construction, with no message per plan.
@@ -30,7 +40,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,20 +60,33 @@ def size_class(units: Sequence[Sequence[int]]) -> SizeClass:
 
 @dataclass
 class RatioStats:
-    """Recent log(measured / modeled) of one kind in one size class; `count` counts them all."""
+    """Recent log(measured / modeled) of one kind in one size class; `count` counts them all.
+    `misses`: each recent value's distance from the median of the others (the noise sample)."""
 
     window: int
     recent: deque[float] = field(default_factory=deque)
     count: int = 0
+    misses: list[float] = field(default_factory=list)
 
     def add(self, log_ratio: float) -> None:
         self.recent.append(log_ratio)
         if len(self.recent) > self.window:
             self.recent.popleft()
         self.count += 1
+        self.misses = leave_one_out_misses(list(self.recent))
+
+    def log_ratio(self) -> float:
+        return statistics.median(self.recent)
 
     def ratio(self) -> float:
-        return math.exp(statistics.median(self.recent))
+        return math.exp(self.log_ratio())
+
+
+def leave_one_out_misses(values: list[float]) -> list[float]:
+    """|v - median(the others)| for each value; nothing below 3 values (no spread to see)."""
+    if len(values) < 3:
+        return []
+    return [abs(v - statistics.median(values[:i] + values[i + 1 :])) for i, v in enumerate(values)]
 
 
 @dataclass(frozen=True)
@@ -81,11 +104,20 @@ class EncoderLearner:
 
     window: int = 9  # recent measurements per kind and class the median is taken over
     untried_spread: float = 4.0  # a calibration may be off by this factor either way
-    spread: float = 0.5  # band 1 + spread / sqrt(n) after n measurements
+    prior_noise: float = 0.15  # one call's log spread until `min_misses` misses are measured
+    noise_floor: float = 0.02  # no machine is trusted to repeat a call closer than this
+    min_misses: int = 6
+    confidence: float = 2.5  # band = confidence * noise / sqrt(n)
     explore_fraction: float = 0.125  # at most this share of all calls explore
+    tolerance: float = 0.03  # a plan tried `min_tries` times that cannot gain this is left alone
+    min_tries: int = 3
     calls: int = 0
     explored: int = 0
     stats: dict[tuple[SizeClass, str], RatioStats] = field(default_factory=dict)
+    settled: dict[SizeClass, tuple[str, float]] = field(default_factory=dict)  # kind, log ratio
+    seen: set[SizeClass] = field(default_factory=set)
+    pending: Counter[tuple[SizeClass, str]] = field(default_factory=Counter)  # tries not measured
+    _cache: dict[str, float | None] = field(default_factory=dict, repr=False)
 
     def ratios_of(self, klass: SizeClass) -> dict[str, float]:
         """Each kind's learned ratio in one class (absent: unknown, the calibration stands).
@@ -96,59 +128,140 @@ class EncoderLearner:
         against theirs (their geometric mean of own / overall). A machine that slowed down
         after the start-up calibration slows every kind alike, so an untried kind must not
         look cheaper merely because the tried ones were measured on the slower machine."""
-        own = {k: self.stats[klass, k].ratio() for k in KINDS if (klass, k) in self.stats}
+        own = {k: self.stats[klass, k].log_ratio() for k in KINDS if (klass, k) in self.stats}
         if not own:
-            return own  # a class's first call does what the calibration says (the safe default)
+            return {}  # a class's first call does what the calibration says (the safe default)
         overall = self._overall()
-        borrowed = [k for k in overall if k not in own]
-        level = math.exp(statistics.fmean(math.log(own[k] / overall[k]) for k in own))
-        return {**own, **{k: level * overall[k] for k in borrowed}}
+        level = statistics.fmean(own[k] - overall[k] for k in own)
+        logs = {**{k: level + overall[k] for k in overall}, **own}
+        return {k: math.exp(v) for k, v in logs.items()}
 
-    def _overall(self) -> dict[str, float]:
-        """Each measured kind's median ratio over the recent measurements of every class."""
+    def _overall(self, without: SizeClass | None = None) -> dict[str, float]:
+        """Each measured kind's median log ratio over the recent measurements of every class
+        (but `without`)."""
         logs: dict[str, list[float]] = {}
-        for (_, kind), stats in self.stats.items():
-            logs.setdefault(kind, []).extend(stats.recent)
-        return {k: math.exp(statistics.median(v)) for k, v in logs.items()}
+        for (klass, kind), stats in self.stats.items():
+            if klass != without:
+                logs.setdefault(kind, []).extend(stats.recent)
+        return {k: statistics.median(v) for k, v in logs.items()}
 
-    def band(self, klass: SizeClass, kind: str) -> float:
+    def noise(self) -> float:
+        """The robust spread (log units) of one call's time: 1.4826 times the median miss,
+        pooled over every class and kind measured at least 3 times; `prior_noise` before
+        `min_misses` misses exist; never below `noise_floor`."""
+        if "noise" not in self._cache:
+            misses = [m for stats in self.stats.values() for m in stats.misses]
+            spread = 1.4826 * statistics.median(misses) if len(misses) >= self.min_misses \
+                else self.prior_noise
+            self._cache["noise"] = max(self.noise_floor, spread)
+        return self._cache["noise"]
+
+    def borrow_miss(self) -> float | None:
+        """How far borrowing missed (log units, the largest miss) where it can be checked: in
+        each class with two or more kinds also measured elsewhere, each such kind's own median
+        against what borrowing from the other classes, at the level of the class's other
+        kinds, predicts for it. None while no class allows the check."""
+        if "borrow" not in self._cache:
+            misses = [m for klass in {c for c, _ in self.stats} for m in self._misses_in(klass)]
+            self._cache["borrow"] = max(misses) if misses else None
+        return self._cache["borrow"]
+
+    def _misses_in(self, klass: SizeClass) -> list[float]:
+        others = self._overall(without=klass)
+        own = {k: self.stats[klass, k].log_ratio() for k in KINDS
+               if (klass, k) in self.stats and k in others}
+        if len(own) < 2:
+            return []
+        misses = []
+        for kind, value in own.items():
+            level = statistics.fmean(own[j] - others[j] for j in own if j != kind)
+            misses.append(abs(value - level - others[kind]))
+        return misses
+
+    def width(self, klass: SizeClass, kind: str) -> float:
+        """Half the band of a kind's estimate in a class, in log units (see the module doc)."""
+        untried = math.log(self.untried_spread)
         got = self.stats.get((klass, kind))
-        if got is None:
-            return self.untried_spread
-        return 1.0 + self.spread / math.sqrt(got.count)
+        if got is not None:
+            return min(untried, self.confidence * self.noise() / math.sqrt(len(got.recent)))
+        miss = self.borrow_miss()
+        if miss is None or not any(k == kind for _, k in self.stats):
+            return untried
+        return min(untried, miss + self.confidence * self.noise())
 
     def choose(self, klass: SizeClass, plans: Mapping[str, EncoderPlan]) -> Choice:
         """The plan for this call among the best plan of each kind (estimates under
         `self.ratios_of(klass)`); counts the call, and the exploration if it is one."""
         self.calls += 1
         greedy = min(plans.values(), key=lambda p: (p.est_s, len(p.tp_items)))
+        first = klass not in self.seen
+        self.seen.add(klass)
+        if first or greedy.est_s <= 0 or self._still_settled(klass, greedy.kind):
+            return Choice(greedy, klass, False)
         target = self._explore_target(klass, plans, greedy)
         if target is None or (self.explored + 1) > self.explore_fraction * self.calls:
             return Choice(greedy, klass, False)
         self.explored += 1
+        self.pending[klass, target.kind] += 1
         return Choice(target, klass, True)
+
+    def _still_settled(self, klass: SizeClass, kind: str) -> bool:
+        """Whether the class settled on this kind, and its estimate stayed within its band."""
+        got = self.settled.get(klass)
+        if got is None:
+            return False
+        stats = self.stats[klass, kind] if got[0] == kind else None
+        if stats is None or abs(stats.log_ratio() - got[1]) > self.width(klass, kind):
+            del self.settled[klass]  # new evidence: the bands decide afresh
+            return False
+        return True
 
     def _explore_target(
         self, klass: SizeClass, plans: Mapping[str, EncoderPlan], greedy: EncoderPlan
     ) -> EncoderPlan | None:
-        """The unseparated other plan with the lowest optimistic estimate, if any."""
-        worst_greedy = greedy.est_s * self.band(klass, greedy.kind)
+        """The unseparated other plan with the lowest optimistic estimate whose last try is
+        measured; settles the class when every other plan is separated."""
+        worst_greedy = math.log(greedy.est_s) + self.width(klass, greedy.kind)  # est_s > 0
         open_ = [
-            (p.est_s / self.band(klass, p.kind), KINDS.index(p.kind), p)
+            (best, KINDS.index(p.kind), p)
             for p in plans.values()
-            if p.kind != greedy.kind and p.est_s / self.band(klass, p.kind) < worst_greedy
+            if p.kind != greedy.kind
+            and (best := math.log(max(p.est_s, 1e-12)) - self.width(klass, p.kind))
+            < worst_greedy - self._margin(klass, p.kind)
         ]
-        return min(open_, key=lambda x: x[:2])[2] if open_ else None
+        if not open_ and (klass, greedy.kind) in self.stats:
+            self.settled[klass] = greedy.kind, self.stats[klass, greedy.kind].log_ratio()
+        ready = [x for x in open_ if not self.pending[klass, x[2].kind]]
+        return min(ready, key=lambda x: x[:2])[2] if ready else None
+
+    def eager(self, klass: SizeClass) -> bool:
+        """Whether a call of this class should be learned from at once rather than with the
+        next batch of times: fewer than `min_tries` of its calls measured, or a try of another
+        kind there not yet measured (a wrong calibration then costs one call, not a batch)."""
+        measured = sum(s.count for (c, _), s in self.stats.items() if c == klass)
+        trying = any(n for (c, _), n in self.pending.items() if c == klass)
+        return measured < self.min_tries or trying
+
+    def _margin(self, klass: SizeClass, kind: str) -> float:
+        """What a kind must be able to gain (log) to be tried again once measured
+        `min_tries` times in the class: plans closer than `tolerance` are not worth a try."""
+        got = self.stats.get((klass, kind))
+        enough = got is not None and len(got.recent) >= self.min_tries
+        return math.log1p(self.tolerance) if enough else 0.0
 
     def observe(self, choice: Choice, seconds: float) -> None:
         """Learn from one call's agreed time (every rank calls this alike, in call order)."""
         plan = choice.plan
+        key = (choice.klass, plan.kind)
+        if choice.explored:
+            self.pending[key] -= 1
         if plan.est_s <= 0 or seconds <= 0:
             return
         modeled = plan.est_s / plan.factor
-        key = (choice.klass, plan.kind)
         self.stats.setdefault(key, RatioStats(self.window)).add(math.log(seconds / modeled))
+        self._cache.clear()
 
     def ratios(self) -> dict[str, float]:
         """Each kind's median ratio over every class (for logs and plots); 1 when unmeasured."""
-        return {**dict.fromkeys(KINDS, 1.0), **self._overall()}
+        overall = {k: math.exp(v) for k, v in self._overall().items()}
+        return {**dict.fromkeys(KINDS, 1.0), **overall}

@@ -255,8 +255,10 @@ class AutoEncoder:
     slowest rank's time of each of those calls, which every rank then learns from in call
     order, so every rank's learner holds the same state and picks the same plans. (One
     all-reduce per call cost 0.4 ms at tp 2 and 5 ms at tp 4 on the 2-core CPU host: a sixth of
-    a call of 16 small images.) `keep_history`: record every call (benchmarks only); `timer`:
-    the clock calls are timed with (tests pass a fake device's)."""
+    a call of 16 small images.) A size class's first calls and its tries of another plan are
+    shared at once (`EncoderLearner.eager`): the ranks agree on that from their common state.
+    `keep_history`: record every call (benchmarks only); `timer`: the clock calls are timed
+    with (tests pass a fake device's)."""
 
     def __init__(
         self, tower: nn.Module, tp: TPGroup, shape: TowerShape, costs: EncoderCosts,
@@ -294,7 +296,7 @@ class AutoEncoder:
         if out.is_cuda:
             torch.cuda.synchronize()
         self._timed.append((choice, self.timer() - start))
-        if len(self._timed) >= self.feedback_every:
+        if len(self._timed) >= self.feedback_every or self.learner.eager(choice.klass):
             self._learn()
         return out
 
