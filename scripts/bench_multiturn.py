@@ -31,6 +31,13 @@ text-only conversations and their ratio, the main-process and media-worker CPU p
 to tell the images' share from a request's own, the main-process CPU per text-only request), and
 the pixel MB sent to the ranks; the speed-up of the cache is the "off" row against the "on" row.
 
+Where a turn's time goes: a wave's bodies are all encoded before any of its clocks starts (a
+client encoding the other conversations' 1.6 MB bodies in the same event loop once added ~15 ms
+to the median), and a second table gives, per turn, image request / text-only request, the
+client's upload (start to the body's last byte written) and the mean ms per request of every
+stage the server reports in /metrics (`tessera_request_stage_seconds`: receive, parse, template,
+tokenize, media, build, send = arrival to the scheduler, queue, encoder, prefill, first_token).
+
 On a machine others load, `--rounds N` starts every configuration's server at once (idle
 servers sleep) and runs N rounds; each round runs every configuration's conversations (new
 images each round), in an order that rotates from round to round, so the configurations share
@@ -48,9 +55,11 @@ import io
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,18 +123,28 @@ class Api:
     max_tokens: int
 
 
-async def turn(api: Api, conv: Conversation) -> tuple[float, int]:
-    """One streamed request; (seconds to the first token, prompt tokens). The answer joins the
-    conversation. The clock starts once the body is encoded: a client's own JSON encoding (10
-    ms for two 448-pixel PNGs here) is not the server's time."""
+def encode(api: Api, conv: Conversation) -> bytes:
+    """The request body of the conversation's next turn."""
     body = {
         "model": api.model, "messages": conv.messages, "max_tokens": api.max_tokens,
         "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
     }  # fmt: skip
-    payload, headers = json.dumps(body).encode(), {"content-type": "application/json"}
-    start, first, text, prompt = time.perf_counter(), None, [], 0
-    post = api.client.stream("POST", "/v1/chat/completions", content=payload, headers=headers)
+    return json.dumps(body).encode()
+
+
+async def turn(
+    api: Api, conv: Conversation, payload: bytes | None = None
+) -> tuple[float, int, float]:
+    """One streamed request; (seconds to the first token, prompt tokens, seconds until this
+    client had written the body's last byte). The answer joins the conversation. The clock
+    starts once the body (`payload`, else this turn's) is encoded: a client's own JSON encoding
+    (10 ms for two 448-pixel PNGs here) is not the server's time."""
+    payload = encode(api, conv) if payload is None else payload
+    headers = {"content-type": "application/json", "content-length": str(len(payload))}
+    start, first, text, prompt, sent = time.perf_counter(), None, [], 0, []
+    content = upload(payload, sent)
+    post = api.client.stream("POST", "/v1/chat/completions", content=content, headers=headers)
     async with post as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
@@ -140,7 +159,14 @@ async def turn(api: Api, conv: Conversation) -> tuple[float, int]:
                     first = first or time.perf_counter()
                     text.append(choice["delta"]["content"])
     conv.messages.append({"role": "assistant", "content": "".join(text)})
-    return (first or time.perf_counter()) - start, prompt
+    return (first or time.perf_counter()) - start, prompt, sent[0] - start
+
+
+async def upload(payload: bytes, sent: list[float]) -> AsyncIterator[bytes]:
+    """The body in one write, as a client with the bytes in hand sends it; `sent` gets the time
+    the write ended (the transport asks for more once the previous chunk is out)."""
+    yield payload
+    sent.append(time.perf_counter())
 
 
 # ---------------------------------------------------------------- server costs
@@ -153,23 +179,49 @@ def server_pids(server: Server) -> tuple[int, list[int]]:
     return main, [pid for pid in process_tree(main) if pid != main and pid not in logged]
 
 
-def costs(server: Server, client: httpx.Client) -> dict[str, float]:
+def costs(server: Server, client: httpx.Client) -> dict[str, Any]:
     main, workers = server_pids(server)
     media = client.get("/server_info").json().get("media") or {}
     return {
         "main_cpu_s": proc_stat(main).cpu_s,
         "worker_cpu_s": sum(proc_stat(pid).cpu_s for pid in workers),
         "pixel_bytes": media.get("pixel_bytes_sent", 0),
+        "stages": stage_totals(client.get("/metrics").text),
     }
+
+
+STAGE_LINE = re.compile(r'^tessera_request_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
+STAGES = [
+    "receive", "parse", "template", "tokenize", "media", "build", "send", "queue", "encoder",
+    "prefill", "first_token",
+]  # fmt: skip
+
+
+def stage_totals(metrics: str) -> dict[tuple[str, str], float]:
+    """(stage, "sum" or "count") -> value, from /metrics' stage histogram."""
+    return {(stage, kind): float(v) for kind, stage, v in STAGE_LINE.findall(metrics)}
+
+
+def stage_ms(before: dict, after: dict, prefix: str) -> dict[str, float]:
+    """Mean milliseconds per request of every stage between two scrapes (`prefix` + stage)."""
+    out = {}
+    for stage in STAGES:
+        count = after.get((stage, "count"), 0) - before.get((stage, "count"), 0)
+        total = after.get((stage, "sum"), 0) - before.get((stage, "sum"), 0)
+        out[f"{prefix}{stage}_ms"] = total * 1e3 / count if count else math.nan
+    return out
 
 
 # ---------------------------------------------------------------- one configuration
 
 
 async def wave(api: Api, convs: list[Conversation], k: int) -> list:
+    """Every conversation's turn k at once; the bodies are encoded before any clock starts, so
+    no request's time counts the client's encoding of the others'."""
     for conv in convs:
         conv.ask(k)
-    return await asyncio.gather(*(turn(api, conv) for conv in convs))
+    payloads = [encode(api, conv) for conv in convs]
+    return await asyncio.gather(*(turn(api, c, p) for c, p in zip(convs, payloads)))
 
 
 async def filler_words(api: Api, prompt_tokens: int) -> int:
@@ -187,7 +239,7 @@ async def run_config(server: Server, args: argparse.Namespace, seed: int) -> lis
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         api = Api(client, model, args.max_tokens)
         warm = image_conversation(np.random.default_rng(seed + 10_000), args.image_size)
-        _, image_prompt = await turn(api, warm)
+        _, image_prompt, _ = await turn(api, warm)
         words = await filler_words(api, image_prompt)
         images = [image_conversation(rng, args.image_size) for _ in range(args.conversations)]
         texts = [text_conversation(words) for _ in range(args.conversations)]
@@ -202,13 +254,15 @@ async def run_config(server: Server, args: argparse.Namespace, seed: int) -> lis
                 after = costs(server, sync)
                 text_out = await wave(api, texts, k)
                 text_cost = costs(server, sync)
-                id_out = await wave(api, by_id, k) if ids else [(math.nan, 0)]
+                id_out = await wave(api, by_id, k) if ids else [(math.nan, 0, 0.0)]
                 rows.append(row(server.name, k, image_out, text_out, before, after, images))
                 text_main = (text_cost["main_cpu_s"] - after["main_cpu_s"]) * 1e3 / len(texts)
                 rows[-1]["text_main_cpu_ms_per_request"] = text_main
-                rows[-1]["ids_vs_text"] = statistics.median(t for t, _ in id_out) / (
+                rows[-1]["ids_vs_text"] = statistics.median(t for t, *_ in id_out) / (
                     rows[-1]["text_ttft_ms"] / 1e3
                 )
+                rows[-1] |= stage_ms(before["stages"], after["stages"], "stage_")
+                rows[-1] |= stage_ms(after["stages"], text_cost["stages"], "text_stage_")
                 rows[-1]["load_avg"] = os.getloadavg()[0]
                 print(line(rows[-1]), flush=True)
     return rows
@@ -218,13 +272,15 @@ def row(
     name: str, k: int, image_out: list, text_out: list, before: dict, after: dict, convs: list
 ) -> dict[str, Any]:
     images = sum(conv.images for conv in convs)
-    ttft = statistics.median(t for t, _ in image_out)
-    text_ttft = statistics.median(t for t, _ in text_out)
+    ttft = statistics.median(t for t, *_ in image_out)
+    text_ttft = statistics.median(t for t, *_ in text_out)
     return {
         "server": name, "turn": k + 1, "ttft_ms": ttft * 1e3, "text_ttft_ms": text_ttft * 1e3,
         "ttft_vs_text": ttft / text_ttft,
-        "prompt_tokens": statistics.median(p for _, p in image_out),
-        "text_prompt_tokens": statistics.median(p for _, p in text_out),
+        "prompt_tokens": statistics.median(p for _, p, _ in image_out),
+        "text_prompt_tokens": statistics.median(p for _, p, _ in text_out),
+        "upload_ms": statistics.median(u for *_, u in image_out) * 1e3,
+        "text_upload_ms": statistics.median(u for *_, u in text_out) * 1e3,
         "main_cpu_ms_per_image": (after["main_cpu_s"] - before["main_cpu_s"]) * 1e3 / images,
         "worker_cpu_ms_per_image": (after["worker_cpu_s"] - before["worker_cpu_s"]) * 1e3 / images,
         "pixel_mb_to_ranks": (after["pixel_bytes"] - before["pixel_bytes"]) / 1e6,
@@ -246,6 +302,22 @@ def line(r: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = " | ".join(name for name, _ in COLUMNS)
     body = [" | ".join(fmt.format(r[name]) for name, fmt in COLUMNS) for r in rows]
+    return "\n".join([head, *body])
+
+
+def stage_table(rows: list[dict[str, Any]]) -> str:
+    """Per turn, each stage's mean ms per request: image turn / text-only turn (the server's
+    stages from its route's start; the client's upload from its clock's start)."""
+    names = ["upload", *STAGES]
+    head = " | ".join(["server", "turn", *names])
+    body = [
+        " | ".join(
+            [str(r["server"]), str(r["turn"])]
+            + [f"{r.get(f'stage_{n}_ms', r.get(f'{n}_ms')):.1f}/"
+               f"{r.get(f'text_stage_{n}_ms', r.get(f'text_{n}_ms')):.1f}" for n in names]
+        )
+        for r in rows
+    ]  # fmt: skip
     return "\n".join([head, *body])
 
 
@@ -385,6 +457,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["rounds"] = run_servers(args)
         report["turns"] = medians(report["rounds"])
         print(table(report["turns"]))
+        print(stage_table(report["turns"]))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return report

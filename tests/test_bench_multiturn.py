@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import bench_multiturn
 import pytest
 
@@ -47,3 +49,28 @@ def test_rounds_are_summarised_by_their_medians(report: dict) -> None:
     assert bench_multiturn.medians(rows) == [
         {"server": "on", "turn": 1, "ttft_ms": 20.0, "load_avg": 3.0, "rounds": 3}
     ]
+
+
+def test_each_turn_reports_where_its_time_went(report: dict) -> None:
+    """The server's stages (from /metrics) and the client's upload, per request, for the image
+    turn and the text-only one; the main process's stages fall inside its first token time."""
+    for r in report["turns"]:
+        for prefix in ("stage_", "text_stage_"):
+            front = sum(r[f"{prefix}{s}_ms"] for s in ("receive", "parse", "template", "tokenize"))
+            assert 0 < front <= r[f"{prefix}send_ms"] <= r[f"{prefix}first_token_ms"]
+        assert r["stage_media_ms"] > 0 and r["upload_ms"] > 0 and r["text_upload_ms"] > 0
+    assert "upload | receive | parse" in bench_multiturn.stage_table(report["turns"])
+
+
+def test_stage_means_come_from_two_scrapes() -> None:
+    metrics = (
+        'tessera_request_stage_seconds_sum{stage="parse"} 0.5\n'
+        'tessera_request_stage_seconds_count{stage="parse"} 4.0\n'
+        'tessera_request_stage_seconds_sum{stage="send"} 1.0\n'
+        'tessera_request_stage_seconds_count{stage="send"} 2.0\n'
+    )
+    before = bench_multiturn.stage_totals(metrics)
+    after = before | {("parse", "sum"): 0.7, ("parse", "count"): 6.0}
+    means = bench_multiturn.stage_ms(before, after, "x_")
+    assert means["x_parse_ms"] == pytest.approx(100.0)  # 0.2 s over 2 requests
+    assert math.isnan(means["x_send_ms"])  # no request in between

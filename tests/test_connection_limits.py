@@ -20,6 +20,7 @@ from runtime.server_args import ServerArgs
 from tokenizer_manager.api import body as body_module
 from tokenizer_manager.connection_limits import ConnectionLimits, uvicorn_config
 from tokenizer_manager.http_server import create_app
+from tokenizer_manager.metrics import ServingMetrics
 
 HEAD_S, BODY_S, SEND_S = 1.5, 1.5, 1.5
 LIMITS = ConnectionLimits(
@@ -66,7 +67,9 @@ class ThreadServer:
 
 def fake_tm() -> SimpleNamespace:
     args = ServerArgs(model_path="/models/demo")
-    return SimpleNamespace(args=args, context_length=128, stalled=lambda: False)
+    return SimpleNamespace(
+        args=args, context_length=128, stalled=lambda: False, metrics=ServingMetrics()
+    )
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,16 @@ from fastapi.testclient import TestClient
 
 from runtime.server_args import ServerArgs
 from tokenizer_manager.http_server import create_app, media_scope
+from tokenizer_manager.metrics import ServingMetrics
 
 LIMIT = 4096
 
 
 def client(api_key: str | None = None, limit: int = LIMIT) -> TestClient:
     args = ServerArgs(model_path="/models/demo", api_key=api_key, max_request_bytes=limit)
-    fake_tm = SimpleNamespace(args=args, context_length=128, stalled=lambda: False)
+    fake_tm = SimpleNamespace(
+        args=args, context_length=128, stalled=lambda: False, metrics=ServingMetrics()
+    )
     return TestClient(create_app(fake_tm))
 
 
@@ -101,7 +104,9 @@ def test_api_key_may_be_given_for_several_callers() -> None:
     assert ServerArgs.from_cli(["--api-key", "a", "--api-key", "b"]).api_key == ("a", "b")
     assert ServerArgs.from_cli([]).api_key == () and ServerArgs(api_key="k").api_key == ("k",)
     args = ServerArgs(model_path="/models/demo", api_key=("a", "b"))
-    http = TestClient(create_app(SimpleNamespace(args=args, context_length=128)))
+    http = TestClient(create_app(
+        SimpleNamespace(args=args, context_length=128, metrics=ServingMetrics())
+    ))
     for key, status in (("a", 200), ("b", 200), ("c", 401), ("ab", 401)):
         reply = http.get("/v1/models", headers={"authorization": f"Bearer {key}"})
         assert reply.status_code == status, key

@@ -321,6 +321,9 @@ def test_completions_and_native_generate(server: Server) -> None:
     assert len(native["output_ids"]) == 3 and native["meta_info"]["prompt_tokens"] > 4
 
 
+FRONT_STAGES = ("receive", "parse", "template", "tokenize", "media", "build")
+
+
 def test_models_metrics_and_idle_server_info(server: Server) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == ["qwen2_vl"]
@@ -336,8 +339,17 @@ def test_models_metrics_and_idle_server_info(server: Server) -> None:
         "tessera_request_stage_seconds_count[queue]",
         "tessera_request_stage_seconds_count[encoder]",
         "tessera_request_stage_seconds_count[prefill]",
+        *(f"tessera_request_stage_seconds_count[{stage}]" for stage in FRONT_STAGES),
+        "tessera_request_stage_seconds_count[send]",
     ):
         assert after[name] == before.get(name, 0) + 1, name
+    took = {  # seconds of this request in each stage
+        stage: after[f"tessera_request_stage_seconds_sum[{stage}]"]
+        - before.get(f"tessera_request_stage_seconds_sum[{stage}]", 0)
+        for stage in (*FRONT_STAGES, "send", "first_token")
+    }
+    # the main process's stages follow each other between arrival and the send to the scheduler
+    assert 0 < sum(took[stage] for stage in FRONT_STAGES) <= took["send"] <= took["first_token"]
     assert (
         after["tessera_inter_token_latency_seconds_count"]
         >= before.get("tessera_inter_token_latency_seconds_count", 0) + NEW_TOKENS - 1
@@ -672,9 +684,13 @@ def test_api_key_is_checked() -> None:
 
     from runtime.server_args import ServerArgs
     from tokenizer_manager.http_server import create_app
+    from tokenizer_manager.metrics import ServingMetrics
 
     args = ServerArgs(model_path="/models/demo", api_key="sekret")
-    app = create_app(SimpleNamespace(args=args, context_length=128, stalled=lambda: False))
+    fake_tm = SimpleNamespace(
+        args=args, context_length=128, stalled=lambda: False, metrics=ServingMetrics()
+    )
+    app = create_app(fake_tm)
     http = TestClient(app)
     assert http.get("/health").status_code == 200
     denied = http.get("/v1/models")

@@ -1,8 +1,9 @@
 """Prometheus metrics of the serving path, through prometheus_client.
 
 Latency histograms (time to first token, inter-token latency, end to end, and each stage of a
-request: media, queue, encoder, prefill, first_token, decode; the scheduler measures queue,
-encoder and prefill and sends them with the first token) are observed in the main process as
+request: receive, parse, template, tokenize, media, build, send, queue, encoder, prefill,
+first_token, decode; the main process times its own, the scheduler measures queue, encoder and
+prefill and sends them with the first token) are observed in the main process as
 outputs arrive; the scheduler's gauges and counters
 (KV pool, queue, caches) are read from the entry rank's `ServerInfo` when `/metrics` is scraped.
 Each server owns one registry, so tests can run several servers in one process.
@@ -10,6 +11,7 @@ Each server owns one registry, so tests can run several servers in one process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -92,6 +94,15 @@ class ServingMetrics:
         return Histogram(
             f"tessera_request_{name}", doc, buckets=TOKEN_BUCKETS, registry=self.registry
         )
+
+    @contextlib.contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Observe the seconds the `with` block takes (awaits included) as `stage`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage.labels(stage).observe(time.perf_counter() - start)
 
     def render(self, info: Any, api: dict[str, int]) -> bytes:
         self.snapshot.info, self.snapshot.api = info, api

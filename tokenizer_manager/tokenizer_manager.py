@@ -267,7 +267,10 @@ class TokenizerManager:
         params = inp.sampling(max(1, self.budget.room(len(ids))))
         if params.grammar is not None:
             await self.grammar.check(params.grammar)
-        return await self.in_thread(self.build_request, inp.rid, ids, media, params, inp.stream)
+        with self.metrics.timed("build"):
+            return await self.in_thread(
+                self.build_request, inp.rid, ids, media, params, inp.stream
+            )
 
     async def prompt_ids(self, inp: GenerateInput) -> tuple[list[int], list[PreparedMedia]]:
         """The prompt's token ids, every media item expanded to its tokens (what /tokenize
@@ -278,14 +281,16 @@ class TokenizerManager:
         self.check_media_count(refs)
         if prompt is None:
             return self.checked_ids(inp.input_ids or []), []
-        ids = await self.encode_prompt(prompt)
+        with self.metrics.timed("tokenize"):
+            ids = await self.encode_prompt(prompt)
         media = await self.prepare_media(refs, ids, inp.max_tokens, spec)
         return await self.expand_ids(prompt, ids, media), media
 
     async def prompt_of(self, inp: GenerateInput) -> tuple[str | None, list[MediaRef]]:
         """The prompt text (None for token ids) and its media, placeholders in place."""
         if inp.messages is not None:
-            return await self.in_thread(self.render_chat, inp.messages, inp.template_kwargs)
+            with self.metrics.timed("template"):
+                return await self.in_thread(self.render_chat, inp.messages, inp.template_kwargs)
         if inp.text is not None:
             _client_error(check_text_prompt, inp.text, param="prompt")
             return with_placeholders(inp.text, inp.media), inp.media
@@ -365,11 +370,9 @@ class TokenizerManager:
         headers, with the request's pixel bounds, before any is decoded)."""
         if not refs:
             return []
-        start = time.perf_counter()
         budget = self.media_token_budget(ids, max_tokens)
-        media = await self.mm.process(refs, budget, spec)  # a MediaError is the client's APIError
-        self.metrics.stage.labels("media").observe(time.perf_counter() - start)
-        return media
+        with self.metrics.timed("media"):  # a MediaError is the client's APIError
+            return await self.mm.process(refs, budget, spec)
 
     def media_token_budget(self, ids: list[int], max_tokens: int | None) -> int:
         """Tokens left for the media: the budget less the text (the prompt's ids less its
@@ -464,6 +467,7 @@ class TokenizerManager:
         self.client_rids.add(req.rid)
         self.pixels.hold(rid, req.mm_inputs)
         self._send(dataclasses.replace(req, rid=rid))
+        timeline.stage("send", time.perf_counter() - timeline.arrival)  # arrival -> scheduler
         try:
             ended = 0
             while ended < n:

@@ -20,10 +20,12 @@ DECODE_IN_THREAD = 64 << 10  # larger bodies are parsed and validated off the lo
 
 async def parse_body(request: Request, model: type) -> Any:
     request.state.arrival = time.perf_counter()  # latencies in /metrics count from here
-    args = request.app.state.tm.args
-    body = await read_body(request, args.max_request_bytes)
-    decode = functools.partial(decode_body, body, model, args.max_content_parts)
-    return await asyncio.to_thread(decode) if len(body) > DECODE_IN_THREAD else decode()
+    tm = request.app.state.tm
+    with tm.metrics.timed("receive"):  # the route's start to the body's last byte
+        body = await read_body(request, tm.args.max_request_bytes)
+    decode = functools.partial(decode_body, body, model, tm.args.max_content_parts)
+    with tm.metrics.timed("parse"):
+        return await asyncio.to_thread(decode) if len(body) > DECODE_IN_THREAD else decode()
 
 
 def decode_body(body: bytes, model: type, max_parts: int) -> Any:
