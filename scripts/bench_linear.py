@@ -91,7 +91,7 @@ def measure(out_f: int, in_f: int, rows: int, rounds: int, threads: int) -> dict
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def table(threads: int, rounds: int) -> None:
+def table(threads: int, rounds: int, only_rows: list[int] | None) -> None:
     torch.set_num_threads(threads)
     print(f"\nthreads {threads}, {rounds} rounds; ms per call (median), ratios against mkl\n")
     print("| preset | layer | N x K | rows | mkl ms | onednn ms | mkl-packed ms | onednn / mkl "
@@ -100,6 +100,8 @@ def table(threads: int, rounds: int) -> None:
     for preset, layer, out_f, in_f in SHAPES:
         rows_list = VIT_ROWS if "vit" in preset else DECODE_ROWS + PREFILL_ROWS
         for rows in rows_list:
+            if only_rows and rows not in only_rows:
+                continue
             t = measure(out_f, in_f, rows, rounds, threads)
             packed = t.get("mkl-packed", float("nan"))
             print(f"| {preset} | {layer} | {out_f}x{in_f} | {rows} | {t['mkl']:.3f} "
@@ -111,17 +113,19 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rows", type=int, nargs="*", help="only these row counts")
     p.add_argument("--env", nargs="*", default=[], help="NAME=VALUE, rerun in a child process")
     args = p.parse_args(argv)
     if args.env:
         env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.env))
-        cmd = [sys.executable, __file__, "--rounds", str(args.rounds), "--threads"]
-        subprocess.run(cmd + [str(t) for t in args.threads], env=env, check=True)
+        cmd = [sys.executable, __file__, "--rounds", str(args.rounds)]
+        cmd += ["--threads", *map(str, args.threads), "--rows", *map(str, args.rows or [])]
+        subprocess.run(cmd, env=env, check=True)
         return
     print(f"torch {torch.__version__}, mkldnn available: {torch.backends.mkldnn.is_available()}, "
           f"load average {os.getloadavg()[0]:.2f}")
     for threads in args.threads:
-        table(threads, args.rounds)
+        table(threads, args.rounds, args.rows)
 
 
 if __name__ == "__main__":
