@@ -25,6 +25,7 @@ from runtime.layers.linear import (
 )
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
+from scheduler.process import load_model
 from vision.vit_common import VisionPatchEmbed
 from vision.vlm import build_model
 
@@ -163,8 +164,13 @@ def test_build_model_packs_every_cpu_linear_layer_unless_told_not_to(folder: Pat
         build_model(str(folder), TPGroup(), dtype="float32", cpu_linear="mkl")
 
 
-def test_the_server_flag_selects_the_path() -> None:
+def test_the_server_flag_selects_the_path(folder: Path) -> None:
+    """--cpu-linear reaches the scheduler's model (honoured, not accepted and ignored)."""
     assert ServerArgs.from_cli([]).cpu_linear == "onednn"
-    assert ServerArgs.from_cli(["--cpu-linear", "aten"]).cpu_linear == "aten"
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--cpu-linear", "mkl"])
+    for flag, packed in (("onednn", True), ("aten", False)):
+        args = ServerArgs.from_cli(["--model-path", str(folder), "--device", "cpu",
+                                    "--dtype", "float32", "--cpu-linear", flag])
+        model = load_model(args, TPGroup())
+        assert {m.weight.is_mkldnn for m in _linears(model)} == {packed}
