@@ -174,26 +174,3 @@ def test_the_server_flag_selects_the_path(folder: Path) -> None:
                                     "--dtype", "float32", "--cpu-linear", flag])
         model = load_model(args, TPGroup())
         assert {m.weight.is_mkldnn for m in _linears(model)} == {packed}
-
-
-def test_a_single_row_runs_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """oneDNN splits even one row over every thread; such a call runs on one (as MKL's gemv
-    does), batches on all of them, and the thread count is restored."""
-    plain, packed = _twins(_layers()[0])
-    kernel, seen = torch.ops.mkldnn._linear_pointwise, []
-
-    def spy(*args: object) -> torch.Tensor:
-        seen.append(torch.get_num_threads())
-        return kernel(*args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for rows in ((1, 24), (1, 1, 24), (3, 24)):
-            x = torch.randn(*rows)
-            assert_same_sums(packed(x), plain(x), 24)
-            assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
-    assert seen == [1, 1, 2]

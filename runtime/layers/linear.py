@@ -19,10 +19,8 @@ oneDNN's matmul instead of aten's (MKL's sgemm, which takes a generic code path 
 Measured per shape (scripts/bench_linear.py, docs/benchmarks.md): 10-20% faster on prefill and
 vision shapes, 20-60% on decode shapes of 4 to 16 rows; slower only on single-row calls to the
 smaller layers (a few microseconds each), which cannot keep MKL without a second copy of the
-weight. A single-row call runs on one intra-op thread (as MKL's gemv does by itself): split over
-two threads, its barrier made it up to 40x slower whenever another process held a core. A
-packed weight is still the layer's `weight` parameter (shape, dtype and device as before);
-`dense_weight` gives the plain tensor back where one is needed (a shard's slice).
+weight. A packed weight is still the layer's `weight` parameter (shape, dtype and device as
+before); `dense_weight` gives the plain tensor back where one is needed (a shard's slice).
 """
 
 from __future__ import annotations
@@ -41,18 +39,9 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear`, through oneDNN when `weight` was packed for it."""
-    if not weight.is_mkldnn:
-        return F.linear(x, weight, bias)
-    threads = torch.get_num_threads()
-    if threads == 1 or x.numel() != x.shape[-1]:
+    if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    # One row on one thread, as MKL's gemv does: oneDNN would split it over every thread, and
-    # each call's barrier then waits for any thread another process holds off its core.
-    torch.set_num_threads(1)
-    try:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    finally:
-        torch.set_num_threads(threads)
+    return F.linear(x, weight, bias)
 
 
 def dense_weight(weight: torch.Tensor) -> torch.Tensor:
