@@ -18,6 +18,7 @@ from runtime.logging_utils import get_logger
 logger = get_logger(__name__)
 
 MAX_DEFAULT_GRAPH_BS = 256  # captured decode sizes by default: up to this many requests
+CPU_LINEAR_PATHS = ("onednn", "aten")  # runtime/layers/linear.py
 
 
 def _opt(help: str, **kw) -> dataclasses.Field:  # noqa: A002 - mirrors argparse
@@ -57,6 +58,12 @@ class ServerArgs:
         "(auto: triton on CUDA, torch on CPU)",
         default="auto",
         choices=["auto", "torch", "triton", "flashinfer"],
+    )
+    cpu_linear: str = _opt(
+        "CPU linear layers: onednn (float32/bf16 weights packed once at load for oneDNN's "
+        "matmul) or aten (aten's own path, MKL); GPU weights are never packed",
+        default="onednn",
+        choices=list(CPU_LINEAR_PATHS),
     )
     cuda_graph_max_bs: int | None = _opt(
         "largest decode batch replayed as a CUDA graph (padded to 1, 2, 4, 8, 16, 24, ...); "

@@ -138,6 +138,7 @@ def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:
         dtype=args.dtype,
         device=device,
         show_progress=tp.is_first,
+        cpu_linear=args.cpu_linear,
     )
 
 

@@ -55,7 +55,7 @@ class TimedModel:
         return out
 
 
-def build(model_path: str, n: int) -> tuple[Scheduler, TimedModel]:
+def build(model_path: str, n: int, cpu_linear: str = "onednn") -> tuple[Scheduler, TimedModel]:
     """The server's own factory, with a timed model."""
     args = ServerArgs(
         model_path=model_path,
@@ -67,7 +67,7 @@ def build(model_path: str, n: int) -> tuple[Scheduler, TimedModel]:
         chunked_prefill_size=4096,
         context_length=4096,
     )
-    model = TimedModel(build_model(model_path, TPGroup(), dtype="float32"))
+    model = TimedModel(build_model(model_path, TPGroup(), dtype="float32", cpu_linear=cpu_linear))
     return build_scheduler(args, TPGroup(), model), model
 
 

@@ -118,7 +118,9 @@ class VisionPatchEmbed(nn.Module):
         for block in pixels:
             block = block.to(device=weight.device, dtype=weight.dtype)
             part = out[start : start + block.shape[0]]
-            if bias is None:
+            if weight.is_mkldnn:  # packed for oneDNN, which has no out= form
+                part.copy_(self.proj(block))
+            elif bias is None:
                 torch.mm(block, weight.t(), out=part)
             else:  # the same kernel as F.linear with a bias
                 torch.addmm(bias, block, weight.t(), out=part)

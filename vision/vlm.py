@@ -22,12 +22,13 @@ from kernels.attention import AttentionBackend, create_attention_backend
 from kernels.ops import TORCH_OPS, KernelOps, get_kernel_ops
 from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.layers.linear import prepare_shard_weights
+from runtime.layers.linear import prepare_shard_weights, use_onednn_linears
 from runtime.layers.weights import LazyWeight
 from runtime.model_config import ModelConfig
 from runtime.model_loader import load_checkpoint, resolve_dtype
 from runtime.models.qwen2 import Qwen2ForCausalLM
 from runtime.multimodal import ItemEncoder, MultimodalDataItem
+from runtime.server_args import CPU_LINEAR_PATHS
 from vision.dp_encoder import run_dp_sharded_mrope_vision_model
 from vision.encoder_calibration import calibrate_encoder_costs
 from vision.encoder_plan import (
@@ -184,10 +185,15 @@ def build_model(
     dtype: str = "auto",
     device: str = "cpu",
     show_progress: bool = False,
+    cpu_linear: str = "onednn",
 ) -> Qwen2VLForConditionalGeneration:
     """Build this rank's shard of the model and load its slice of the checkpoint.
 
-    Auto encoder mode with tp > 1 uses `encoder_costs`, or calibrates them here (every rank)."""
+    Auto encoder mode with tp > 1 uses `encoder_costs`, or calibrates them here (every rank).
+    `cpu_linear` "onednn" packs the linear layers' CPU weights for oneDNN's matmul once loaded
+    (runtime/layers/linear.py); "aten" keeps aten's (MKL) path. GPU weights are never packed."""
+    if cpu_linear not in CPU_LINEAR_PATHS:
+        raise ValueError(f"cpu_linear {cpu_linear!r} is not one of {CPU_LINEAR_PATHS}")
     config = ModelConfig.from_dir(model_path)
     torch_dtype = resolve_dtype(dtype, config.torch_dtype, device)
     previous = torch.get_default_dtype()
@@ -205,6 +211,8 @@ def build_model(
         torch.set_default_dtype(previous)
     load_checkpoint(model, model_path, show_progress)
     model.eval()
+    if cpu_linear == "onednn":
+        use_onednn_linears(model)
     if model.encoder_mode == "auto":
         model.set_encoder_costs(encoder_costs)
     return model
