@@ -20,6 +20,7 @@ from runtime.tiny_checkpoint import save_generation_config
 from tokenizer_manager.api.fields import sampler_has
 from tokenizer_manager.api.openai_common import ENGINE_FIELDS
 from tokenizer_manager.http_server import create_app
+from tokenizer_manager.metrics import ServingMetrics
 from tokenizer_manager.protocol import CHAT_REFUSED, COMPLETION_REFUSED
 from tokenizer_manager.tokenizer_manager import GenerateInput
 
@@ -33,6 +34,7 @@ class FakeManager(SimpleNamespace):
             args=ServerArgs(model_path="/models/demo", **args),
             context_length=128,
             stalled=lambda: False,
+            metrics=ServingMetrics(),
             chat_template="{{ messages }} {{ tools }}",
             seen=[],
             params=[],

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -255,7 +256,9 @@ def test_concurrent_misses_on_one_image_decode_it_once(checkpoint: str, tmp_path
         for item in out:
             np.testing.assert_array_equal(item.pixel_values.numpy(), first.pixel_values.numpy())
             assert item.digest == first.digest
-    assert info["waited_for_other_requests"] == 7
+    # Each of the 7 others waited for that decode, or (on a slow machine, arriving after it
+    # ended) found the item cached: never a second decode.
+    assert 1 <= info["waited_for_other_requests"] <= 7
     assert media_files(tmp_path) == []
 
 
@@ -268,16 +271,26 @@ def test_a_cancelled_decode_lets_its_waiters_decode(checkpoint: str, tmp_path: P
             checkpoint, MediaLimits(), shm_dir=str(tmp_path), cache_bytes=64 << 20
         ) as mm:
             await mm.warmup()
+            decode = mm._decode_one
+            calls: list[int] = []
+
+            async def first_never_ends(*args: Any) -> Any:
+                calls.append(1)
+                if len(calls) == 1:  # the leader's decode is still running when it is cancelled
+                    await asyncio.Event().wait()
+                return await decode(*args)
+
+            mm._decode_one = first_never_ends
             leader = asyncio.ensure_future(mm.process([image_ref(8)]))
-            while not mm._in_flight._decoding:  # the leader is decoding it
+            while not calls:  # the leader is decoding it
                 await asyncio.sleep(0.001)
             waiter = asyncio.ensure_future(mm.process([image_ref(8)]))
-            await asyncio.sleep(0.01)  # the waiter waits for the leader
+            await asyncio.sleep(0.05)  # the waiter waits for the leader
             leader.cancel()
             return received(await waiter), mm.info()
 
     (item,), info = asyncio.run(run())
     assert item.grid_thw is not None
-    assert info["waited_for_other_requests"] == 0  # nothing came from the leader
+    assert info["waited_for_other_requests"] == 0  # nothing came from the leader (it never ended)
     assert info["processed_cache"]["items"] == 1  # the waiter decoded and cached it
     assert media_files(tmp_path) == []

@@ -33,6 +33,7 @@ from runtime.token_budget import TokenBudget
 from tokenizer_manager.http_server import create_app
 from tokenizer_manager.media import MediaLimits
 from tokenizer_manager.media_types import MediaRef, ProcessorSpec
+from tokenizer_manager.metrics import ServingMetrics
 from tokenizer_manager.multimodal_inputs import (
     PLACEHOLDER_RE,
     PreparedMedia,
@@ -270,7 +271,7 @@ def test_every_route_goes_through_tokenize_request() -> None:
 
     args = ServerArgs(model_path="/models/demo")
     tm = SimpleNamespace(
-        args=args, context_length=128, stalled=lambda: False,
+        args=args, context_length=128, stalled=lambda: False, metrics=ServingMetrics(),
         tokenize_request=tokenize_request, generate=generate,
     )  # fmt: skip
     http = TestClient(create_app(tm))
