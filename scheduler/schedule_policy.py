@@ -25,6 +25,19 @@ def decode_reserve(remaining_new_tokens: int) -> int:
     return math.ceil(min(remaining_new_tokens, RESERVE_CLIP) * NEW_TOKEN_RATIO)
 
 
+def may_share(key: Sequence[int], computed: Sequence[tuple[Sequence[int], int]]) -> bool:
+    """Whether `batch_sharer` can find a sharer for `key` whatever the tree caches of it: a
+    sharer holds `key`'s first IN_BATCH_SHARE_TOKENS tokens at least, so a batch where none
+    does needs no prefix match in the tree (the common case: requests with their own prompts)."""
+    head = list(key[:IN_BATCH_SHARE_TOKENS])
+    if len(head) < IN_BATCH_SHARE_TOKENS:
+        return False
+    return any(
+        held >= IN_BATCH_SHARE_TOKENS and list(tokens[:IN_BATCH_SHARE_TOKENS]) == head
+        for tokens, held in computed
+    )
+
+
 def batch_sharer(
     key: Sequence[int], cached: int, computed: Sequence[tuple[Sequence[int], int]]
 ) -> int | None:

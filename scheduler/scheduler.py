@@ -52,7 +52,7 @@ from scheduler.input_checks import RequestFaults, check_inputs
 from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req
-from scheduler.schedule_policy import PrefillAdder, batch_sharer, decode_reserve
+from scheduler.schedule_policy import PrefillAdder, batch_sharer, decode_reserve, may_share
 from vision.fusion import overlaps
 
 logger = get_logger(__name__)
@@ -260,7 +260,10 @@ class Scheduler:
         if self.radix.disable or not batch:
             return False
         computed = [(r.token_ids, r.kv_len + n) for r, n in batch.chunks()]
-        sharer = batch_sharer(req.prefix_key(), self.cache.cached_prefix_len(req), computed)
+        key = req.prefix_key()
+        if not may_share(key, computed):  # no tree match needed: nothing to share
+            return False
+        sharer = batch_sharer(key, self.cache.cached_prefix_len(req), computed)
         if sharer is None:
             return False
         batch.reqs[sharer].shares_prompt = True

@@ -7,6 +7,7 @@ from scheduler.schedule_policy import (
     PrefillAdder,
     batch_sharer,
     decode_reserve,
+    may_share,
 )
 
 
@@ -76,3 +77,15 @@ def test_batch_sharer_needs_the_whole_window_and_the_cached_head() -> None:
     differs = [0, *key[1:]]  # the same window after a different head
     assert batch_sharer(key, 1, held(differs)) is None
     assert batch_sharer(key, 0, []) is None
+
+
+def test_may_share_is_false_only_where_no_sharer_can_exist() -> None:
+    """The cheap check before the tree match: False exactly when no batch member holds the
+    key's first window, so batch_sharer finds nobody at any cached length."""
+    key = list(range(100, 150))
+    batches = [held(key), held([0, *key[1:]]), [(key, IN_BATCH_SHARE_TOKENS - 1)], held([1, 2])]
+    for computed in batches:
+        if not may_share(key, computed):
+            assert all(batch_sharer(key, c, computed) is None for c in range(len(key)))
+    assert may_share(key, held(key)) and not may_share(key, held([0, *key[1:]]))
+    assert not may_share(key[: IN_BATCH_SHARE_TOKENS - 1], held(key))
