@@ -393,9 +393,19 @@ def print_table(out: dict, args: argparse.Namespace) -> None:
         tp, dp, auto = (by_mode[m]["median_ms"] for m in MODES)
         print(
             f"{name}: DP speed-up over TP {tp / dp:.2f}x; auto vs TP {tp / auto:.2f}x, "
-            f"vs DP {dp / auto:.2f}x, vs the better static mode {min(tp, dp) / auto:.2f}x"
+            f"vs DP {dp / auto:.2f}x, vs the better static mode {min(tp, dp) / auto:.2f}x "
+            f"(paired per round: {paired_ratio(by_mode):.2f}x)"
         )
         print(f"{name}: auto's plans per round: {by_mode['auto']['plans_per_round']}")
+
+
+def paired_ratio(by_mode: dict[str, dict]) -> float:
+    """Median over the timed rounds of the better static mode's time (the one with the lower
+    median) over auto's in the same round: the modes of a round run back to back, so a slow
+    spell of the machine that spans a round cancels, which a ratio of medians keeps."""
+    better = min(("tp", "dp"), key=lambda m: by_mode[m]["median_ms"])
+    pairs = zip(by_mode[better]["round_ms"], by_mode["auto"]["round_ms"])
+    return statistics.median(static / auto for static, auto in pairs)
 
 
 def group_by_workload(results: list[dict]) -> dict[str, dict[str, dict]]:

@@ -9,12 +9,13 @@ import math
 from dataclasses import replace
 
 import pytest
-from test_encoder_plan import COSTS, SHAPE
+from test_encoder_plan import COSTS, SHAPE, ZERO
 
 from vision.encoder_learner import Choice, EncoderLearner, size_class
 from vision.encoder_plan import (
     EncoderPlan,
     Scale,
+    TowerShape,
     dp_cost,
     item_work,
     plan_encoder,
@@ -254,3 +255,38 @@ def test_a_machine_slower_than_at_calibration_keeps_the_right_plans() -> None:
             greedy[name].add(choice.plan.kind)
     assert greedy == {"one_large": {"tp"}, "many_small": {"dp"}}
     assert learner.ratios_of(size_class(ONE_LARGE))["dp"] == pytest.approx(3.0)
+
+
+
+def test_a_hybrids_factor_does_not_carry_to_another_split() -> None:
+    """A quiet tp 2 calibration's numbers (vit-heavy, 16 images of 16x16 patches), with TP's
+    per-patch cost fitted to zero: every item moved from DP to TP looks nearly free. The truth:
+    TP's slice does 62% of the full tower's work per patch. The try of a hybrid runs the split
+    its parts' factors favour (2 items TP); a factor learned from that split must not price
+    another split (14 items TP, 48% slower than DP: it ran right after the try, and for five
+    rounds on end in the benchmark)."""
+    shape = TowerShape(depth=4, embed_dim=320, out_dim=64, merge=2, elem_bytes=4,
+                       window_units=0, full_blocks=4)
+    wrong = replace(ZERO, dp_call_s=4e-3, dp_patch_s=87.6e-6, dp_pair_s=2.16e-8,
+                    tp_call_s=44.5e-3, tp_pair_s=1.87e-8, all_reduce_s=1.4e-4,
+                    all_reduce_byte_s=1.5e-9, all_gather_s=1.8e-4, all_gather_byte_s=1.4e-9)
+    truth = replace(wrong, tp_call_s=5e-3, tp_patch_s=0.62 * 87.6e-6, tp_pair_s=0.62 * 2.16e-8)
+    batch = [[1, 16, 16]] * 16
+    works = [item_work(g, shape) for g in batch]
+
+    def seconds(plan: EncoderPlan) -> float:
+        return (tp_cost([works[i] for i in plan.tp_items], shape, truth)
+                + dp_cost([works[i] for i in plan.dp_items], 2, shape, truth))
+
+    best = seconds(plan_encoder(batch, 2, shape, truth))
+    assert plan_encoder(batch, 2, shape, truth).kind == "dp"
+    learner, runs = EncoderLearner(), []
+    for _ in range(60):
+        plans = plans_by_kind(batch, 2, shape, wrong, scale_of(learner, batch))
+        choice = learner.choose(size_class(batch), plans)
+        learner.observe(choice, seconds(choice.plan))
+        runs.append(choice)
+    assert any(c.explored and c.plan.kind == "hybrid" for c in runs)  # a hybrid was tried
+    slow = [len(c.plan.tp_items) for c in runs[1:] if not c.explored
+            and seconds(c.plan) > 1.05 * best]
+    assert slow == [], "greedy calls slower than DP after the first (items run TP)"

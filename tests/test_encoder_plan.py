@@ -23,7 +23,7 @@ from runtime.layers.linear import (
 )
 from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
-from vision.encoder_calibration import calibrate_encoder_costs
+from vision.encoder_calibration import PROBE_GRIDS, calibrate_encoder_costs, fit_free, fit_tp
 from vision.encoder_learner import EncoderLearner
 from vision.encoder_plan import (
     AutoEncoder,
@@ -494,6 +494,29 @@ def test_calibration_agrees_across_ranks() -> None:
     assert costs0.dp_patch_s + costs0.dp_pair_s > 0 and costs0.tp_patch_s + costs0.tp_pair_s > 0
     assert costs0.all_reduce_s + costs0.all_reduce_byte_s > 0
     assert 0 < costs0.dp_alone_factor <= 1
+
+
+def test_tp_calibration_keeps_the_shape_of_the_work() -> None:
+    """TP compute probes of a tower whose slice does 60% of DP's work per patch and pair plus
+    20 ms a call, with one probe 10% slow and one 20% fast (a busy 2-core machine): a free fit
+    of call + patch + pair puts the per-patch cost at zero (a quiet tp 2 calibration did: 44.5
+    ms a call, 0 per patch), so TP of 16 small images looks 2.3x cheaper than it is. Tied to
+    DP's per-patch and per-pair costs, the fit stays within 10% there."""
+    shape = TowerShape(depth=4, embed_dim=320, out_dim=64, merge=2, elem_bytes=4,
+                       window_units=0, full_blocks=4)
+    works = [item_work(g, shape) for g in PROBE_GRIDS]
+    dp = (4e-3, 87.6e-6, 2.16e-8)
+    noise = (1.0, 1.0, 1.0, 1.1, 0.8)
+    times = [(20e-3 + 0.6 * (dp[1] * n + dp[2] * q)) * f for (n, q), f in zip(works, noise)]
+    free = fit_free(works, times)
+    assert free[1] == 0.0  # what the free fit does with these probes
+    call, patch, pair = fit_tp(works, times, dp)
+    assert patch / dp[1] == pytest.approx(pair / dp[2]) and 0.5 < patch / dp[1] < 0.75
+    many = [item_work([1, 16, 16], shape)] * 16
+    n, q = sum(w[0] for w in many), sum(w[1] for w in many)
+    truth = 20e-3 + 0.6 * (dp[1] * n + dp[2] * q)
+    assert call + patch * n + pair * q == pytest.approx(truth, rel=0.1)
+    assert free[0] + free[1] * n + free[2] * q < 0.5 * truth
 
 
 class SumGroup(TPGroup):

@@ -162,6 +162,7 @@ def test_vit_benchmark_prints_every_mode(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "DP speed-up over TP" in proc.stdout and "auto vs TP" in proc.stdout
+    assert "paired per round" in proc.stdout
     data = json.loads(out.read_text())
     assert data["calibration"]["dp_patch_s"] + data["calibration"]["dp_pair_s"] > 0
     results = data["results"]

@@ -3,10 +3,15 @@
 Every rank runs the same short probes at the same time (so they compete for the device as in
 service): all-reduce and all-gather at two sizes, fitted to latency + per-byte cost; then the
 full tower (every rank busy, as in DP) and a real TP call on this rank's slice (with its
-all-reduces) on three grids, fitted to call + patch + pair costs. For TP the modeled all-reduce
-time is taken off each probe first, so what the per-layer synchronisation costs beyond the bytes
-(waiting for the slowest rank on a busy machine) counts as TP compute. Each probe keeps its
-fastest repeat. Rank 0's costs are broadcast so every rank plans alike.
+all-reduces) on five grids. DP is fitted to call + patch + pair costs. For TP the modeled
+all-reduce time is taken off each probe first, so what the per-layer synchronisation costs beyond
+the bytes (waiting for the slowest rank on a busy machine) counts as TP compute; that compute is
+fitted to a call cost plus one factor on DP's per-patch and per-pair costs (a rank's slice does
+the same work per patch and pair, split over the heads and features, at some efficiency). Left
+free, TP's per-patch and per-pair terms trade places on noisy probes (the probes' patch and pair
+counts rise together): one quiet tp 2 calibration put TP's per-patch cost at zero, so every item
+moved from DP to TP looked nearly free and auto ran a hybrid 30% slower than DP for five rounds.
+Each probe keeps its fastest repeat. Rank 0's costs are broadcast so every rank plans alike.
 """
 
 from __future__ import annotations
@@ -40,9 +45,9 @@ def calibrate_encoder_costs(
         times = _probe_times(tower, tp, repeats)
     comm = EncoderCosts(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, *reduce, 0.0, 0.0)
     works = [item_work(g, shape) for g in PROBE_GRIDS]
-    dp = _fit(works, times["dp"])
+    dp = fit_free(works, times["dp"])
     tp_times = [max(0.0, t - tp_cost([w], shape, comm)) for w, t in zip(works, times["tp"])]
-    tp_fit = _fit(works, tp_times)
+    tp_fit = fit_tp(works, tp_times, dp)
     alone = min(1.0, sum(times["alone"]) / sum(times["dp"]))
     costs = EncoderCosts(*dp, *tp_fit, *reduce, *gather, alone)
     agreed = tp.broadcast_pyobj(costs)
@@ -75,9 +80,24 @@ def _probe_times(tower: nn.Module, tp: TPGroup, repeats: int) -> dict[str, list[
     return out
 
 
-def _fit(works: list[tuple[int, int]], times: list[float]) -> tuple[float, float, float]:
+def fit_free(works: list[tuple[int, int]], times: list[float]) -> tuple[float, float, float]:
     """(call_s, patch_s, pair_s) >= 0 fitted to the probe times."""
-    return _nonneg_solve([[1.0, float(n), float(q)] for n, q in works], times)
+    call, patch, pair = _nonneg_solve([[1.0, float(n), float(q)] for n, q in works], times)
+    return call, patch, pair
+
+
+def fit_tp(
+    works: list[tuple[int, int]], times: list[float], dp: tuple[float, float, float]
+) -> tuple[float, float, float]:
+    """TP's (call_s, patch_s, pair_s): a call cost plus one factor on DP's per-patch and
+    per-pair costs (`dp` is DP's fit), fitted >= 0 to the probes' TP compute times. Pure.
+    Falls back to a free fit when DP's fit has no per-patch or per-pair cost to scale."""
+    _, dp_patch, dp_pair = dp
+    if dp_patch <= 0 and dp_pair <= 0:
+        return fit_free(works, times)
+    work = [dp_patch * n + dp_pair * q for n, q in works]
+    call, factor = _nonneg_solve([[1.0, w] for w in work], times)
+    return call, factor * dp_patch, factor * dp_pair
 
 
 def _fit_collective(
@@ -131,19 +151,20 @@ def _timed(fn: Callable[[], object], tp: TPGroup, tower: nn.Module) -> float:
     return time.perf_counter() - start
 
 
-def _nonneg_solve(rows: list[list[float]], times: list[float]) -> tuple[float, float, float]:
-    """Least squares for [call, patch, pair] >= 0: drop a negative term and refit the rest."""
+def _nonneg_solve(rows: list[list[float]], times: list[float]) -> list[float]:
+    """Least squares for coefficients >= 0 (one per column): drop a negative term and refit
+    the rest."""
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(times, dtype=torch.float64)
     scale = a.abs().amax(0).clamp_min(1e-30)  # columns differ by many orders of magnitude
-    active = [0, 1, 2]
+    active = list(range(a.shape[1]))
+    out = [0.0] * a.shape[1]
     while active:
         sol = torch.linalg.lstsq(a[:, active] / scale[active], b[:, None]).solution[:, 0]
         coef = sol / scale[active]
         if (coef >= 0).all():
-            out = [0.0, 0.0, 0.0]
             for j, c in zip(active, coef.tolist()):
                 out[j] = c
-            return out[0], out[1], out[2]
+            return out
         active.pop(int(coef.argmin()))
-    return 0.0, 0.0, 0.0
+    return out

@@ -49,7 +49,18 @@ if TYPE_CHECKING:
     from vision.encoder_plan import EncoderPlan
 
 KINDS = ("dp", "tp", "hybrid")
+RELATIVE = ("hybrid",)  # ratios on top of the TP and DP ratios of the plan's parts (Scale)
 SizeClass = tuple[int, int]
+
+
+def _borrowed(own: Mapping[str, float], overall: Mapping[str, float], kind: str) -> float:
+    """A kind's log ratio in a class borrowed from every class's (`overall`): shifted by the
+    level of the class's own measured TP and DP ratios against theirs (a slow class is slow
+    for both), except for a hybrid's, which is already relative to its parts' ratios."""
+    levels = [own[k] - overall[k] for k in own if k not in RELATIVE and k in overall]
+    if kind in RELATIVE or not levels:
+        return overall[kind]
+    return statistics.fmean(levels) + overall[kind]
 
 
 def size_class(units: Sequence[Sequence[int]]) -> SizeClass:
@@ -124,17 +135,17 @@ class EncoderLearner:
 
         Nothing measured in the class: nothing (its first calls follow the calibration). A
         kind measured in this class has its own median. A kind measured only elsewhere
-        borrows: its ratio over every class, times how this class's measured kinds stand
-        against theirs (their geometric mean of own / overall). A machine that slowed down
+        borrows: its ratio over every class, times how this class's measured TP and DP stand
+        against theirs (their geometric mean of own / overall); a hybrid's ratio, relative to
+        its parts' (see `Scale`), is borrowed as it is. A machine that slowed down
         after the start-up calibration slows every kind alike, so an untried kind must not
         look cheaper merely because the tried ones were measured on the slower machine."""
         own = {k: self.stats[klass, k].log_ratio() for k in KINDS if (klass, k) in self.stats}
         if not own:
             return {}  # a class's first call does what the calibration says (the safe default)
         overall = self._overall()
-        level = statistics.fmean(own[k] - overall[k] for k in own)
-        logs = {**{k: level + overall[k] for k in overall}, **own}
-        return {k: math.exp(v) for k, v in logs.items()}
+        logs = {k: _borrowed(own, overall, k) for k in overall}
+        return {k: math.exp(v) for k, v in {**logs, **own}.items()}
 
     def _overall(self, without: SizeClass | None = None) -> dict[str, float]:
         """Each measured kind's median log ratio over the recent measurements of every class
@@ -172,11 +183,10 @@ class EncoderLearner:
                if (klass, k) in self.stats and k in others}
         if len(own) < 2:
             return []
-        misses = []
-        for kind, value in own.items():
-            level = statistics.fmean(own[j] - others[j] for j in own if j != kind)
-            misses.append(abs(value - level - others[kind]))
-        return misses
+        others_own = {kind: {j: v for j, v in own.items() if j != kind} for kind in own}
+        return [abs(value - _borrowed(others_own[kind], others, kind))
+                for kind, value in own.items()
+                if kind in RELATIVE or any(j not in RELATIVE for j in others_own[kind])]
 
     def width(self, klass: SizeClass, kind: str) -> float:
         """Half the band of a kind's estimate in a class, in log units (see the module doc)."""

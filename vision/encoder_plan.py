@@ -111,8 +111,9 @@ class TowerShape:
 @dataclass(frozen=True)
 class EncoderPlan:
     """`tp_items` run TP across all ranks (first), `dp_items` are balanced DP; item indices are
-    in the call's original order. `est_s` is the cost model's estimate: the modeled time times
-    `factor`, what the feedback had learned for this kind of plan."""
+    in the call's original order. `est_s` is the cost model's estimate: `est_s / factor` is
+    what the feedback learns this kind of plan's ratio against (`Scale.estimate`), `factor`
+    that kind's learned ratio."""
 
     kind: str
     tp_items: tuple[int, ...]
@@ -202,9 +203,9 @@ def plans_by_kind(grids: Sequence[Sequence[int]], ranks: int, shape: TowerShape,
         tp_s = tp_cost([works[i] for i in order[:k]], shape, costs)
         dp_s = dp_cost([works[i] for i in sorted(order[k:])], ranks, shape, costs)
         kind = _kind(k, len(order))
-        est = scale.estimate(kind, tp_s, dp_s)
+        est, base = scale.estimate(kind, tp_s, dp_s)
         if kind not in best or est < best[kind].est_s:
-            factor = est / (tp_s + dp_s) if tp_s + dp_s > 0 else 1.0
+            factor = est / base if base > 0 else 1.0
             tp_items, dp_items = tuple(sorted(order[:k])), tuple(sorted(order[k:]))
             best[kind] = EncoderPlan(kind, tp_items, dp_items, est, factor)
     return best
@@ -218,10 +219,11 @@ def _kind(tp_count: int, total: int) -> str:
 class Scale:
     """Factors on the modeled time of each kind of plan: measured over modeled, learned while
     serving (vision/encoder_learner.py, per size class). A hybrid is a TP call followed by a DP
-    call: until a hybrid has been measured (`hybrid` None), its TP part takes TP's factor and
-    its DP part DP's, so an untried hybrid never looks cheaper than what the other two kinds
-    have taught (with a flat 1 it would win as soon as DP measured a little slower than
-    modeled, and then lose when run)."""
+    call, so its TP part always takes TP's factor and its DP part DP's; `hybrid` is a further
+    factor on that sum, what hybrids measured beyond their parts (1 until one is measured).
+    With one flat factor per kind instead, a hybrid's factor learned on one split was applied
+    to every other split (the model's best hybrid is often another split once a factor moves),
+    and auto kept running hybrids that measured 30% slower than DP."""
 
     dp: float = 1.0
     tp: float = 1.0
@@ -231,11 +233,14 @@ class Scale:
         value = getattr(self, kind)
         return 1.0 if value is None else value
 
-    def estimate(self, kind: str, tp_s: float, dp_s: float) -> float:
-        """A plan's time from its modeled TP and DP parts."""
-        if kind == "hybrid" and self.hybrid is None:
-            return self.tp * tp_s + self.dp * dp_s
-        return self.of(kind) * (tp_s + dp_s)
+    def estimate(self, kind: str, tp_s: float, dp_s: float) -> tuple[float, float]:
+        """A plan's (estimate, base) from its modeled TP and DP parts: the estimate is the
+        kind's factor times the base, the time that factor is learned against."""
+        if kind == "hybrid":
+            base = self.tp * tp_s + self.dp * dp_s
+        else:
+            base = tp_s + dp_s
+        return self.of(kind) * base, base
 
 
 @dataclass(frozen=True)
