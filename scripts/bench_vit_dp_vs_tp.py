@@ -249,16 +249,21 @@ def mode_loads(mode: str, runner: Runner, grids_list: list[list[list[int]]]) -> 
     loads = [0] * size
     for grids in grids_list:
         sizes = [t * h * w for t, h, w in grids]
+        ranks: tuple[tuple[int, ...], ...] = ()
         if mode == "tp":
             tp_items, dp_items = range(len(sizes)), []
         elif mode == "dp":
             tp_items, dp_items = [], range(len(sizes))
-        else:  # auto plans over frame units
+        else:  # auto plans over frame units, its DP part balanced by modeled time
             sizes = [t * h * w for t, h, w in frame_units(grids)]
             plan = runner.auto.plan(grids)
-            tp_items, dp_items = plan.tp_items, plan.dp_items
+            tp_items, dp_items, ranks = plan.tp_items, plan.dp_items, plan.dp_ranks
         shared = sum(sizes[i] for i in tp_items)
-        _, _, dp_loads = get_dp_encoder_lb_assignment([sizes[i] for i in dp_items], size)
+        dp_sizes = [sizes[i] for i in dp_items]
+        if ranks:
+            dp_loads = [sum(dp_sizes[j] for j in mine) for mine in ranks]
+        else:
+            _, _, dp_loads = get_dp_encoder_lb_assignment(dp_sizes, size)
         loads = [a + shared + b for a, b in zip(loads, dp_loads)]
     return loads
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from runtime.layers.linear import (
 )
 from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
+from vision.dp_encoder import get_dp_encoder_lb_assignment, plan_dp_encoder
 from vision.encoder_calibration import PROBE_GRIDS, calibrate_encoder_costs, fit_free, fit_tp
 from vision.encoder_learner import EncoderLearner
 from vision.encoder_plan import (
@@ -31,10 +33,12 @@ from vision.encoder_plan import (
     EncoderPlan,
     Scale,
     TowerShape,
+    balance_by_cost,
     dp_cost,
     frame_units,
     item_work,
     plan_encoder,
+    plans_by_kind,
     run_planned_encoder,
     tp_cost,
 )
@@ -177,6 +181,58 @@ def test_plan_is_the_cheapest_prefix_split(seed: int) -> None:
     assert plan == plan_encoder(grids, ranks, SHAPE, c)  # deterministic: every rank agrees
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_balance_by_cost_never_loses_to_the_patch_balance(seed: int) -> None:
+    """Each item once; the slowest rank's modeled time no higher than under the patch-count
+    balancer of DP mode, often lower; the same on every call (every rank computes it)."""
+    rng = random.Random(seed)
+    ranks = rng.choice([2, 3, 4])
+    works = [item_work([1, 2 * rng.randint(2, 24), 2 * rng.randint(2, 24)], SHAPE)
+             for _ in range(rng.randint(1, 12))]
+    c = costs(dp_pair_s=rng.choice([0.0, 1e-9, 1e-8]))
+    assignment = balance_by_cost(works, ranks, c)
+    assert len(assignment) == ranks
+    assert sorted(i for mine in assignment for i in mine) == list(range(len(works)))
+    assert assignment == balance_by_cost(works, ranks, c)
+
+    def slowest(groups: Sequence[Sequence[int]]) -> float:
+        return max(sum(c.dp_patch_s * works[i][0] + c.dp_pair_s * works[i][1] for i in g)
+                   for g in groups)
+
+    shuffle, counts, _ = get_dp_encoder_lb_assignment([n for n, _ in works], ranks)
+    by_patches = [shuffle[sum(counts[:r]) : sum(counts[: r + 1])] for r in range(ranks)]
+    assert slowest(assignment) <= slowest(by_patches) * (1 + 1e-12)
+
+
+def test_balance_by_cost_weighs_attention() -> None:
+    """Two 24x24 frames and one 32x32 against nine 8x8: by patches the big frames' rank looks
+    even, but their attention pairs make it the slowest; by modeled time that rank sheds work.
+    The plan's DP part carries the assignment it was costed with."""
+    grids = [[1, 24, 24]] * 2 + [[1, 32, 32]] + [[1, 8, 8]] * 9
+    works = [item_work(g, SHAPE) for g in grids]
+    c = costs(dp_pair_s=2e-9)
+    shuffle, counts, _ = get_dp_encoder_lb_assignment([n for n, _ in works], 2)
+    by_patches = [shuffle[: counts[0]], shuffle[counts[0] :]]
+    assignment = balance_by_cost(works, 2, c)
+
+    def seconds(group: Sequence[int]) -> float:
+        return sum(c.dp_patch_s * works[i][0] + c.dp_pair_s * works[i][1] for i in group)
+
+    assert max(map(seconds, assignment)) < 0.97 * max(map(seconds, by_patches))
+    plan = plans_by_kind(grids, 2, SHAPE, replace(c, tp_call_s=1.0))["dp"]
+    assert plan.dp_ranks == assignment
+    assert plan.est_s == pytest.approx(dp_cost(works, 2, SHAPE, replace(c, tp_call_s=1.0)))
+
+
+def test_a_dp_assignment_must_give_every_item_once() -> None:
+    with pytest.raises(ValueError, match="once each"):
+        plan_dp_encoder([[1, 4, 4]] * 3, 2, assignment=[[0, 1], [1]])
+    with pytest.raises(ValueError, match="once each"):
+        plan_dp_encoder([[1, 4, 4]] * 3, 2, assignment=[[0, 1, 2]])
+    plan = plan_dp_encoder([[1, 4, 4], [1, 8, 8], [1, 4, 4]], 2, assignment=[[2], [0, 1]])
+    assert plan.shuffle_indices == (2, 0, 1) and plan.gpu_loads == (16, 80)
+
+
 def test_fixed_plans() -> None:
     assert fixed_plan("dp", 3) == EncoderPlan("dp", (), (0, 1, 2), 0.0)
     assert fixed_plan("tp", 2) == EncoderPlan("tp", (0, 1), (), 0.0)
@@ -295,11 +351,16 @@ def _terms(arch: str, grids: list[tuple[int, int, int]]) -> int:
     return vision_terms(_cfg(arch), max(t * h * w for t, h, w in grids))
 
 
-def _plans(name: str, n: int) -> dict[str, EncoderPlan]:
+def _plans(name: str, n: int, ranks: int) -> dict[str, EncoderPlan]:
+    """The static plans, a hybrid, and DP with an assignment of its own (items backwards,
+    round robin from the last rank: ranks with none, and an order the balancer never makes)."""
     tp_items = HYBRID_TP[name]
     dp_items = tuple(i for i in range(n) if i not in tp_items)
+    assigned = tuple(tuple(j for j in reversed(range(n)) if j % ranks == ranks - 1 - r)
+                     for r in range(ranks))
     return {"dp": fixed_plan("dp", n), "tp": fixed_plan("tp", n),
-            "hybrid": EncoderPlan("hybrid", tp_items, dp_items, 0.0)}
+            "hybrid": EncoderPlan("hybrid", tp_items, dp_items, 0.0),
+            "dp-assigned": EncoderPlan("dp", (), tuple(range(n)), 0.0, 1.0, assigned)}
 
 
 class CountingGroup(TPGroup):
@@ -329,7 +390,7 @@ def plans_worker(tp: TPGroup) -> dict:
                 gen = torch.Generator().manual_seed(n)
                 pixels = torch.randn(n, tower.cfg.patch_dim, generator=gen)
                 direct = tower(pixels, torch.tensor(grids))
-                for kind, plan in _plans(name, len(grids)).items():
+                for kind, plan in _plans(name, len(grids), tp.size).items():
                     group = CountingGroup(tp)
                     planned = run_planned_encoder(tower, pixels, grids, group, plan)
                     out[arch, name, kind] = (planned, direct, dict(group.counts))
@@ -341,7 +402,7 @@ def plan_results(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     return request.param, run_on_ranks(plans_worker, request.param, timeout=240)
 
 
-@pytest.mark.parametrize("kind", ["dp", "tp", "hybrid"])
+@pytest.mark.parametrize("kind", ["dp", "tp", "hybrid", "dp-assigned"])
 @pytest.mark.parametrize("name", list(BATCHES))
 @pytest.mark.parametrize("arch", list(TOWERS))
 def test_every_plan_equals_the_direct_run(
@@ -349,7 +410,7 @@ def test_every_plan_equals_the_direct_run(
 ) -> None:
     world, per_rank = plan_results
     depth = CONFIG[arch]["depth"]
-    plan = _plans(name, len(BATCHES[name]))[kind]
+    plan = _plans(name, len(BATCHES[name]), world)[kind]
     for rank, results in enumerate(per_rank):
         planned, direct, counts = results[arch, name, kind]
         assert direct.abs().max() > 0.1

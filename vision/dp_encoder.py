@@ -88,12 +88,25 @@ class DPEncoderPlan:
 
 
 def plan_dp_encoder(
-    grid_thw_list: Sequence[Sequence[int]], num_ranks: int, spatial_merge_size: int = 2
+    grid_thw_list: Sequence[Sequence[int]],
+    num_ranks: int,
+    spatial_merge_size: int = 2,
+    assignment: Sequence[Sequence[int]] | None = None,
 ) -> DPEncoderPlan:
-    """Balance items by patch count (t*h*w) over `num_ranks`; pure, used also by benchmarks."""
+    """Balance items by patch count (t*h*w) over `num_ranks`, or take `assignment` (per rank,
+    the item indices it encodes, every item once: the auto mode's balance by modeled time);
+    pure, used also by benchmarks."""
     grids = _check_grids(grid_thw_list, spatial_merge_size)
     patches = [t * h * w for t, h, w in grids]
-    shuffle, counts, loads = get_dp_encoder_lb_assignment(patches, num_ranks)
+    if assignment is None:
+        shuffle, counts, loads = get_dp_encoder_lb_assignment(patches, num_ranks)
+    else:
+        shuffle = [i for items in assignment for i in items]
+        if len(assignment) != num_ranks or sorted(shuffle) != list(range(len(grids))):
+            raise ValueError(f"assignment {assignment} does not give {len(grids)} items to "
+                             f"{num_ranks} ranks once each")
+        counts = [len(items) for items in assignment]
+        loads = [sum(patches[i] for i in items) for items in assignment]
     rows = [n // spatial_merge_size**2 for n in patches]
     return DPEncoderPlan(tuple(shuffle), tuple(counts), tuple(loads), tuple(rows))
 
@@ -106,13 +119,15 @@ def run_dp_sharded_mrope_vision_model(
     *,
     spatial_merge_size: int = 2,
     out_dim: int | None = None,
+    assignment: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Encode every item with the work spread over `tp`; returns [sum of merged rows, out_dim].
 
     Every rank must call this with the same `pixel_values` ([sum of t*h*w, patch_dim]) and grids.
     `vision_model(pixels, grid_thw)` must encode items independently and return t*h*w // merge**2
-    rows per item. `out_dim` defaults to `vision_model.out_hidden_size`. The tower runs with
-    full weights and no TP collective inside; one all-gather after it (invariant 3).
+    rows per item. `out_dim` defaults to `vision_model.out_hidden_size`. `assignment` (per
+    rank, its item indices) replaces the patch-count balance. The tower runs with full weights
+    and no TP collective inside; one all-gather after it (invariant 3).
     """
     grids = _check_grids(grid_thw_list, spatial_merge_size)
     _check_pixel_rows(pixel_values, grids)
@@ -121,7 +136,7 @@ def run_dp_sharded_mrope_vision_model(
         return _empty_output(vision_model, pixel_values, dim)
     if tp.size == 1:
         return vision_model(pixel_values, torch.tensor(grids, dtype=torch.long))
-    plan = plan_dp_encoder(grids, tp.size, spatial_merge_size)
+    plan = plan_dp_encoder(grids, tp.size, spatial_merge_size, assignment)
     mine = plan.rank_items(tp.rank)
     local = _encode_local(vision_model, pixel_values, grids, mine, dim)
     _check_local_output(local, sum(plan.item_rows[i] for i in mine), dim)
