@@ -12,10 +12,14 @@ import orjson
 from fastapi import Request
 from pydantic import ValidationError
 
+from tokenizer_manager.api.data_urls import lift_data_urls, put_back
 from tokenizer_manager.api.limits import check_content_parts
 from tokenizer_manager.protocol import APIError
 
 DECODE_IN_THREAD = 64 << 10  # larger bodies are parsed and validated off the loop (invariant 18)
+# Bodies up to this size have their data: URLs lifted on the loop (memchr-speed scans and an ASCII
+# decode: about 0.25 ms per 1.6 MB); what is left is parsed there too when it is small.
+LIFT_ON_LOOP = 4 << 20
 
 
 async def parse_body(request: Request, model: type) -> Any:
@@ -23,14 +27,28 @@ async def parse_body(request: Request, model: type) -> Any:
     tm = request.app.state.tm
     with tm.metrics.timed("receive"):  # the route's start to the body's last byte
         body = await read_body(request, tm.args.max_request_bytes)
-    decode = functools.partial(decode_body, body, model, tm.args.max_content_parts)
     with tm.metrics.timed("parse"):
-        return await asyncio.to_thread(decode) if len(body) > DECODE_IN_THREAD else decode()
+        lifted = lift_data_urls(body) if len(body) <= LIFT_ON_LOOP else None  # else the thread's
+        decode = functools.partial(decode_body, body, model, tm.args.max_content_parts, lifted)
+        left = len(lifted[0]) if lifted else len(body)
+        return await asyncio.to_thread(decode) if left > DECODE_IN_THREAD else decode()
 
 
-def decode_body(body: bytes, model: type, max_parts: int) -> Any:
-    """JSON, the request's shape, then the request model: all proportional to the body."""
-    data = load_json(body)
+def decode_body(
+    body: bytes, model: type, max_parts: int, lifted: tuple[bytes, dict[str, str]] | None = None
+) -> Any:
+    """JSON, the request's shape, then the request model: all proportional to the body. Long
+    data: URLs skip the JSON parser (tokenizer_manager/api/data_urls.py): `lifted` is
+    `lift_data_urls(body)` when the caller already ran it."""
+    rest, urls = lifted if lifted is not None else lift_data_urls(body)
+    try:
+        data = load_json(rest)
+    except APIError:
+        if urls:
+            load_json(body)  # the error's line and column as the client sent the body
+        raise
+    if urls:
+        data = put_back(data, urls)
     if not isinstance(data, dict):
         raise APIError("request body must be a JSON object", code="invalid_json")
     check_content_parts(data, max_parts)
