@@ -17,6 +17,7 @@ placeholder runs were already replaced by per-item pad values.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,9 +58,9 @@ def compute_mrope_positions_from_items(
         _check_item(item, cursor, seq_len, spatial_merge_size)
         chunks.append(text_positions(item.start - cursor, next_pos))
         next_pos += item.start - cursor
-        vision = vision_positions(item, next_pos, spatial_merge_size, tokens_per_second)
-        chunks.append(vision)
-        next_pos, cursor = int(vision.max()) + 1, item.end
+        grid, extent = _item_grid(item, spatial_merge_size, tokens_per_second)
+        chunks.append(grid + next_pos)
+        next_pos, cursor = next_pos + extent, item.end
     chunks.append(text_positions(seq_len - cursor, next_pos))
     next_pos += seq_len - cursor
     return torch.cat(chunks, dim=1), next_pos - seq_len
@@ -74,12 +75,24 @@ def vision_positions(
     item: MRopeItem, start: int, spatial_merge_size: int, tokens_per_second: float | None
 ) -> torch.Tensor:
     """[3, t*h*w/merge^2] grid positions of one item, in the item's token order."""
-    t, h, w = item.grid_thw
-    temporal = temporal_ids(item, tokens_per_second)
-    rows = torch.arange(h // spatial_merge_size, dtype=torch.long)
-    cols = torch.arange(w // spatial_merge_size, dtype=torch.long)
-    grid = torch.meshgrid(temporal, rows, cols, indexing="ij")
-    return torch.stack(grid).reshape(3, -1) + start
+    return _item_grid(item, spatial_merge_size, tokens_per_second)[0] + start
+
+
+def _item_grid(
+    item: MRopeItem, merge: int, tokens_per_second: float | None
+) -> tuple[torch.Tensor, int]:
+    """An item's positions from 0 and how far they reach (largest + 1): made once per shape,
+    since a conversation resends the same images every turn (about 0.1 ms each to build)."""
+    temporal = tuple(temporal_ids(item, tokens_per_second).tolist())
+    return _grid(temporal, item.grid_thw[1] // merge, item.grid_thw[2] // merge)
+
+
+@functools.lru_cache(maxsize=256)
+def _grid(temporal: tuple[int, ...], rows: int, cols: int) -> tuple[torch.Tensor, int]:
+    """[3, len(temporal)*rows*cols] (read-only: callers add to it, never in place)."""
+    axes = torch.tensor(temporal, dtype=torch.long), torch.arange(rows), torch.arange(cols)
+    grid = torch.stack(torch.meshgrid(*axes, indexing="ij")).reshape(3, -1)
+    return grid, int(grid.max()) + 1
 
 
 def temporal_ids(item: MRopeItem, tokens_per_second: float | None) -> torch.Tensor:
