@@ -71,18 +71,12 @@ def text_positions(length: int, start: int) -> torch.Tensor:
     return (torch.arange(length, dtype=torch.long) + start).expand(3, length)
 
 
-def vision_positions(
-    item: MRopeItem, start: int, spatial_merge_size: int, tokens_per_second: float | None
-) -> torch.Tensor:
-    """[3, t*h*w/merge^2] grid positions of one item, in the item's token order."""
-    return _item_grid(item, spatial_merge_size, tokens_per_second)[0] + start
-
-
 def _item_grid(
     item: MRopeItem, merge: int, tokens_per_second: float | None
 ) -> tuple[torch.Tensor, int]:
-    """An item's positions from 0 and how far they reach (largest + 1): made once per shape,
-    since a conversation resends the same images every turn (about 0.1 ms each to build)."""
+    """An item's grid positions from 0, in its token order, and how far they reach (largest
+    plus one): made once per shape, since a conversation resends the same images every turn
+    (about 0.1 ms each to build)."""
     temporal = tuple(temporal_ids(item, tokens_per_second).tolist())
     return _grid(temporal, item.grid_thw[1] // merge, item.grid_thw[2] // merge)
 
