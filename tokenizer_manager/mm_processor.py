@@ -315,7 +315,12 @@ class AsyncMMDataProcessor:
             asyncio.Semaphore(self.fetches_per_request),
             spec or self.spec,
         )
-        work = self._process_all(parts, state, max_image_tokens)
+        known = [self._by_id(ref, state.spec) or self._by_data_url(ref, state) for ref in parts]
+        if all(result is not None for result in known):  # a resent turn: no fetch, no decode
+            tokens = sum(self._image_tokens(result) for result in known)
+            check_image_tokens([], max_image_tokens, tokens)
+            return self._finish(parts, known, [], state.spec)
+        work = self._process_all(parts, known, state, max_image_tokens)
         try:
             return await asyncio.wait_for(work, self.per_request_timeout)
         except asyncio.TimeoutError:
@@ -331,9 +336,13 @@ class AsyncMMDataProcessor:
         return MediaError(message, status=503, param="messages", code="media_timeout")
 
     async def _process_all(
-        self, parts: list[MediaRef], state: _RequestState, max_image_tokens: int | None
+        self,
+        parts: list[MediaRef],
+        results: list[ProcessedMedia | None],
+        state: _RequestState,
+        max_image_tokens: int | None,
     ) -> list[PreparedMedia]:
-        results = [self._by_id(ref, state.spec) or self._by_data_url(ref, state) for ref in parts]
+        """`results` holds the items known by id or data: URL text (None: to fetch)."""
         todo = [i for i, result in enumerate(results) if result is None]
         fetches = [self._fetch_one(i, parts[i], state) for i in todo]
         fetched = dict(zip(todo, await _all_or_first_error(fetches)))
@@ -354,10 +363,16 @@ class AsyncMMDataProcessor:
             self._in_flight.finish(digests[i] for i in leads)
         for i, result in zip([*leads, *follows], [*decoded, *followed]):
             results[i] = result
+        return self._finish(parts, results, todo, state.spec)
+
+    def _finish(
+        self, parts: list[MediaRef], results: list[Any], fetched: list[int], spec: ProcessorSpec
+    ) -> list[PreparedMedia]:
+        """Remember the request's ids and its fetched data: URLs; the items to send."""
         for ref, result in zip(parts, results):  # an id first given with a known item too
-            self._remember_id(ref, result, state.spec)
-        for i in todo:
-            self._remember_data_url(parts[i], results[i], state.spec)
+            self._remember_id(ref, result, spec)
+        for i in fetched:
+            self._remember_data_url(parts[i], results[i], spec)
         return [result.to_prepared() for result in results]
 
     def _digest(self, item: _Fetched, spec: ProcessorSpec) -> int | None:
