@@ -13,7 +13,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
+    """x * sigmoid(1.702 x), the same values with one new tensor instead of three."""
+    return (1.702 * x).sigmoid_().mul_(x)
 
 
 def get_activation(name: str):

@@ -92,7 +92,7 @@ class Qwen2_5_VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, shard).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up, shard)
+        return self.down_proj(self.act(gate).mul_(up), shard)  # act's output is new
 
 
 def qwen2_5_block(cfg: VisionConfig, tp: TPGroup, ops: KernelOps) -> VisionBlock:

@@ -287,8 +287,9 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, segments: Segments, rotary: Rotary,
                 shard: TPGroup | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), segments, rotary, shard)
-        return x + self.mlp(self.norm2(x), shard)
+        # Each branch ends in a biased projection (a new tensor): the residual is added into it.
+        x = self.attn(self.norm1(x), segments, rotary, shard).add_(x)
+        return self.mlp(self.norm2(x), shard).add_(x)
 
 
 class VisionTower(nn.Module):
