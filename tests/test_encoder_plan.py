@@ -24,6 +24,7 @@ from runtime.layers.linear import (
 )
 from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
+from vision import encoder_plan
 from vision.dp_encoder import get_dp_encoder_lb_assignment, plan_dp_encoder
 from vision.encoder_calibration import PROBE_GRIDS, calibrate_encoder_costs, fit_free, fit_tp
 from vision.encoder_learner import EncoderLearner
@@ -222,6 +223,25 @@ def test_balance_by_cost_weighs_attention() -> None:
     plan = plans_by_kind(grids, 2, SHAPE, replace(c, tp_call_s=1.0))["dp"]
     assert plan.dp_ranks == assignment
     assert plan.est_s == pytest.approx(dp_cost(works, 2, SHAPE, replace(c, tp_call_s=1.0)))
+
+
+def test_planning_refines_only_the_chosen_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The splits are compared on the greedy balance; only each kind's best is refined, and
+    only up to REFINE_ITEMS items (refining every split of 128 frame units took 50-160 ms a
+    call, more than a GPU's encoder call)."""
+    calls = []
+    improve = encoder_plan._improve_once
+    monkeypatch.setattr(encoder_plan, "_improve_once",
+                        lambda *a: calls.append(1) or improve(*a))  # fmt: skip
+    rng = random.Random(1)
+    c = costs(dp_pair_s=1e-9, tp_patch_s=0.4e-6)
+    grids = [[1, 2 * rng.randint(2, 24), 2 * rng.randint(2, 24)] for _ in range(24)]
+    plans = plans_by_kind(grids, 2, SHAPE, c)
+    assert 0 < len(calls) <= len(plans) * encoder_plan.REFINE_STEPS
+    calls.clear()
+    many = [item_work([1, 8, 8 + 2 * (i % 3)], SHAPE) for i in range(encoder_plan.REFINE_ITEMS + 1)]
+    balance_by_cost(many, 2, c)
+    assert calls == []
 
 
 def test_a_dp_assignment_must_give_every_item_once() -> None:

@@ -154,11 +154,11 @@ def dp_cost(works: Sequence[tuple[int, int]], ranks: int, shape: TowerShape,
 
 
 def dp_part(works: Sequence[tuple[int, int]], ranks: int, shape: TowerShape,
-            costs: EncoderCosts) -> tuple[float, Assignment]:
-    """`dp_cost` and the assignment it is the cost of."""
+            costs: EncoderCosts, refine: bool = True) -> tuple[float, Assignment]:
+    """`dp_cost` and the assignment it is the cost of (`refine`: see `balance_by_cost`)."""
     if not works:
         return 0.0, ()
-    assignment = balance_by_cost(works, ranks, costs)
+    assignment = balance_by_cost(works, ranks, costs, refine)
     slowest, max_rows = 0.0, 0
     for mine in (tuple(works[i] for i in items) for items in assignment if items):
         n, q = sum(w[0] for w in mine), sum(w[1] for w in mine)
@@ -173,13 +173,18 @@ def dp_part(works: Sequence[tuple[int, int]], ranks: int, shape: TowerShape,
     return slowest + costs.all_gather_s + costs.all_gather_byte_s * gathered, assignment
 
 
-def balance_by_cost(works: Sequence[tuple[int, int]], ranks: int,
-                    costs: EncoderCosts) -> Assignment:
+REFINE_ITEMS = 32  # more items balance well greedily, and the moves' search grows as n squared
+REFINE_STEPS = 8
+
+
+def balance_by_cost(works: Sequence[tuple[int, int]], ranks: int, costs: EncoderCosts,
+                    refine: bool = True) -> Assignment:
     """Items over ranks by modeled time (patches and attention pairs), not patch count alone:
-    the greedy balancer of vision/dp_encoder.py on each item's time, then single moves or swaps
-    off the slowest rank while one lowers it (at most 4 per item). Pure and deterministic, so
-    every rank computes the same assignment. DP mode balances patch counts; on 8 random images
-    the slowest rank's modeled time fell from 1.4-7.2% above the mean to 0.1-3.0% at 2 ranks."""
+    the greedy balancer of vision/dp_encoder.py on each item's time, then (`refine`, up to
+    `REFINE_ITEMS` items) at most `REFINE_STEPS` single moves or swaps off the slowest rank,
+    each lowering it. Pure and deterministic, so every rank computes the same assignment. DP
+    mode balances patch counts; on 8 random images the slowest rank's modeled time fell from
+    0.1-7.2% above the mean to 0.1-3.0% at 2 ranks."""
     item_s = [costs.dp_patch_s * n + costs.dp_pair_s * q for n, q in works]
     if not any(item_s):
         item_s = [float(n) for n, _ in works]
@@ -188,7 +193,8 @@ def balance_by_cost(works: Sequence[tuple[int, int]], ranks: int,
     for count in counts:
         groups.append(list(shuffle[start : start + count]))
         start += count
-    for _ in range(4 * len(works)):
+    steps = REFINE_STEPS if refine and len(works) <= REFINE_ITEMS else 0
+    for _ in range(steps):
         if not _improve_once(groups, item_s):
             break
     return tuple(tuple(g) for g in groups)
@@ -252,18 +258,26 @@ def plans_by_kind(grids: Sequence[Sequence[int]], ranks: int, shape: TowerShape,
         return {"dp": EncoderPlan("dp", (), tuple(range(len(works))), dp_cost(works, 1, shape,
                                                                               costs))}
     order = sorted(range(len(works)), key=lambda i: -works[i][0])  # stable: ties keep index order
-    best: dict[str, EncoderPlan] = {}
-    for k in range(len(order) + 1):
-        tp_s = tp_cost([works[i] for i in order[:k]], shape, costs)
-        dp_items = tuple(sorted(order[k:]))
-        dp_s, dp_ranks = dp_part([works[i] for i in dp_items], ranks, shape, costs)
-        kind = _kind(k, len(order))
-        est, base = scale.estimate(kind, tp_s, dp_s)
-        if kind not in best or est < best[kind].est_s:
-            factor = est / base if base > 0 else 1.0
-            best[kind] = EncoderPlan(kind, tuple(sorted(order[:k])), dp_items, est, factor,
-                                     dp_ranks)
-    return best
+    best: dict[str, tuple[float, int]] = {}  # kind -> (estimate, TP item count)
+    for k in range(len(order) + 1):  # the splits compared on the greedy balance alone
+        plan = _split_plan(works, order, k, ranks, shape, costs, scale, refine=False)
+        if plan.kind not in best or plan.est_s < best[plan.kind][0]:
+            best[plan.kind] = plan.est_s, k
+    return {kind: _split_plan(works, order, k, ranks, shape, costs, scale)
+            for kind, (_, k) in best.items()}
+
+
+def _split_plan(works: Sequence[tuple[int, int]], order: Sequence[int], k: int, ranks: int,
+                shape: TowerShape, costs: EncoderCosts, scale: Scale,
+                refine: bool = True) -> EncoderPlan:
+    """The plan that runs the `k` first items of `order` TP and the rest DP."""
+    tp_s = tp_cost([works[i] for i in order[:k]], shape, costs)
+    dp_items = tuple(sorted(order[k:]))
+    dp_s, dp_ranks = dp_part([works[i] for i in dp_items], ranks, shape, costs, refine)
+    kind = _kind(k, len(order))
+    est, base = scale.estimate(kind, tp_s, dp_s)
+    factor = est / base if base > 0 else 1.0
+    return EncoderPlan(kind, tuple(sorted(order[:k])), dp_items, est, factor, dp_ranks)
 
 
 def _kind(tp_count: int, total: int) -> str:
