@@ -120,3 +120,20 @@ def test_deep_nesting_with_a_lifted_url_is_walked_without_recursion() -> None:
     for _ in range(449):
         node = node[0]["u"]
     assert node[0]["u"]["v"] == inner.decode()
+
+
+def test_hostile_bodies_cost_a_bounded_scan() -> None:
+    """Past MAX_CANDIDATES `"data:` strings, or past MAX_GAP bytes of white space after the
+    colon, nothing more is lifted (the ordinary parse takes the rest): the scan on the event
+    loop stays bounded, and the value is still exactly the parser's."""
+    long = url(MIN_LIFT * 2)
+    crowded = ('{"a": [' + '"data:",' * data_urls.MAX_CANDIDATES + '"x"], "b": "' + long + '"}')
+    value, lifted = lifted_value(crowded.encode())
+    assert lifted == 0 and value == orjson.loads(crowded)
+    early = '{"b": "' + long + '", "a": [' + '"data:",' * 1000 + '"x"]}'
+    value, lifted = lifted_value(early.encode())
+    assert lifted == 1 and value == orjson.loads(early)
+    for gap, expected in ((data_urls.MAX_GAP - 1, 1), (data_urls.MAX_GAP + 5, 0)):
+        spaced = '{"b":' + " " * gap + '"' + long + '"}'
+        value, lifted = lifted_value(spaced.encode())
+        assert lifted == expected and value == orjson.loads(spaced)

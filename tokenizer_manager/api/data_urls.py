@@ -10,7 +10,8 @@ what parsing the whole body gives (the same `str` values), so no other code know
 
 A span is lifted only when it is certainly the whole content of a JSON string that is an object's
 value: a `"data:` whose quote follows a `:` (an escaped quote follows a backslash, a key a `{`
-or `,`), at least `MIN_LIFT` bytes up to the next quote, with no backslash (no escape: the next
+or `,`; at most `MAX_GAP` bytes of white space between), at least `MIN_LIFT` bytes up to the next
+quote, with no backslash (no escape: the next
 quote closes the string; `\\/` in base64 keeps a URL in the ordinary parse) and ASCII only. The
 quotes stay where they were and the placeholder holds neither a quote nor an unfinished escape,
 so a body is valid JSON after lifting exactly when it was before. The placeholder carries a
@@ -24,6 +25,12 @@ import secrets
 from typing import Any
 
 MIN_LIFT = 4096  # shorter data: URLs are parsed as they are (the parse is cheap for them)
+# Bounds on the Python-level work per body (the scan runs on the event loop): at most this many
+# `"data:` candidates are looked at (the rest of the body is parsed as usual) and at most this
+# much white space between a value's colon and its quote. Without them a 4 MiB body of short
+# `"data:"` strings, or of white space before one URL, held the loop for 0.3-0.4 s.
+MAX_CANDIDATES = 256
+MAX_GAP = 16
 _START = b'"data:'
 _WHITESPACE = b" \t\r\n"
 _TAG = f"tessera-data-url-{secrets.token_hex(8)}-"
@@ -41,7 +48,9 @@ def lift_data_urls(body: bytes) -> tuple[bytes, dict[str, str]]:
     pieces: list[bytes | memoryview] = []
     urls: dict[str, str] = {}
     done = 0
-    while start >= 0:
+    for _ in range(MAX_CANDIDATES):
+        if start < 0:
+            break
         end = body.find(b'"', start + 1)
         if end < 0:
             break
@@ -71,7 +80,7 @@ def _liftable(body: bytes, view: memoryview, start: int, end: int) -> str | None
 
 def _follows_colon(body: bytes, quote: int) -> bool:
     i = quote - 1
-    while i >= 0 and body[i] in _WHITESPACE:
+    while i >= 0 and quote - i <= MAX_GAP and body[i] in _WHITESPACE:
         i -= 1
     return i >= 0 and body[i] == ord(":")
 
