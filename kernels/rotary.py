@@ -19,23 +19,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-@lru_cache(maxsize=16)  # the same few tables every forward; callers never write to them
-def inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-    return (1.0 / theta**exponents).float()
+# The tables below are cached per device: the same few every forward, and a forward on a GPU must
+# not copy them from the host each time (a CUDA graph cannot capture that copy). The first
+# forward on a device (an eager one: graphs are captured after warm-up runs) fills the cache.
+# Callers never write to them.
 
 
 @lru_cache(maxsize=16)
-def mrope_axes(num_freqs: int, mrope_section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+def inv_freq(rotary_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    return (1.0 / theta**exponents).float().to(device)
+
+
+@lru_cache(maxsize=16)
+def mrope_axes(
+    num_freqs: int,
+    mrope_section: tuple[int, ...],
+    interleaved: bool,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """The position row (0 temporal, 1 height, 2 width) of each of a head's `num_freqs`
     frequencies: [num_freqs] long. Pure."""
     if not interleaved:
         blocks = [torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)]
-        return torch.cat(blocks)[:num_freqs]
+        return torch.cat(blocks)[:num_freqs].to(device)
     axes = torch.zeros(num_freqs, dtype=torch.long)
     for axis in (1, 2):
         axes[axis : 3 * mrope_section[axis] : 3] = axis
-    return axes
+    return axes.to(device)
 
 
 def mrope_cos_sin(
@@ -46,13 +57,12 @@ def mrope_cos_sin(
     interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape [tokens, head_dim] for positions [3, tokens] (or [tokens]: plain RoPE)."""
-    freqs = inv_freq(head_dim, theta).to(positions.device)
+    freqs = inv_freq(head_dim, theta, positions.device)
     if positions.dim() == 1:
         angles = positions.float()[:, None] * freqs[None, :]
     else:
         per_axis = positions.float()[:, :, None] * freqs[None, None, :]  # [3, T, D/2]
-        axes = mrope_axes(freqs.numel(), tuple(mrope_section), interleaved)
-        axes = axes.to(positions.device)
+        axes = mrope_axes(freqs.numel(), tuple(mrope_section), interleaved, positions.device)
         angles = per_axis.gather(0, axes.expand(1, per_axis.shape[1], -1)).squeeze(0)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()

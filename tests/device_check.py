@@ -17,7 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
-COPIES = {aten.copy_, aten._to_copy, aten._copy_from, aten._copy_from_and_resize, aten.lift_fresh}
+# `aten.to` reaches a dispatch mode undecomposed under inference_mode (as `to.dtype_layout`,
+# `to.device` or `to.other`); outside it, as `_to_copy`
+COPIES = {
+    aten.copy_, aten.to, aten._to_copy, aten._copy_from, aten._copy_from_and_resize,
+    aten.lift_fresh,
+}
 INDEX_PUTS = {aten.index_put_, aten.index_put, aten._index_put_impl_}
 
 
@@ -45,8 +50,13 @@ def operands(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 def moves_host_data(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether the op copies a host tensor (more than a scalar) to another device."""
     packet = func.overloadpacket
-    if packet is aten._to_copy:
+    if packet in (aten._to_copy, aten.to):
         src, device = args[0], kwargs.get("device")
+        target = args[1] if len(args) > 1 else None
+        if isinstance(target, torch.Tensor):  # to.other: the other tensor's device
+            device = target.device
+        elif isinstance(target, torch.device):  # to.device
+            device = target
         return device is not None and device.type != "cpu" and src.device.type == "cpu"
     if packet is aten.copy_:
         dst, src = args[0], args[1]

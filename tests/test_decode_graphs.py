@@ -147,12 +147,13 @@ def test_static_decode_keeps_devices_apart(tmp_path: Path, monkeypatch: pytest.M
         req.token_ids.append(3)
     with DeviceRules() as rules:
         logits = runner.decode(reqs)
-        assert runner.graphs is not None
-        batch = runner.graphs.static_batch(4)
-        with torch.inference_mode():
-            meta_model(batch)  # the forward a graph would capture, on its own
     assert logits.shape[0] == 3 and logits.device.type == "meta"
     assert rules.copies == 1  # the step's one staged copy
+    assert runner.graphs is not None
+    batch = runner.graphs.static_batch(4)
+    with DeviceRules() as rules, torch.inference_mode():
+        meta_model(batch)  # the forward a graph would capture, on its own
+    assert rules.copies == 0  # a captured host-to-device copy would replay stale values
 
 
 def test_static_decode_on_triton_kernels(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 
 import gpu_check
@@ -43,6 +44,25 @@ def test_a_failing_check_is_a_row_not_a_crash() -> None:
     bad = run_check("serve", broken)
     assert good.ok and good.detail == "tokens agreed [16, 16]"
     assert not bad.ok and "kernel exploded" in bad.detail and "Traceback" in bad.detail
+
+
+def test_a_failed_check_holds_nothing_after_it() -> None:
+    """A check that fails half way leaves its objects (on a GPU: a KV pool of most of the
+    device) in frames that its traceback keeps in a cycle; run_check lets them go."""
+
+    class Pool:
+        pass
+
+    alive: list[weakref.ref] = []
+
+    def broken() -> str:
+        pool = Pool()
+        pool.me = pool  # a cycle, as a scheduler and its runner make
+        alive.append(weakref.ref(pool))
+        raise RuntimeError("decode failed")
+
+    assert not run_check("parity_tiny", broken).ok
+    assert alive[0]() is None
 
 
 def test_report_and_table(tmp_path: Path) -> None:

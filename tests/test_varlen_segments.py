@@ -51,7 +51,8 @@ def test_triton_segments_give_what_the_tensor_gives(lengths: list[int]) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("triton was configured without the interpreter in this process")
     triton_varlen = get_kernel_ops("triton").varlen_attention
-    q, k, v = qkv(lengths, 7)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels read device memory
+    q, k, v = (x.to(device) for x in qkv(lengths, 7))
     segments = Segments.build(cu_of(lengths), q.device)
     expected = triton_varlen(q, k, v, cu_of(lengths), 0.25)
     assert torch.equal(triton_varlen(q, k, v, segments, 0.25), expected)
