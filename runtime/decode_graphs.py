@@ -168,15 +168,20 @@ class DecodeGraphRunner:
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream (kernel compiles, allocator), then capture one forward of
-        the current buffers; the graphs of all sizes share one memory pool."""
-        batch = self.static_batch(size)
+        the current buffers; the graphs of all sizes share one memory pool.
+
+        Every forward gets a batch of its own: the attention backends build their per-forward
+        metadata once per batch object and reuse it in later layers, so a captured forward
+        given the warm-up's batch would not build it inside the graph, and every replay would
+        read the lengths and rows of the step that was captured."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.model(batch)
+                self.model(self.static_batch(size))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        batch = self.static_batch(size)
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.model(batch)
         self._pool = graph.pool()

@@ -128,6 +128,7 @@ def run_tessera(scheduler: Scheduler, prompts: list[Prompt], device: str) -> dic
     start = time.perf_counter()
     first: dict[str, float] = {}
     tokens: dict[str, list[int]] = {p.ours.rid: [] for p in prompts}
+    logprobs: dict[str, list[Any]] = {p.ours.rid: [] for p in prompts}
     decode_steps: list[float] = []
     messages: list[object] = [p.ours for p in prompts]
     done = 0
@@ -144,6 +145,7 @@ def run_tessera(scheduler: Scheduler, prompts: list[Prompt], device: str) -> dic
             if out.new_token_ids and out.rid not in first:
                 first[out.rid] = now - start
             tokens[out.rid].extend(out.new_token_ids)
+            logprobs[out.rid].extend(out.logprobs or [])
             if out.finish_reason is not None:
                 if not out.finish_reason.completed:
                     raise RuntimeError(f"request {out.rid} ended with {out.finish_reason}")
@@ -159,6 +161,7 @@ def run_tessera(scheduler: Scheduler, prompts: list[Prompt], device: str) -> dic
         "ttft_max_s": ttft[-1],
         "decode_step_median_s": statistics.median(decode_steps) if decode_steps else None,
         "tokens": [tokens[p.ours.rid] for p in prompts],
+        "logprobs": [logprobs[p.ours.rid] for p in prompts],  # when the prompts asked for them
     }
 
 
@@ -185,6 +188,25 @@ def run_hf(model: Any, prompts: list[Prompt], args: argparse.Namespace) -> dict[
         "ttft_s": ttft,
         "tokens": new.tolist(),
     }
+
+
+def hf_gap(
+    model: Any, prompt: Prompt, args: argparse.Namespace, ours: list[int], theirs: list[int],
+    at: int,
+) -> float:
+    """HF's own view of where the greedy outputs part: how much more likely (log-softmax, nats)
+    it found its token than tessera's at that step. Near zero: a near tie that rounding decides
+    (bfloat16 random weights give many); large: the engines disagree on the distribution."""
+    inputs = hf_inputs(model, [prompt], args.device, model.dtype)
+    eos = model.generation_config.eos_token_id
+    pad = eos[0] if isinstance(eos, list) else eos
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs, max_new_tokens=at + 1, min_new_tokens=at + 1, do_sample=False,
+            pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
+        )
+    logp = out.logits[at][0].float().log_softmax(-1)
+    return float(logp[theirs[at]] - logp[ours[at]])
 
 
 # ---------------------------------------------------------------- floors
@@ -361,6 +383,9 @@ def run(args: argparse.Namespace, model_path: str, tmp: str) -> dict[str, Any]:
     smallest = min(args.batch_sizes)
     ours, theirs = results["tessera"][smallest]["tokens"][0], results["hf"][smallest]["tokens"][0]
     results.update(compare_greedy(ours, theirs, eos))
+    if not results["greedy_match"]:
+        at = results["greedy_same_prefix"]
+        results["hf_gap_at_difference_nats"] = hf_gap(hf, prompts[0], args, ours, theirs, at)
     return results
 
 
@@ -405,6 +430,9 @@ def print_table(results: dict[str, Any]) -> None:
     if "greedy_match" in results:
         print(f"greedy outputs equal to HF: {results['greedy_match']} "
               f"({results['greedy_same_prefix']}/{results['greedy_tokens_compared']} tokens)")
+    if "hf_gap_at_difference_nats" in results:
+        print(f"at the first difference HF preferred its token by "
+              f"{results['hf_gap_at_difference_nats']:.3g} nats")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -420,6 +448,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for engine in ("tessera", "hf"):
             for r in results.get(engine, {}).values():
                 r.pop("tokens")
+                r.pop("logprobs", None)
         results["args"] = dict(vars(args))
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     return results

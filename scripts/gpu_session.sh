@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One short session on a lent GPU node, in the order that matters most when time is short:
 # the node's validation (GPU tests, the Triton kernels natively, torch-vs-Triton greedy parity on the
-# tiny checkpoints, one served image chat), then the 7B-shaped benchmarks (offline against
-# transformers and the floors, a served run with images, 7B torch-vs-Triton parity).
+# tiny checkpoints, one served image chat), then the 7B-shaped checks and benchmarks (offline
+# against transformers and the floors, 7B torch-vs-Triton parity, a served run with images),
+# then the vision towers' segment attention at several tile sizes.
 #
 #     OUT=results bash scripts/gpu_session.sh            # from the repository root
 #
@@ -45,7 +46,7 @@ EOF
 
 if [ ! -f "$CKPT/config.json" ]; then
     timeout 400 python3 scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --preset 7b \
-        --out "$CKPT" >"$OUT/ckpt.log" 2>&1 &
+        --out "$CKPT" >/tmp/tessera-ckpt.log 2>&1 &
     CKPT_PID=$!
 fi
 
@@ -62,12 +63,14 @@ if [ -n "${CKPT_PID:-}" ]; then
     echo "== waiting for the 7B checkpoint"
     wait "$CKPT_PID"
     echo "== checkpoint: rc $? at $((SECONDS - START)) s"
-    tail -n 5 "$OUT/ckpt.log"
+    tail -n 5 /tmp/tessera-ckpt.log
 fi
 
 step offline_7b 160 python3 scripts/bench_offline.py --model-path "$CKPT" --device cuda \
-    --dtype bfloat16 --batch-sizes 1,32 --output-len 64 --json "$OUT/offline7b.json"
+    --dtype bfloat16 --batch-sizes 1,32 --output-len 128 --json "$OUT/offline7b.json"
 
+step parity_7b 80 python3 scripts/gpu_check.py --checks parity_7b --model-7b "$CKPT" \
+    --json "$OUT/parity7b.json" --timeout 90
 step serving_7b 100 python3 - "$CKPT" "$OUT" <<'EOF'
 import subprocess, sys
 from pathlib import Path
@@ -87,6 +90,5 @@ finally:
     print(f"server stopped in {stop_and_time(server):.1f} s")
 EOF
 
-step parity_7b 80 python3 scripts/gpu_check.py --checks parity_7b --model-7b "$CKPT" \
-    --json "$OUT/parity7b.json" --timeout 90
+step varlen 40 python3 scripts/bench_varlen_gpu.py --images 32 --json "$OUT/varlen.json"
 echo "== done at $((SECONDS - START)) s"

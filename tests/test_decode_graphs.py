@@ -15,6 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import fake_cuda_graph  # noqa: E402
 from device_check import DeviceRules  # noqa: E402
 from numerics import assert_within_rounding, model_terms  # noqa: E402
 from runner_utils import extend  # noqa: E402
@@ -128,6 +129,31 @@ def test_static_decode_over_its_size_runs_dynamically(model: nn.Module) -> None:
     assert static.graphs is not None and not static.graphs.fits(3)
     first_dynamic, first_static = decode_run(dynamic, 1)[0], decode_run(static, 1)[0]
     assert torch.equal(first_static, first_dynamic)  # the very same path: bit-equal
+
+
+def test_captured_decode_replays_each_steps_metadata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Captured once and replayed over later steps (CPU graphs that replay recorded ops and no
+    Python, as CUDA's do): the dynamic path's logits at every step. A capture that reused the
+    warm-up's per-forward metadata replayed the captured step's lengths and rows (the first
+    GPU run: logits off by 7.7). The torch backend only: the Triton interpreter's launches are
+    no aten ops, so the fake graphs cannot record them; the Triton backend builds its
+    metadata by the same per-batch rule."""
+    folder = make_checkpoint("qwen2_vl", tmp_path / "ck")
+    model = build_model(
+        str(folder), TPGroup(), attention_backend="torch", dtype="float32", device="cpu"
+    )
+    graphs = fake_cuda_graph.install(monkeypatch)  # after the imports that read torch.cuda
+    dynamic, captured = new_runner(model, 0, "cpu"), new_runner(model, 4, "cpu")
+    assert captured.graphs is not None
+    captured.graphs.capture = True
+    expected, got = decode_run(dynamic, 4), decode_run(captured, 4)
+    assert sorted(captured.graphs._graphs) == [2, 4] and len(graphs) == 2
+    assert [g.replays for g in graphs] == [1, 3]  # size 4 captured at step 1, size 2 after
+    for a, b in zip(expected, got):
+        assert_within_rounding(b, a, model_terms(model.config, 48))
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_static_decode_keeps_devices_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
