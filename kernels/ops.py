@@ -7,6 +7,7 @@ only when asked for; on a machine without CUDA it runs only under TRITON_INTERPR
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,13 +46,25 @@ def get_kernel_ops(name: str) -> KernelOps:
     if name in ("triton", "flashinfer"):  # FlashInfer's decoder attention, Triton's others
         from kernels.triton import norm as triton_norm
         from kernels.triton import rotary as triton_rotary
-        from kernels.triton.varlen_attention import varlen_attention as triton_varlen
 
+        # The vision towers' segment attention stays on torch's scaled_dot_product_attention
+        # (equal-length segments batched, its fused kernels): on an H100 in bfloat16 at
+        # Qwen2.5-VL-7B's tower shapes it ran 1.6x faster than the Triton segment kernel over
+        # 64-patch windows and 6.8x over 1024-patch frames (scripts/bench_varlen_gpu.py,
+        # docs/benchmarks.md). The Triton kernel stays for `triton_ops_with_varlen`.
         return KernelOps(
             name="triton",
             rms_norm=triton_norm.rms_norm,
             fused_add_rms_norm=triton_norm.fused_add_rms_norm,
             apply_rotary_qk=triton_rotary.apply_rotary_qk,
-            varlen_attention=triton_varlen,
+            varlen_attention=varlen_attention,
         )
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+def triton_ops_with_varlen() -> KernelOps:
+    """The Triton set with the Triton segment kernel in the vision towers too (for comparing
+    the two on a GPU, and for the kernel's own model tests)."""
+    from kernels.triton.varlen_attention import varlen_attention as triton_varlen
+
+    return dataclasses.replace(get_kernel_ops("triton"), varlen_attention=triton_varlen)

@@ -9,8 +9,9 @@ Checks (each timed, each caught: one failing check does not stop the others):
   the sm_80/sm_90 compile check (pytest in subprocesses);
 - parity_tiny: greedy tokens of two image prompts through the real scheduler with the torch
   attention backend and with the Triton one, on each tiny checkpoint (float32): all equal;
-- parity_7b: the same on a 7B-shaped random Qwen2.5-VL checkpoint in bfloat16 (written to a
-  temporary folder, about 16 GB): the first --bf16-agree tokens equal;
+- parity_7b: the same on a 7B-shaped random Qwen2.5-VL checkpoint (written to a temporary
+  folder in bfloat16, about 16 GB; run in float32): equal up to, at most, a first difference
+  that is a near tie in both (--margin-7b nats);
 - serve: launch.py with --tp equal to the visible GPUs (NCCL) on a tiny checkpoint, one image
   chat through the official openai client, then a clean stop.
 
@@ -103,7 +104,9 @@ class Greedy:
     top: list[dict[int, float]]
 
 
-def greedy_tokens(model_path: str, backend: str, opts: argparse.Namespace) -> list[Greedy]:
+def greedy_tokens(
+    model_path: str, backend: str, opts: argparse.Namespace, dtype: str = "auto"
+) -> list[Greedy]:
     """Greedy tokens of two image prompts through the real scheduler on one device."""
     from bench_offline import make_prompts, parse_args, run_tessera, server_args
 
@@ -112,6 +115,7 @@ def greedy_tokens(model_path: str, backend: str, opts: argparse.Namespace) -> li
     from scheduler.process import build_scheduler
 
     argv = ["--device", opts.device, "--attention-backend", backend, "--batch-sizes", "2"]
+    argv += ["--dtype", dtype]
     args = parse_args([*argv, "--image-size", f"{opts.image_size}x{opts.image_size}"])
     with tempfile.TemporaryDirectory(prefix="gpu-check-ipc-") as ipc:
         server = server_args(args, model_path, ipc)
@@ -144,12 +148,15 @@ def tie_gap(at: dict[int, float], mine: int, other: int) -> float:
     return at[mine] - at[other] if other in at and mine in at else float("inf")
 
 
-def compare_backends(model_path: str, margin: float | None, opts: argparse.Namespace) -> str:
+def compare_backends(
+    model_path: str, margin: float | None, opts: argparse.Namespace, dtype: str = "auto"
+) -> str:
     """torch vs Triton greedy tokens of two prompts. margin None: every token must agree.
-    Else (bfloat16, where the two backends round differently) the tokens must agree up to a
-    first difference, if any, that is a near tie in both engines: each found its own token
-    more likely than the other's by at most `margin` nats."""
-    ref, ours = greedy_tokens(model_path, "torch", opts), greedy_tokens(model_path, "triton", opts)
+    Else the tokens must agree up to a first difference, if any, that is a near tie in both
+    engines: each found its own token more likely than the other's by at most `margin` nats
+    (28 layers of float32 summed in other orders can swap two tokens that close)."""
+    ref = greedy_tokens(model_path, "torch", opts, dtype)
+    ours = greedy_tokens(model_path, "triton", opts, dtype)
     agreed = [agreed_prefix(a.tokens, b.tokens) for a, b in zip(ref, ours)]
     first = [abs(a.top[0][a.tokens[0]] - b.top[0][b.tokens[0]])
              for a, b in zip(ref, ours) if a.tokens[:1] == b.tokens[:1] and a.tokens]
@@ -186,11 +193,15 @@ def check_parity_tiny(opts: argparse.Namespace) -> str:
 def check_parity_7b(opts: argparse.Namespace) -> str:
     from runtime.tiny_checkpoint import make_checkpoint
 
+    # In float32 (about 31 GB of weights): random 7B-shaped weights in bfloat16 are too close
+    # to chaotic for any two implementations to agree (docs/gpu.md: already at 8 layers, HF in
+    # bfloat16 does not keep float32's first token), so bfloat16 parity would test nothing.
     if opts.model_7b:  # one written earlier (make_tiny_checkpoint.py --preset 7b)
-        return "7b bf16: " + compare_backends(opts.model_7b, opts.bf16_margin, opts)
+        return "7b float32: " + compare_backends(opts.model_7b, opts.margin_7b, opts, "float32")
     with tempfile.TemporaryDirectory(prefix="gpu-check-7b-", dir=opts.scratch) as tmp:
         folder = str(make_checkpoint("qwen2_5_vl", Path(tmp) / "7b", "7b"))
-        return "qwen2_5_vl 7b bf16: " + compare_backends(folder, opts.bf16_margin, opts)
+        detail = compare_backends(folder, opts.margin_7b, opts, "float32")
+        return "qwen2_5_vl 7b float32: " + detail
 
 
 def png_data_url(size: int = 224) -> str:
@@ -285,8 +296,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=None, help="serve check's --tp (default: all GPUs)")
     p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt")
     p.add_argument("--image-size", type=int, default=224, help="side of the test images (px)")
-    p.add_argument("--bf16-margin", type=float, default=0.25,
-                   help="7B: the widest near tie (nats) at which the backends may differ")
+    p.add_argument("--margin-7b", type=float, default=0.02,
+                   help="7B: the widest near tie (nats) at which the backends may part")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for pytest / start-up")
     p.add_argument("--scratch", default=None, help="folder for the 7B checkpoint (~16 GB)")
     p.add_argument("--model-7b", default=None, help="a 7B-shaped checkpoint to use, not write")

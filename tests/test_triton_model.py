@@ -1,7 +1,8 @@
 """The whole tiny model on the Triton kernels (interpreter on CPU) against the torch ones.
 
 With `attention_backend="triton"` the decoder's attention, RMSNorm and rotary and the vision
-tower's segment attention, rotary and RMSNorm all run as Triton kernels."""
+tower's rotary and RMSNorm run as Triton kernels; the tower's segment attention stays on torch's
+SDPA (faster on a GPU), and the Triton segment kernel is put in its place here too."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from numerics import assert_within_rounding, model_terms  # noqa: E402
 from runner_utils import extend_all_logits, greedy_generate, release  # noqa: E402
 from vlm_cases import Checkpoint, noise_image  # noqa: E402
 
+from kernels.ops import KernelOps, triton_ops_with_varlen  # noqa: E402
 from runtime.distributed import TPGroup  # noqa: E402
 from runtime.tiny_checkpoint import make_checkpoint  # noqa: E402
 from scheduler.model_runner import ModelRunner  # noqa: E402
@@ -34,6 +36,11 @@ def run(folder: str, backend: str, ids: list[int], mm) -> tuple[torch.Tensor, li
     # the decoder's norms and rotary and the vision tower follow the backend too
     assert model.visual.blocks[0].attn.ops.name == backend
     assert model.language_model.model.norm.ops.name == backend
+    if backend == "triton":  # the Triton segment kernel in the tower as well
+        with_varlen = triton_ops_with_varlen()
+        for module in model.visual.modules():
+            if isinstance(getattr(module, "ops", None), KernelOps):
+                module.ops = with_varlen
     runner = ModelRunner(
         model, max_total_tokens=512, max_running_requests=2, max_context_len=256, device=DEVICE
     )

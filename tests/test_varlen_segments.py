@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels.attention.varlen import Segments, varlen_attention
-from kernels.ops import TORCH_OPS, get_kernel_ops
+from kernels.ops import TORCH_OPS, triton_ops_with_varlen
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig
 from runtime.tiny_checkpoint import make_checkpoint
@@ -50,7 +50,7 @@ def test_segments_give_what_the_tensor_gives(lengths: list[int]) -> None:
 def test_triton_segments_give_what_the_tensor_gives(lengths: list[int]) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("triton was configured without the interpreter in this process")
-    triton_varlen = get_kernel_ops("triton").varlen_attention
+    triton_varlen = triton_ops_with_varlen().varlen_attention
     device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels read device memory
     q, k, v = (x.to(device) for x in qkv(lengths, 7))
     segments = Segments.build(cu_of(lengths), q.device)
