@@ -251,7 +251,12 @@ def started_child(pid_file: Path) -> int:
     return int(pid_file.read_text())
 
 
-def test_stop_ends_children_the_leader_left_behind(tmp_path: Path) -> None:
+def test_stop_ends_children_the_leader_left_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a shell's background job starts with SIGINT ignored, and its children inherit that: the
+    # group is then ended by SIGKILL after the grace period, which need not be 30 s here
+    monkeypatch.setattr(bench_vs_reference, "STOP_GRACE_S", 0.5)
     server, pid_file = dummy_server(tmp_path, LEAVES_A_CHILD, "0")
     server.start()
     child = started_child(pid_file)
@@ -273,7 +278,10 @@ def test_stop_kills_a_group_that_ignores_sigint(
     assert not bench_vs_reference.group_alive(server.proc.pid)
 
 
-def test_running_stops_the_server_when_the_run_fails(tmp_path: Path) -> None:
+def test_running_stops_the_server_when_the_run_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench_vs_reference, "STOP_GRACE_S", 0.5)  # as above
     server, pid_file = dummy_server(tmp_path, SERVES_HEALTH)
     with pytest.raises(RuntimeError, match="workload failed"):
         with bench.running(server, ready_timeout=60.0):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata as metadata
+import json
 import os
 import re
 import subprocess
@@ -127,22 +128,56 @@ def test_module_imports(module: str) -> None:
     importlib.import_module(module)
 
 
+# Runs each script's `--help` in a child forked from one process that imported the heavy
+# libraries once (torch alone costs each fresh interpreter about a second of CPU), two at a time;
+# prints a JSON map of the scripts that failed to their output.
+HELP_ALL = """
+import json, os, runpy, sys, tempfile
+import numpy, torch, transformers  # noqa: F401 - shared by every child
+
+def run(path, out):
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.argv, code = [path, "--help"], 1
+        sys.path.insert(0, os.path.dirname(path))  # as `python path` puts the script's folder
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return pid
+
+paths, running, failed = sys.argv[1:], {}, {}
+tmp = tempfile.mkdtemp()
+while paths or running:
+    while paths and len(running) < 2:
+        path = paths.pop()
+        out = os.path.join(tmp, os.path.basename(path) + ".out")
+        running[run(path, out)] = (path, out)
+    pid, status = os.wait()
+    path, out = running.pop(pid)
+    text = open(out, errors="replace").read()
+    if os.waitstatus_to_exitcode(status) != 0 or "usage:" not in text:
+        failed[os.path.basename(path)] = text[-2000:]
+print(json.dumps(failed))
+"""
+
+
 def test_scripts_start() -> None:
     """Each script answers --help (it imports everything it needs at the top)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = {
-        path.name: subprocess.Popen(
-            [sys.executable, str(path), "--help"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for path in SCRIPTS
-    }
-    failed = {}
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=600)  # generous: all start at once on a loaded machine
-        if proc.returncode != 0 or b"usage:" not in out:
-            failed[name] = out.decode(errors="replace")[-2000:]
+    proc = subprocess.run(
+        [sys.executable, "-c", HELP_ALL, *map(str, SCRIPTS)], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    failed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert SCRIPTS and not failed, failed
