@@ -74,6 +74,10 @@ logger = get_logger(__name__)
 
 T = TypeVar("T")
 LONG_PROMPT_CHARS = 16_384  # prompts longer than this are tokenized in a lane of their own
+# A request of at most this many tokens with no video is built on the event loop: its pad ids
+# and MRoPE positions take about 0.1 ms for 600 tokens, less than the hop to the CPU thread and
+# back (which measured 0.6 ms more for a resent 2-image turn than the build itself).
+INLINE_BUILD_IDS = 2048
 
 
 def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
@@ -268,6 +272,8 @@ class TokenizerManager:
         if params.grammar is not None:
             await self.grammar.check(params.grammar)
         with self.metrics.timed("build"):
+            if len(ids) <= INLINE_BUILD_IDS and all(m.modality == Modality.IMAGE for m in media):
+                return self.build_request(inp.rid, ids, media, params, inp.stream)
             return await self.in_thread(
                 self.build_request, inp.rid, ids, media, params, inp.stream
             )
