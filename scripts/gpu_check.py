@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import gc
 import io
 import json
@@ -196,12 +197,14 @@ def check_parity_7b(opts: argparse.Namespace) -> str:
     # In float32 (about 31 GB of weights): random 7B-shaped weights in bfloat16 are too close
     # to chaotic for any two implementations to agree (docs/gpu.md: already at 8 layers, HF in
     # bfloat16 does not keep float32's first token), so bfloat16 parity would test nothing.
-    if opts.model_7b:  # one written earlier (make_tiny_checkpoint.py --preset 7b)
-        return "7b float32: " + compare_backends(opts.model_7b, opts.margin_7b, opts, "float32")
-    with tempfile.TemporaryDirectory(prefix="gpu-check-7b-", dir=opts.scratch) as tmp:
-        folder = str(make_checkpoint("qwen2_5_vl", Path(tmp) / "7b", "7b"))
-        detail = compare_backends(folder, opts.margin_7b, opts, "float32")
-        return "qwen2_5_vl 7b float32: " + detail
+    with contextlib.ExitStack() as stack:
+        folder = opts.model_7b  # one written earlier (make_tiny_checkpoint.py --preset 7b)
+        if folder is None:
+            tmp = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="gpu-check-7b-", dir=opts.scratch)
+            )
+            folder = str(make_checkpoint("qwen2_5_vl", Path(tmp) / "7b", "7b"))
+        return "7b float32: " + compare_backends(folder, opts.margin_7b, opts, "float32")
 
 
 def png_data_url(size: int = 224) -> str:

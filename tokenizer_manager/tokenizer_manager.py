@@ -75,8 +75,8 @@ logger = get_logger(__name__)
 T = TypeVar("T")
 LONG_PROMPT_CHARS = 16_384  # prompts longer than this are tokenized in a lane of their own
 # A request of at most this many tokens with no video is built on the event loop: its pad ids
-# and MRoPE positions take about 0.1 ms for 600 tokens, less than the hop to the CPU thread and
-# back (which measured 0.6 ms more for a resent 2-image turn than the build itself).
+# and MRoPE positions took 0.5 ms for a resent 2-image turn of 572 tokens there, against 0.8 ms
+# through the CPU thread and back (0.02 against 0.2 ms for a text request; docs/benchmarks.md).
 INLINE_BUILD_IDS = 2048
 
 
