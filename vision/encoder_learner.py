@@ -19,10 +19,13 @@ Choosing (`EncoderLearner.choose`), given the best plan of each kind under the m
   its kind's median, pooled over every class and kind (the machine's noise, not a constant: on
   a quiet machine two plans 15% apart separate after one try of the slower one). Borrowed from
   other classes: how far borrowing missed in the classes where it can be checked, plus the
-  noise. Untried anywhere: `untried_spread`. Two kinds are *separated* once the worse one's
-  optimistic end lies above the greedy plan's pessimistic end, less `tolerance` once the worse
-  one has `min_tries` measurements in the class (two plans within 3% of each other are not
-  worth telling apart: with only the last 9 calls in a median, their bands never would);
+  noise. Untried anywhere: `untried_spread`. Another kind is *separated* from the greedy plan
+  once its optimistic end lies above the greedy plan's estimate, less `tolerance` once it has
+  `min_tries` measurements in the class (two plans within 3% of each other are not worth
+  telling apart: with only the last 9 calls in a median, their bands never would). A try is
+  made for a possible gain: comparing with the greedy plan's pessimistic end as well kept a
+  plan measured 2x slower unseparated on a machine whose speed drifts by a quarter, and tried
+  it every eighth call;
 - when every other kind is separated from the greedy plan, the class is *settled*: nothing is
   explored there until the greedy plan's own estimate moves by more than its band from where it
   stood when the class settled (new evidence: the machine changed), and then the bands decide
@@ -231,13 +234,13 @@ class EncoderLearner:
     ) -> EncoderPlan | None:
         """The unseparated other plan with the lowest optimistic estimate whose last try is
         measured; settles the class when every other plan is separated."""
-        worst_greedy = math.log(greedy.est_s) + self.width(klass, greedy.kind)  # est_s > 0
+        center = math.log(greedy.est_s)  # est_s > 0
         open_ = [
             (best, KINDS.index(p.kind), p)
             for p in plans.values()
             if p.kind != greedy.kind
             and (best := math.log(max(p.est_s, 1e-12)) - self.width(klass, p.kind))
-            < worst_greedy - self._margin(klass, p.kind)
+            < center - self._margin(klass, p.kind)
         ]
         if not open_ and (klass, greedy.kind) in self.stats:
             self.settled[klass] = greedy.kind, self.stats[klass, greedy.kind].log_ratio()
