@@ -65,7 +65,9 @@ def run_cut_cases(tp: TPGroup, model: Any, cases: list[tuple[str, list[int], Any
     return out if tp.rank == 0 else {k: out[k] for k in ("_cache", "_kv_free")}
 
 
-def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[int], Any]]) -> dict:
+def run_cases(
+    tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[int], Any]], new_tokens: int
+) -> dict:
     costs = AUTO_COSTS if mode == "auto" else None
     model = build_model(folder, tp, encoder_mode=mode, encoder_costs=costs, dtype="float32")
     runner = ModelRunner(model, max_total_tokens=1024, max_running_requests=4, max_context_len=256)
@@ -73,7 +75,7 @@ def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[i
     for name, ids, mm in cases:
         full = all_logits(runner, ids, mm, None)
         chunked = all_logits(runner, ids, mm, CHUNK)
-        tokens = greedy_generate(runner, Req(list(ids), mm), 16)
+        tokens = greedy_generate(runner, Req(list(ids), mm), new_tokens)
         keep = tp.rank == 0
         out[name] = {"logits": full if keep else None, "chunked": chunked if keep else None,
                      "tokens": tokens}
@@ -83,6 +85,8 @@ def run_cases(tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[i
     return out
 
 
-def parity_worker(tp: TPGroup, jobs: list[tuple[str, str, bool, list]]) -> dict:
-    """jobs: (arch, folder, encoder mode, cases); returns {(arch, mode): {case: results}}."""
-    return {(arch, mode): run_cases(tp, folder, mode, cases) for arch, folder, mode, cases in jobs}
+def parity_worker(tp: TPGroup, jobs: list[tuple[str, str, bool, list]], new_tokens: int) -> dict:
+    """jobs: (arch, folder, encoder mode, cases); returns {(arch, mode): {case: results}}, each
+    case decoded greedily for `new_tokens`."""
+    return {(arch, mode): run_cases(tp, folder, mode, cases, new_tokens)
+            for arch, folder, mode, cases in jobs}

@@ -76,7 +76,15 @@ def ranks(request: pytest.FixtureRequest, oracle: dict) -> tuple[int, list[dict]
         for arch, (folder, cases) in oracle.items()
         for dp in MODES
     ]
-    return request.param, run_on_ranks(parity_worker, request.param, jobs, timeout=400)
+    tokens = greedy_tokens(request.param)
+    return request.param, run_on_ranks(parity_worker, request.param, jobs, tokens, timeout=400)
+
+
+def greedy_tokens(tp: int) -> int:
+    """16 greedy tokens, 8 at tp 4: there a decode step of 4 ranks on CI's 2 cores costs about
+    40 ms (Gloo all-reduces of oversubscribed processes) and the 16 tokens took 30 of the
+    fixture's 68 s; tp 2 decodes the same shapes 16 steps deep."""
+    return 8 if tp == 4 else 16
 
 
 def _params(fn):
@@ -130,7 +138,8 @@ def test_greedy_tokens_match_hf_on_every_rank(
     # runs (3e-3) is over 20 times the largest logit difference the prefill tests above see
     assert len(expected) == 16
     for rank in range(tp):
-        assert results[rank][(arch, mode)][case]["tokens"] == expected, f"rank {rank}"
+        got = results[rank][(arch, mode)][case]["tokens"]
+        assert len(got) == greedy_tokens(tp) and got == expected[: len(got)], f"rank {rank}"
 
 
 def test_auto_mode_ran_tp_plans(ranks) -> None:
