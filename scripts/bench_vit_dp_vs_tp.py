@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels.ops import get_kernel_ops  # noqa: E402
+from runtime.allocator import keep_freed_memory  # noqa: E402
 from runtime.cpus import rank_cpus, threads_per_rank  # noqa: E402
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group  # noqa: E402
 from runtime.model_config import ModelConfig  # noqa: E402
@@ -292,6 +293,7 @@ def summarize(
 
 
 def rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, queue) -> None:
+    keep_freed_memory()  # as every server process does: freed buffers are not faulted in again
     device = "cuda" if args.device == "cuda" else "cpu"
     if device == "cuda":
         torch.cuda.set_device(rank)
