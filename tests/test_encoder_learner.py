@@ -170,6 +170,22 @@ def test_a_plan_twice_as_slow_is_seldom_tried_on_a_drifting_machine() -> None:
     assert statistics.fmean(excess) < 1.025, excess
 
 
+def test_a_near_tie_cannot_spend_the_budget_settled_classes_left() -> None:
+    """One class settles over 200 calls and leaves most of the run's budget unused; then a new
+    class whose TP and DP are 4% apart arrives on a drifting machine, where they never
+    separate. Its tries stay within its first try plus the budget's share of its own calls
+    (the run-wide budget alone let it try 11 times in 40 calls)."""
+    learner = EncoderLearner()
+    noisy_run(learner, ONE_LARGE, Scale(), 200)
+    assert learner.explored <= 2  # the budget left: about 23 tries
+    dp, tp = (plans_by_kind(MANY_SMALL, 2, SHAPE, CALIBRATED)[k].est_s for k in ("dp", "tp"))
+    truth = Scale(tp=1.04 * dp / tp)
+    noise = drifting_machine(3, 40, spread=0.15)
+    runs = [step(learner, MANY_SMALL, truth, noise[i]) for i in range(40)]
+    tries = sum(c.explored for c in runs)
+    assert 1 <= tries <= 1 + learner.explore_fraction * 40, tries
+
+
 def test_exploration_resumes_when_the_chosen_plans_cost_drifts() -> None:
     """Settled on TP, then TP gets 1.2x slower (DP stays): TP's own estimate leaves its band,
     the plans no longer separate, DP is tried again, then the class settles again on TP (still

@@ -33,7 +33,7 @@ Choosing (`EncoderLearner.choose`), given the best plan of each kind under the m
 - otherwise the unseparated kind with the lowest optimistic estimate is explored, but never on
   a class's first call, never while an earlier try of that kind in that class is not yet
   measured, and only while explorations stay within `explore_fraction` of all calls (counted
-  over the whole run).
+  over the whole run) and, past a class's first try, of that class's calls.
 
 Every rank feeds the same times in the same order (see AutoEncoder), so every rank holds the
 same state and chooses the same plan: agreement by construction, with no message per plan.
@@ -131,6 +131,8 @@ class EncoderLearner:
     settled: dict[SizeClass, tuple[str, float]] = field(default_factory=dict)  # kind, log ratio
     seen: set[SizeClass] = field(default_factory=set)
     pending: Counter[tuple[SizeClass, str]] = field(default_factory=Counter)  # tries not measured
+    class_calls: Counter[SizeClass] = field(default_factory=Counter)
+    class_explored: Counter[SizeClass] = field(default_factory=Counter)
     _cache: dict[str, float | None] = field(default_factory=dict, repr=False)
 
     def ratios_of(self, klass: SizeClass) -> dict[str, float]:
@@ -206,17 +208,27 @@ class EncoderLearner:
         """The plan for this call among the best plan of each kind (estimates under
         `self.ratios_of(klass)`); counts the call, and the exploration if it is one."""
         self.calls += 1
+        self.class_calls[klass] += 1
         greedy = min(plans.values(), key=lambda p: (p.est_s, len(p.tp_items)))
         first = klass not in self.seen
         self.seen.add(klass)
         if first or greedy.est_s <= 0 or self._still_settled(klass, greedy.kind):
             return Choice(greedy, klass, False)
         target = self._explore_target(klass, plans, greedy)
-        if target is None or (self.explored + 1) > self.explore_fraction * self.calls:
+        if target is None or not self._budget_allows(klass):
             return Choice(greedy, klass, False)
         self.explored += 1
+        self.class_explored[klass] += 1
         self.pending[klass, target.kind] += 1
         return Choice(target, klass, True)
+
+    def _budget_allows(self, klass: SizeClass) -> bool:
+        """One more try keeps within `explore_fraction` of all calls, and of the class's calls
+        beyond its first try: a class whose plans never separate (a near tie on a noisy
+        machine) cannot spend the budget that settled classes left unused."""
+        share = self.explore_fraction
+        return (self.explored + 1 <= share * self.calls
+                and self.class_explored[klass] <= share * self.class_calls[klass])
 
     def _still_settled(self, klass: SizeClass, kind: str) -> bool:
         """Whether the class settled on this kind, and its estimate stayed within its band."""
