@@ -19,8 +19,25 @@ def test_whole_requests_until_input_budget() -> None:
     a = adder(inp=100)
     assert a.add(40, 0) == 40
     assert a.add(40, 0) == 40
-    assert a.add(40, 0) == 20  # the rest of the input budget, as a chunk
-    assert a.add(5, 0) is None  # nothing may follow a chunked request
+    assert a.add(40, 0) is None  # would be cut into a batch whose prompts end: it waits
+    b = adder(inp=100)
+    assert b.add(120, 0) == 64  # alone, a long prompt is cut at the chunk size
+    assert b.add(5, 0) is None  # nothing may follow a chunked request
+
+
+def test_no_request_is_cut_into_a_batch_where_a_prompt_ends() -> None:
+    """The rest of a chunked prompt (or a whole short one) ends in this batch: the next long
+    prompt starts in the next batch, so the finished one's first token does not wait for its
+    first chunk. A whole request still joins."""
+    a = adder(inp=500, chunk=64)
+    assert a.add(30, 0) == 30  # the end of a chunked prompt
+    assert a.add(100, 0) is None  # would be cut
+    b = adder(inp=500, chunk=64)
+    assert b.add(30, 0) == 30
+    assert b.add(20, 0) == 20  # whole: it ends here too
+    c = adder(total=40, chunk=64)
+    assert c.add(10, 0) == 10
+    assert c.add(50, 0) is None  # too little KV for all of it: not cut in here either
 
 
 def test_long_prompt_is_chunked_at_chunk_size() -> None:

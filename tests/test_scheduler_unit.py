@@ -296,3 +296,29 @@ def test_a_wave_on_one_image_prefills_the_image_once(model, folder: Path) -> Non
     assert shared.counters.prompt_tokens_computed <= whole - 3 * (start - 1)
     assert shared.counters.deferred_to_share == 3
     assert shared.encoder_cache.counters.items_encoded == 1
+
+
+def test_a_prompt_that_ends_does_not_wait_for_the_next_ones_first_chunk(model) -> None:
+    """Two 150-token prompts at once, chunks of 64: the first one's last chunk (22 tokens) runs
+    alone, so its first token comes after 150 prompt tokens of work, not after 150 plus the
+    second one's first chunk (before: steps of 64, 22 + 64, 64, 22: 214 tokens for the first)."""
+    scheduler = make_scheduler(model, kv_tokens=2048, chunk=64)
+    params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    msgs = [
+        TokenizedGenerateReq(f"long{i}", [(i * 53 + j * 7) % 360 + 1 for j in range(150)], params)
+        for i in range(2)
+    ]
+    computed, firsts, incoming = [], {}, msgs
+    while len(firsts) < 2:
+        before = scheduler.counters.prompt_tokens_computed
+        result = scheduler.step(incoming)
+        incoming = []
+        computed.append(scheduler.counters.prompt_tokens_computed - before)
+        for out in result.outputs:
+            firsts.setdefault(out.rid, sum(computed))
+    assert firsts == {"long0": 150, "long1": 300}, (firsts, computed)
+    assert computed[:3] == [64, 64, 22]  # then the second prompt's chunks
+    while not scheduler.idle:
+        scheduler.step([])
+    kv = scheduler.runner.kv_pool
+    assert kv.available_size + scheduler.radix.evictable_size == kv.size
