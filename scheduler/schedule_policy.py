@@ -70,12 +70,15 @@ class PrefillAdder:
     chunk_size: the most prompt tokens one request may compute in one step (--chunked-prefill-size).
     rem_reqs: request slots left (--max-running-requests minus running).
 
-    A request is cut only into a batch in which no prompt ends: a step that finishes one
-    request's prompt (the rest of a chunked one, or a whole one) would otherwise also compute
-    the first chunk of the next long prompt, and the finished request's first token would wait
-    for that chunk, while the cut request's own first token comes no sooner (its prompt needs a
-    later step either way, and the work in between is the same). Two 3,400-token prompts with
-    2,048-token chunks: the first one's first token after 3,400 tokens of prefill, not 5,448.
+    A request is not cut into a batch in which the prompt of an earlier arrival ends: a step
+    that finishes one request's prompt (the rest of a chunked one, or a whole one) would
+    otherwise also compute the first chunk of the next long prompt, and the finished request's
+    first token would wait for that chunk, while the cut request's own first token comes no
+    sooner (its prompt needs a later step either way, and the work in between is the same). Two
+    3,400-token prompts with 2,048-token chunks: the first one's first token after 3,400 tokens
+    of prefill, not 5,448. A later arrival that ends first (the "lpm" order puts cached prompts
+    ahead) never holds an earlier one back: that could starve a long prompt behind a stream of
+    cached short ones.
     """
 
     rem_total: int
@@ -83,19 +86,19 @@ class PrefillAdder:
     chunk_size: int
     rem_reqs: int
     chunked: bool = False  # a request was cut in this batch: nothing may follow it
-    completes: bool = False  # a prompt ends in this batch: no request is cut into it
+    ended: int | None = None  # the earliest arrival whose prompt ends in this batch
 
-    def add(self, extend_len: int, remaining_new_tokens: int) -> int | None:
+    def add(self, extend_len: int, remaining_new_tokens: int, arrival: int = 0) -> int | None:
         """Tokens of this request to compute now (all, or a chunk), or None if it must wait."""
         if self.rem_reqs <= 0 or self.chunked or extend_len <= 0:
             return None
         reserve = decode_reserve(remaining_new_tokens)
         whole = extend_len <= min(self.chunk_size, self.rem_input)
         if whole and extend_len + reserve <= self.rem_total:
-            self.completes = True
+            self.ended = arrival if self.ended is None else min(self.ended, arrival)
             return self._take(extend_len, reserve)
         room = min(self.chunk_size, self.rem_input, self.rem_total - reserve, extend_len - 1)
-        if room < 1 or self.completes:
+        if room < 1 or (self.ended is not None and self.ended <= arrival):
             return None
         self.chunked = True
         return self._take(room, 0)

@@ -237,7 +237,9 @@ class Scheduler:
             self.fail(req, problem)
         adder, batch = self.make_adder(), PrefillBatch()
         if self.chunked is not None:
-            n = adder.add(self.chunked.extend_len, self.chunked.remaining_new_tokens)
+            n = adder.add(
+                self.chunked.extend_len, self.chunked.remaining_new_tokens, self.chunked.arrival
+            )
             if n is None:
                 return None  # the chunked request waits for KV; decode frees some meanwhile
             batch.add(self.chunked, n)
@@ -279,7 +281,7 @@ class Scheduler:
         if self.wait_for_pixels(req):
             return True  # it holds nothing now; admission goes on with the next request
         adder.rem_total -= locked  # its cached prefix is no longer evictable
-        n = adder.add(req.extend_len, req.remaining_new_tokens)
+        n = adder.add(req.extend_len, req.remaining_new_tokens, req.arrival)
         if n is None:
             self.cache.unlock(req)
             return False

@@ -17,9 +17,9 @@ def adder(total: int = 1000, inp: int = 500, chunk: int = 64, reqs: int = 8) -> 
 
 def test_whole_requests_until_input_budget() -> None:
     a = adder(inp=100)
-    assert a.add(40, 0) == 40
-    assert a.add(40, 0) == 40
-    assert a.add(40, 0) is None  # would be cut into a batch whose prompts end: it waits
+    assert a.add(40, 0, arrival=1) == 40
+    assert a.add(40, 0, arrival=2) == 40
+    assert a.add(40, 0, arrival=3) is None  # would be cut into a batch whose prompts end
     b = adder(inp=100)
     assert b.add(120, 0) == 64  # alone, a long prompt is cut at the chunk size
     assert b.add(5, 0) is None  # nothing may follow a chunked request
@@ -30,14 +30,22 @@ def test_no_request_is_cut_into_a_batch_where_a_prompt_ends() -> None:
     prompt starts in the next batch, so the finished one's first token does not wait for its
     first chunk. A whole request still joins."""
     a = adder(inp=500, chunk=64)
-    assert a.add(30, 0) == 30  # the end of a chunked prompt
-    assert a.add(100, 0) is None  # would be cut
+    assert a.add(30, 0, arrival=1) == 30  # the end of a chunked prompt
+    assert a.add(100, 0, arrival=2) is None  # would be cut
     b = adder(inp=500, chunk=64)
-    assert b.add(30, 0) == 30
-    assert b.add(20, 0) == 20  # whole: it ends here too
+    assert b.add(30, 0, arrival=1) == 30
+    assert b.add(20, 0, arrival=2) == 20  # whole: it ends here too
     c = adder(total=40, chunk=64)
-    assert c.add(10, 0) == 10
-    assert c.add(50, 0) is None  # too little KV for all of it: not cut in here either
+    assert c.add(10, 0, arrival=1) == 10
+    assert c.add(50, 0, arrival=2) is None  # too little KV for all of it: not cut in here either
+
+
+def test_a_later_arrival_that_ends_first_never_holds_an_earlier_one_back() -> None:
+    """The "lpm" order puts a newer cached prompt ahead of an older long one: the older one is
+    still cut into the batch, or a stream of cached short prompts could starve it."""
+    a = adder(inp=500, chunk=64)
+    assert a.add(20, 0, arrival=9) == 20
+    assert a.add(100, 0, arrival=3) == 64
 
 
 def test_long_prompt_is_chunked_at_chunk_size() -> None:
