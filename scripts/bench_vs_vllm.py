@@ -415,7 +415,9 @@ def rotated(items: Sequence[Any], shift: int) -> list[Any]:
 
 
 def run_group(group: Group, args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
-    scenarios = [SCENARIOS[name] for name in group.scenarios]
+    scenarios = [SCENARIOS[n] for n in group.scenarios if not args.workload or n in args.workload]
+    if not scenarios:
+        return  # no workload of this group was asked for: its servers are not started
     if args.quick:
         scenarios = [quick(s) for s in scenarios]
     servers = [s for s in group.servers if not args.server or s.name in args.server]
@@ -615,6 +617,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--server", action="append", default=None,
         help="run only the servers of this name (repeatable), e.g. tessera",
     )  # fmt: skip
+    p.add_argument(
+        "--workload", action="append", choices=sorted(SCENARIOS), default=None,
+        help="run only this workload (repeatable), e.g. long-prompt",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests before each workload")
     p.add_argument("--seed", type=int, default=0)
