@@ -4,6 +4,7 @@ leaves a child behind, and one that ignores SIGINT)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import textwrap
@@ -139,6 +140,33 @@ def test_vllm_server_runs_outside_the_repository(tmp_path: Path) -> None:
     assert tessera.argv[1] == "launch.py" and "--mm-enable-dp-encoder" in tessera.argv
     assert bench.parse_args(["--model-path", "m", "--quick"]).rounds == 1
     assert tessera.argv[tessera.argv.index("--model-path") + 1] == "/tmp/m"
+
+
+def test_workload_filter_runs_only_that_workload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--workload long-prompt`: the tp 1 group measures only it on each server; the tp 2
+    group, which has no such workload, starts no server at all."""
+    args = bench.parse_args(["--model-path", "/tmp/a", "--workload", "long-prompt",
+                             "--rounds", "1", "--log-dir", str(tmp_path)])
+    started, measured = [], []
+
+    @contextlib.contextmanager
+    def fake_running(server: Any, ready_timeout: float) -> Any:
+        started.append(server)
+        yield server
+
+    monkeypatch.setattr(bench, "running", fake_running)
+    monkeypatch.setattr(bench, "measure", lambda server, scenario, seed, warmup: (
+        measured.append(scenario.name) or {"scenario": scenario.name, "server": "s",
+                                          "req_s": 1.0, "out_tok_s": 1.0, "ttft_p99_ms": 1.0,
+                                          "failed": 0, "errors": []}))
+    runs: list[dict[str, Any]] = []
+    bench.run_group(bench.GROUPS["tp2"], args, runs)
+    assert not started and not runs
+    bench.run_group(bench.GROUPS["tp1"], args, runs)
+    assert len(started) == len(bench.GROUPS["tp1"].servers)
+    assert set(measured) == {"long-prompt"} and len(measured) == len(started)
 
 
 def test_tp2_group_runs_on_its_own_checkpoint(tmp_path: Path) -> None:
