@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {
-    "_extend_kernel", "_decode_kernel", "_varlen_kernel", "_rms_norm_kernel", "_rotary_kernel"
+    "_extend_kernel", "_decode_kernel", "_decode_split_kernel", "_decode_merge_kernel",
+    "_varlen_kernel", "_rms_norm_kernel", "_rotary_kernel",
 }
 
 
@@ -63,6 +64,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path: Path) -> None:
             assert {s.split()[0] for s in specs if f"=*{ty} " in s} == KERNELS, (arch, ty)
     # the 7B decoder's head_dim 128 and the vision towers' 80 (BLOCK_D 128) are among them
     assert any("_decode_kernel" in s and "BLOCK_D=128" in s for s in specs)
+    assert any("_decode_split_kernel" in s and "BLOCK_D=128" in s for s in specs)
     assert any("_varlen_kernel" in s and "BLOCK_D=128" in s for s in specs)
     # ptxas ships with the Triton wheel: a cubin is built too (no device needed)
     assert all("cubin" in r["asm"] for r in results)

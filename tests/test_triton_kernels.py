@@ -244,6 +244,82 @@ def test_extend_kernel_direct(tk: types.SimpleNamespace) -> None:
     assert rel_err(out.reshape(expected.shape), expected) <= bound
 
 
+def decode_direct(
+    tk: types.SimpleNamespace, case: AttnCase, num_splits: int | None, block_n: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decode_attention with `num_splits`, the torch reference) on one decode case, with the
+    pool slots no request owns set to NaN so that a read past a request's tokens shows."""
+    b, layer = case.batch, case.layer
+    shape = (-1, layer.num_kv_heads, layer.head_dim)
+    b.kv_pool.set_kv(layer.layer_id, b.out_cache_loc, case.k.view(shape), case.v.view(shape))
+    k_buf, v_buf = b.kv_pool.k_buffers[layer.layer_id], b.kv_pool.v_buffers[layer.layer_id]
+    owned = torch.zeros(k_buf.shape[0], dtype=torch.bool, device=DEVICE)
+    for row, n in zip(b.req_pool_indices_list, b.seq_lens_list):
+        owned[b.req_to_token[row, :n].long()] = True
+    for buf in (k_buf, v_buf):
+        buf[~owned] = float("nan")
+    ref_batch = dataclasses.replace(b, kv_pool=_copy_pool(b.kv_pool))
+    expected = TorchAttentionBackend().forward(case.q, case.k, case.v, layer, ref_batch)
+    meta = tk.attention.AttentionMetadata.from_batch(b, torch.device(DEVICE))
+    q = case.q.view(-1, layer.num_heads, layer.head_dim)
+    out = tk.attention.decode_attention(
+        q, k_buf, v_buf, b.req_to_token, meta.seq_lens, meta.req_pool_indices, layer.scaling,
+        block_n, num_splits=num_splits,
+    )
+    return out.view(expected.shape), expected
+
+
+@pytest.mark.parametrize(
+    ("num_splits", "heads", "kv_heads", "dtype"),
+    [
+        (1, 28, 4, torch.float32),
+        (2, 7, 1, torch.float32),
+        (3, 28, 4, torch.bfloat16),
+        (3, 7, 1, torch.float32),
+        (8, 7, 1, torch.bfloat16),
+        (8, 28, 4, torch.float32),
+    ],
+)
+def test_decode_split_kv(
+    tk: types.SimpleNamespace, num_splits: int, heads: int, kv_heads: int, dtype: torch.dtype
+) -> None:
+    """Split-KV decode against the torch reference and the single-pass kernel, on requests of
+    lengths 1, 5, 40 and 19 (blocks of 16 tokens: a split may be empty or partly filled, and
+    at 8 splits every request has empty ones) and q-head groups of 7."""
+    case = make_case(
+        [0, 4, 39, 18], [1] * 4, heads, kv_heads, 8, dtype, ForwardMode.DECODE, seed=num_splits
+    )
+    out, expected = decode_direct(tk, case, num_splits)
+    assert out.dtype == dtype and not out.isnan().any()
+    # as in check_backend
+    assert rel_err(out, expected) <= kernel_bound(dtype, attention_terms(case), 5)
+    single, _ = decode_direct(tk, case, 1)
+    # the splits sum in another order than one pass; each side rounds its output once
+    assert rel_err(out, single) <= kernel_bound(dtype, attention_terms(case), 2)
+
+
+def test_decode_split_kv_one_token(tk: types.SimpleNamespace) -> None:
+    """A single request of one token over 8 splits: seven splits are empty, and the output is
+    that token's values exactly."""
+    case = make_case([0], [1], 7, 1, 8, mode=ForwardMode.DECODE, seed=11)
+    out, expected = decode_direct(tk, case, 8)
+    v = case.v.view(1, 1, 8).expand(1, 7, 8).reshape(expected.shape)
+    assert torch.equal(out, v)
+    assert rel_err(out, expected) <= kernel_bound(torch.float32, attention_terms(case), 0)
+
+
+def test_decode_split_count(tk: types.SimpleNamespace) -> None:
+    """The split count comes from shapes alone: splits at batch 1, none once the batch fills
+    the GPU, capped, and never more than blocks in the longest possible request."""
+    splits = tk.attention.decode_splits
+    assert splits(1, 4, 32768, 64) == tk.attention.MAX_DECODE_SPLITS
+    assert 1 < splits(8, 4, 32768, 64) < tk.attention.MAX_DECODE_SPLITS
+    assert splits(64, 4, 32768, 64) == 1
+    assert splits(256, 4, 32768, 64) == 1
+    assert splits(1, 4, 100, 64) == 2
+    assert splits(1, 4, 1, 64) == 1
+
+
 # ---------------------------------------------------------------- vision varlen attention
 
 
@@ -360,6 +436,21 @@ def test_decode_backend_gpu(tk: types.SimpleNamespace) -> None:
         prefix, [1] * len(prefix), 28, 4, 128, torch.bfloat16, ForwardMode.DECODE, seed=8
     )
     check_backend(case, tk.attention.TritonAttentionBackend(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_decode_split_kv_gpu(tk: types.SimpleNamespace) -> None:
+    """The 7B's shapes at batch 1 and 2 over a long context: the automatic split count against
+    the reference and the single-pass kernel."""
+    for prefix in ([1000], [700, 63]):
+        case = make_case(
+            prefix, [1] * len(prefix), 28, 4, 128, torch.bfloat16, ForwardMode.DECODE, seed=12
+        )
+        out, expected = decode_direct(tk, case, None, block_n=64)
+        single, _ = decode_direct(tk, case, 1, block_n=64)
+        terms = attention_terms(case)
+        assert rel_err(out, expected) <= kernel_bound(torch.bfloat16, terms, 5)
+        assert rel_err(out, single) <= kernel_bound(torch.bfloat16, terms, 2)
 
 
 @pytest.mark.gpu

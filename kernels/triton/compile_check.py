@@ -79,8 +79,15 @@ def _ints(names: str) -> dict[str, str]:
 
 
 def attention_specs(dtype: torch.dtype) -> Iterator[KernelSpec]:
-    """The paged extend and decode kernels as TritonAttentionBackend launches them."""
-    from kernels.triton.attention import dot_precision, group_block, head_block
+    """The paged extend and decode kernels as TritonAttentionBackend launches them: the decode
+    in one pass, or in splits and their merge (the split count is an int argument, the merge's
+    BLOCK_S its next power of two, at most MAX_DECODE_SPLITS)."""
+    from kernels.triton.attention import (
+        MAX_DECODE_SPLITS,
+        dot_precision,
+        group_block,
+        head_block,
+    )
 
     ty = TRITON_TYPES[dtype]
     strides = "stride_qt stride_qh stride_ot stride_oh stride_kt stride_kh stride_vt stride_vh"
@@ -92,6 +99,16 @@ def attention_specs(dtype: torch.dtype) -> Iterator[KernelSpec]:
     }
     extend = {**common, **_ptrs("q_starts prefix_lens extend_lens req_pool_indices", "i32")}
     decode = {**common, **_ptrs("seq_lens req_pool_indices", "i32")}
+    split = {
+        **decode,
+        **_ptrs("acc_part stat_part", "fp32"),
+        **_ints("num_heads num_splits"),
+    }
+    merge = {  # out_ptr first: `describe` names a spec's dtype by its first argument
+        **_ptrs("out_ptr", ty),
+        **_ptrs("acc_part stat_part", "fp32"),
+        **_ints("stride_ot stride_oh head_dim num_heads num_splits"),
+    }
     module = "kernels.triton.attention"
     for heads, kv_heads, head_dim in LLM_SHAPES:
         group = heads // kv_heads
@@ -99,6 +116,12 @@ def attention_specs(dtype: torch.dtype) -> Iterator[KernelSpec]:
         blocks["PRECISION"] = dot_precision(dtype)
         yield spec("_extend_kernel", module, extend, BLOCK_M=ATTN_BLOCK, **blocks)
         yield spec("_decode_kernel", module, decode, BLOCK_H=group_block(group), **blocks)
+        yield spec("_decode_split_kernel", module, split, BLOCK_H=group_block(group), **blocks)
+        for splits in (2, MAX_DECODE_SPLITS):
+            yield spec(
+                "_decode_merge_kernel", module, merge,
+                BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=blocks["BLOCK_D"],
+            )
 
 
 def varlen_specs(dtype: torch.dtype) -> Iterator[KernelSpec]:
