@@ -1,11 +1,12 @@
 """Decode steps over static buffers, replayed as CUDA graphs on a GPU.
 
 A decode step of `bs` requests is padded to the next captured size (1, 2, 4, 8, then every
-multiple of 8 up to `--cuda-graph-max-bs`). Its inputs are copied into buffers that never move,
-and the model runs over a ForwardBatch of views of them whose per-request metadata are device
-tensors (`DecodeTables`), so nothing in the forward reads the host. On CUDA each padded size is
-captured once, on first use, and replayed after; elsewhere the same static path runs eagerly,
-which is how CPU tests prove it equal to the dynamic path.
+multiple of 8 up to `--cuda-graph-max-bs`). Its inputs reach one buffer that never moves in one
+host-to-device copy; the step's forward, the request-table writes of its new tokens included,
+reads views of that buffer and a ForwardBatch whose per-request metadata are device tensors
+(`DecodeTables`), so nothing in the forward reads the host. On CUDA each padded size is captured
+once, on first use, and replayed after (one launch per step besides the copy); elsewhere the
+same static path runs eagerly, which is how CPU tests prove it equal to the dynamic path.
 
 Padded rows take token 0 at position 0, write their K/V to slot 0 (the KV pool's padding slot,
 never handed out) and read through the request table's padding row (all slot 0) with length 1:
@@ -66,31 +67,23 @@ def _padded(t: torch.Tensor, pad: int, value: int) -> torch.Tensor:
 
 @dataclass
 class StaticDecodeBuffers:
-    """The inputs of the largest captured batch; a padded size uses a prefix of each."""
+    """The inputs of every captured size in one int64 device buffer that never moves. A step of
+    padded size `size` fills its front in `pad_step`'s order: token ids [size], positions
+    [3, size], KV slots [size], request rows [size], sequence lengths [size] (7 * size values),
+    so one host-to-device copy loads a step, and the graph of that size reads its views."""
 
-    input_ids: torch.Tensor  # [max_bs]
-    positions: torch.Tensor  # [3, max_bs]
-    out_cache_loc: torch.Tensor  # [max_bs]
-    req_pool_indices: torch.Tensor  # [max_bs]
-    seq_lens: torch.Tensor  # [max_bs]
+    flat: torch.Tensor  # [7 * max_bs]
 
     @staticmethod
     def allocate(max_bs: int, device: torch.device | str) -> StaticDecodeBuffers:
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.long, device=device)
+        return StaticDecodeBuffers(torch.zeros(7 * max_bs, dtype=torch.long, device=device))
 
-        return StaticDecodeBuffers(zeros(max_bs), zeros(3, max_bs), zeros(max_bs),
-                                   zeros(max_bs), zeros(max_bs))
-
-    def load(self, staged: list[torch.Tensor]) -> None:
-        """Copy a padded step (as `pad_step` orders it, on the device) into the buffers."""
-        ids, positions, slots, rows, lens = staged
-        size = ids.numel()
-        self.input_ids[:size].copy_(ids)
-        self.positions[:, :size].copy_(positions)
-        self.out_cache_loc[:size].copy_(slots)
-        self.req_pool_indices[:size].copy_(rows)
-        self.seq_lens[:size].copy_(lens)
+    def views(self, size: int) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, slots, rows, lens) of a step of padded size `size`."""
+        ids, positions, slots, rows, lens = self.flat[: 7 * size].split(
+            [size, 3 * size, size, size, size]
+        )
+        return ids, positions.view(3, size), slots, rows, lens
 
 
 class DecodeGraphRunner:
@@ -123,30 +116,33 @@ class DecodeGraphRunner:
         host: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """Logits [bs, vocab] of one decode step from its host inputs (ids, positions, slots,
-        rows, cols as `step_inputs` and the KV allocator give them): one staged copy, the
-        request-table entries of the real rows, the padded forward."""
+        rows, cols as `step_inputs` and the KV allocator give them): one copy into the static
+        buffer, then the padded forward (its request-table writes included) as one graph."""
         bs = host[0].numel()
         size = padded_size(bs, self.sizes)
         if size is None:
             raise ValueError(f"decode batch of {bs} is over the largest captured size")
-        staged = stager.stage(pad_step(*host, size, self.req_pool.padding_row))
-        ids, positions, slots, rows, lens = staged
-        self.req_pool.write_tokens(rows[:bs], lens[:bs] - 1, slots[:bs])
-        self.buffers.load(staged)
+        stager.stage_into(pad_step(*host, size, self.req_pool.padding_row), self.buffers.flat)
         return self._forward(size)[:bs].clone()
 
+    def static_forward(self, size: int) -> torch.Tensor:
+        """One decode forward of the step in the buffers (what a graph of `size` records): the
+        request-table entries of its new tokens (padded rows write the padding row's slot 0,
+        which stays 0), then the model over a fresh batch of the buffers' views."""
+        _, _, slots, rows, lens = self.buffers.views(size)
+        self.req_pool.write_tokens(rows, lens - 1, slots)
+        return self.model(self.static_batch(size))
+
     def static_batch(self, size: int) -> ForwardBatch:
-        """A decode ForwardBatch over the first `size` rows of the buffers. Its host lists are
+        """A decode ForwardBatch over the buffers' views for `size` rows. Its host lists are
         placeholders: every value the forward uses comes from the device tensors."""
-        b = self.buffers
-        tables = DecodeTables(
-            b.req_pool_indices[:size], b.seq_lens[:size], self.req_pool.max_context_len
-        )
+        ids, positions, slots, rows, lens = self.buffers.views(size)
+        tables = DecodeTables(rows, lens, self.req_pool.max_context_len)
         return ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=b.input_ids[:size],
-            positions=b.positions[:, :size],
-            out_cache_loc=b.out_cache_loc[:size],
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=slots,
             req_pool_indices_list=[self.req_pool.padding_row] * size,
             prefix_lens_list=[0] * size,
             extend_lens_list=[1] * size,
@@ -158,7 +154,7 @@ class DecodeGraphRunner:
 
     def _forward(self, size: int) -> torch.Tensor:
         if not self.capture:
-            return self.model(self.static_batch(size))  # a fresh batch: backends key on it
+            return self.static_forward(size)
         entry = self._graphs.get(size)
         if entry is None:
             entry = self._graphs[size] = self._capture(size)
@@ -178,11 +174,10 @@ class DecodeGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.model(self.static_batch(size))
+                self.static_forward(size)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        batch = self.static_batch(size)
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.model(batch)
+            logits = self.static_forward(size)
         self._pool = graph.pool()
         return graph, logits

@@ -108,6 +108,19 @@ class HostStager:
             self._copied.record()
         return [v.view(p.shape) for v, p in zip(staged.split(sizes), parts)]
 
+    def stage_into(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Pack the parts, flattened in order, into the front of `out` (int64, on this
+        stager's device) with one copy: the inputs of a replayed graph that reads `out`."""
+        n = sum(p.numel() for p in parts)
+        if self.device.type == "cpu":
+            torch.cat([p.reshape(-1).to(torch.int64) for p in parts], out=out[:n])
+            return
+        host = self._host_buffer(n)
+        torch.cat([p.reshape(-1).to(torch.int64) for p in parts], out=host)
+        out[:n].copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
     def _host_buffer(self, n: int) -> torch.Tensor:
         if self.device.type != "cuda":
             return torch.empty(n, dtype=torch.int64)

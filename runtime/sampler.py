@@ -341,6 +341,10 @@ class Sampler:
         """Like `sample`, but a row that cannot be sampled fails alone: its token is FAILED_TOKEN
         and its index maps to the reason. Rows with NaN/+inf logits fail up front; if the batch
         still raises, each row is sampled on its own so the fault is pinned on its request."""
+        if controls is None and not any(p.uses_controls for p in params):
+            fast = self._sample_in_one_read(logits, params, steps)
+            if fast is not None:
+                return fast
         errors = {i: "non-finite logits" for i in bad_rows(logits)}
         good = [i for i in range(len(params)) if i not in errors]
         tokens = [FAILED_TOKEN] * len(params)
@@ -358,6 +362,26 @@ class Sampler:
         for i, token in zip(good, picked):
             tokens[i] = token
         return tokens, errors
+
+    def _sample_in_one_read(
+        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+    ) -> tuple[list[int], dict[int, str]] | None:
+        """`sample_safe` for rows without controls, reading the device once (the tokens and
+        which rows had bad logits, together): a GPU step then waits for its results once.
+        Bad rows are drawn from zeros instead (a drawing from NaN would fault the device) and
+        failed after. None when the batch raised: `sample_safe` then finds the row at fault."""
+        bad = bad_row_mask(logits)
+        safe = logits
+        if not all(p.is_greedy for p in params):
+            safe = logits.masked_fill(bad[:, None], 0.0)
+        try:
+            tokens = self.sample(safe, params, steps)
+        except Exception:  # noqa: BLE001 - retried row by row by sample_safe
+            return None
+        values = torch.cat((tokens, bad.long())).tolist()
+        n = len(params)
+        errors = {i: "non-finite logits" for i in range(n) if values[n + i]}
+        return [FAILED_TOKEN if i in errors else t for i, t in enumerate(values[:n])], errors
 
     def _sample_subset(self, batch: _Rows, rows: list[int]) -> list[int]:
         if not rows:
@@ -458,11 +482,15 @@ def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
 
 
+def bad_row_mask(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool, on the logits' device: rows with a NaN or +inf logit, or no finite logit."""
+    bad = logits.isnan().any(dim=-1) | (logits == math.inf).any(dim=-1)
+    return bad | ~logits.isfinite().any(dim=-1)
+
+
 def bad_rows(logits: torch.Tensor) -> list[int]:
     """Rows with a NaN or +inf logit, or no finite logit at all."""
-    bad = logits.isnan().any(dim=-1) | (logits == math.inf).any(dim=-1)
-    bad |= ~logits.isfinite().any(dim=-1)
-    return bad.nonzero().flatten().tolist()
+    return bad_row_mask(logits).nonzero().flatten().tolist()
 
 
 def _column(values: list[float] | list[int], device: torch.device) -> torch.Tensor:

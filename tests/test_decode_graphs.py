@@ -176,9 +176,8 @@ def test_static_decode_keeps_devices_apart(tmp_path: Path, monkeypatch: pytest.M
     assert logits.shape[0] == 3 and logits.device.type == "meta"
     assert rules.copies == 1  # the step's one staged copy
     assert runner.graphs is not None
-    batch = runner.graphs.static_batch(4)
     with DeviceRules() as rules, torch.inference_mode():
-        meta_model(batch)  # the forward a graph would capture, on its own
+        runner.graphs.static_forward(4)  # what a graph captures: table writes and the forward
     assert rules.copies == 0  # a captured host-to-device copy would replay stale values
 
 

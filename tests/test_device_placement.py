@@ -181,6 +181,12 @@ def check_stager(device: str) -> None:
         for got, part in zip(staged, parts):
             assert got.device.type == torch.device(device).type and got.shape == part.shape
             assert torch.equal(got.cpu(), part.long())
+    out = torch.full((4 * 5000 + 1,), -7, dtype=torch.long, device=device)
+    for n in (5000, 3, 7):  # into one buffer that a replayed graph reads
+        parts = [torch.arange(n) + n, torch.arange(3 * n, dtype=torch.int32).view(3, n) - 5]
+        stager.stage_into(parts, out)
+        assert torch.equal(out[: 4 * n].cpu(), torch.cat([parts[0], parts[1].reshape(-1)]))
+    assert int(out[-1]) == -7  # nothing past the step's values
 
 
 def test_stager_values_on_cpu() -> None:

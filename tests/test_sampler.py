@@ -300,3 +300,40 @@ def test_state_kept_token_by_token_equals_a_rebuild() -> None:
         assert s.counts == {4: 3, 2: 1, 9: 1, 5: 1, 6: 1} and s.recent == [5, 6]
         assert s.banned_by_words(params.bad_words_ids) == [7]
     assert SamplingState.for_request(SamplingParams(), prompt, len(prompt), VOCAB) is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_batch_without_controls_reads_the_device_once(
+    temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU each read of a device value waits for the step: the tokens and the rows that
+    failed come back in one read, with no data-dependent op (nonzero) before it, also when a
+    row's logits are bad."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads: list[int] = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self: torch.Tensor) -> list:
+        reads.append(self.numel())
+        return tolist(self)
+
+    class Ops(TorchDispatchMode):
+        seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    logits = random_logits(4, seed=7)
+    logits[2, 1] = math.nan
+    params = [SamplingParams(temperature=temperature).normalize() for _ in range(4)]
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    with Ops() as ops:
+        tokens, errors = Sampler().sample_safe(logits, params, [0] * 4)
+    assert len(reads) == 1 and reads[0] == 8  # four tokens and four flags
+    assert "nonzero" not in ops.seen and "_local_scalar_dense" not in ops.seen
+    assert list(errors) == [2] and tokens[2] == FAILED_TOKEN
+    assert all(0 <= t < VOCAB for i, t in enumerate(tokens) if i != 2)
+    if temperature == 0.0:
+        assert tokens[0] == int(logits[0].argmax())
