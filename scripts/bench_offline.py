@@ -165,6 +165,67 @@ def run_tessera(scheduler: Scheduler, prompts: list[Prompt], device: str) -> dic
     }
 
 
+def profile_decode(
+    scheduler: Scheduler, prompt: Prompt, device: str, steps: int, out_dir: Path | None
+) -> dict[str, Any]:
+    """Where a batch-1 decode step's time goes: `steps` steps under torch's profiler, after the
+    prefill and one decode. `device_ms_per_step` sums the step's kernels (and copies) on the
+    device; the rest of `wall_ms_per_step` is the host (scheduler, sampler, launches, the token's
+    copy back) with the device idle. Writes the op tables and a Chrome trace to `out_dir`."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    messages: list[object] = [prompt.ours]
+    produced = finished = 0
+
+    def step() -> None:
+        nonlocal messages, produced, finished
+        result = scheduler.step(messages)
+        messages = []
+        for out in result.outputs:
+            produced += len(out.new_token_ids)
+            finished += out.finish_reason is not None
+
+    while produced < 2 and not finished:
+        step()
+    sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        wall = time.perf_counter() - start
+    profiled = produced
+    while not finished:
+        step()
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            us = event.time_range.elapsed_us()
+            kernels[event.name] = kernels.get(event.name, 0.0) + us
+    device_us = sum(kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        averages = prof.key_averages()
+        tables = [averages.table(sort_by="self_cpu_time_total", row_limit=30)]
+        if device == "cuda":
+            tables.append(averages.table(sort_by="self_device_time_total", row_limit=30))
+        (out_dir / "decode_profile.txt").write_text("\n\n".join(tables))
+        prof.export_chrome_trace(str(out_dir / "decode_trace.json"))
+    return {
+        "steps": steps,
+        "tokens_during_profile": profiled,
+        "wall_ms_per_step": wall * 1e3 / steps,
+        "device_ms_per_step": device_us / 1e3 / steps if device == "cuda" else None,
+        "device_busy_fraction": device_us / 1e6 / wall if device == "cuda" else None,
+        "top_device_ms_per_step": {name[:80]: us / 1e3 / steps for name, us in top},
+    }
+
+
 # ---------------------------------------------------------------- HF transformers
 
 
@@ -298,6 +359,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true", help="measure tessera and the floors only")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--profile-decode", type=int, default=0, metavar="STEPS",
+                   help="profile this many batch-1 decode steps (device time against wall time)")
+    p.add_argument("--profile-dir", default=None,
+                   help="where the profile's op tables and Chrome trace go (default: none)")
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     args.image_size = tuple(int(x) for x in args.image_size.lower().split("x"))
@@ -363,13 +428,19 @@ def run(args: argparse.Namespace, model_path: str, tmp: str) -> dict[str, Any]:
     dtype = next(model.parameters()).dtype
     params = SamplingParams(temperature=0.0, max_new_tokens=args.output_len, ignore_eos=True)
     prompts = make_prompts(args, server, max(args.batch_sizes), params)
-    run_tessera(scheduler, prompts[:1], args.device)  # warm-up (kernels, allocator)
+    for b in args.batch_sizes:  # warm-up: each size's kernels compiled, its decode graph captured
+        run_tessera(scheduler, prompts[:b], args.device)
     results: dict[str, Any] = {"device": device_name(args.device), "dtype": str(dtype)}
     results["prompt_tokens"] = len(prompts[0].ours.input_ids)
     results["tessera"] = {
         b: run_tessera(scheduler, prompts[:b], args.device) for b in args.batch_sizes
     }
     results["floors"] = floors_for(model, prompts, args, dtype)
+    if args.profile_decode:
+        out_dir = Path(args.profile_dir) if args.profile_dir else None
+        results["decode_profile"] = profile_decode(
+            scheduler, prompts[0], args.device, args.profile_decode, out_dir
+        )
     eos = set(model.config.eos_token_ids)
     del scheduler, model
     if args.skip_hf:
@@ -427,6 +498,13 @@ def print_table(results: dict[str, Any]) -> None:
           f"{f['vision_patches_per_s_floor']:.0f} patches/s")
     for name, value in results["ratios"].items():
         print(f"{name:<32} {value:8.2f}")
+    if "decode_profile" in results:
+        prof = results["decode_profile"]
+        device_ms = prof["device_ms_per_step"]
+        on_device = f", on the device {device_ms:.3f} ms" if device_ms is not None else ""
+        print(f"decode profile: {prof['wall_ms_per_step']:.3f} ms per step{on_device}")
+        for name, ms in prof["top_device_ms_per_step"].items():
+            print(f"  {ms:8.3f} ms  {name}")
     if "greedy_match" in results:
         print(f"greedy outputs equal to HF: {results['greedy_match']} "
               f"({results['greedy_same_prefix']}/{results['greedy_tokens_compared']} tokens)")

@@ -8,19 +8,27 @@
 #     OUT=results bash scripts/gpu_session.sh            # from the repository root
 #
 # Every step has a time limit cut to what is left of GPU_SESSION_BUDGET seconds (default 480), so
-# a hang in one step costs that step alone. The 7B checkpoint (about 16 GB, bfloat16) is written in
-# the background while the tests run. Logs and JSON reports go to $OUT.
+# a hang in one step costs that step alone. GPU_SESSION_STEPS (comma list; default all) picks
+# steps among: pytest, gpu_check, offline_7b, parity_7b, serving_7b, varlen. The 7B checkpoint
+# (about 16 GB, bfloat16) is written in the background while the tests run. Logs and JSON
+# reports go to $OUT; the 7B offline step also writes its decode profile there, and takes more
+# arguments from GPU_SESSION_OFFLINE_ARGS (e.g. --skip-hf when a run already measured HF).
 set -u
 OUT=${OUT:-gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 BUDGET=${GPU_SESSION_BUDGET:-480}
+STEPS=${GPU_SESSION_STEPS:-pytest,gpu_check,offline_7b,parity_7b,serving_7b,varlen}
 CKPT=${GPU_SESSION_CKPT:-/tmp/tessera-7b}
 START=$SECONDS
 
 step() {  # step NAME LIMIT COMMAND...: run it under the smaller of LIMIT and the time left
     local name=$1 limit=$2 left=$((BUDGET - (SECONDS - START) - 5))
     shift 2
+    if [[ ",$STEPS," != *",$name,"* ]]; then
+        echo "== $name: not asked for"
+        return
+    fi
     ((limit > left)) && limit=$left
     if ((limit < 10)); then
         echo "== $name: skipped, no time left"
@@ -54,7 +62,7 @@ step pytest 120 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider --dura
     tests/test_triton_kernels.py tests/test_triton_model.py tests/test_varlen_segments.py \
     tests/test_decode_graphs.py tests/test_flashinfer_metadata.py tests/test_device_placement.py \
     >"$OUT/pytest.log" 2>&1
-tail -n 40 "$OUT/pytest.log"
+[ -f "$OUT/pytest.log" ] && tail -n 40 "$OUT/pytest.log"
 
 step gpu_check 120 python3 scripts/gpu_check.py --checks parity_tiny,serve \
     --json "$OUT/gpu_check.json" --timeout 120
@@ -67,7 +75,8 @@ if [ -n "${CKPT_PID:-}" ]; then
 fi
 
 step offline_7b 160 python3 scripts/bench_offline.py --model-path "$CKPT" --device cuda \
-    --dtype bfloat16 --batch-sizes 1,32 --output-len 128 --json "$OUT/offline7b.json"
+    --dtype bfloat16 --batch-sizes 1,32 --output-len 128 --json "$OUT/offline7b.json" \
+    --profile-decode 30 --profile-dir "$OUT" ${GPU_SESSION_OFFLINE_ARGS:-}
 
 step parity_7b 80 python3 scripts/gpu_check.py --checks parity_7b --model-7b "$CKPT" \
     --json "$OUT/parity7b.json" --timeout 90

@@ -24,7 +24,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         return bench_offline.main([
             "--model-path", str(folder), "--device", "cpu", "--batch-sizes", "1,3",
             "--output-len", "8", "--image-size", "56x84", "--json", str(out),
-        ]) | {"json_path": out}
+            "--profile-decode", "3", "--profile-dir", str(tmp / "prof"),
+        ]) | {"json_path": out, "profile_dir": tmp / "prof"}
     finally:
         torch.set_num_threads(threads)
 
@@ -95,3 +96,15 @@ def test_vision_flops_match_a_flop_counter(tmp_path: Path, arch: str) -> None:
     expected = bench_offline.vision_flops(config, grids)
     assert counter.get_total_flops() == expected["total"]
     assert expected["attention"] > 0
+
+
+def test_decode_profile(results: dict) -> None:
+    """Three batch-1 decode steps under the profiler, after the prefill and one decode; its op
+    tables and trace are written (on CPU there is no device time to report)."""
+    prof = results["decode_profile"]
+    assert prof["steps"] == 3 and prof["tokens_during_profile"] == 5
+    assert prof["wall_ms_per_step"] > 0 and prof["device_ms_per_step"] is None
+    table = (results["profile_dir"] / "decode_profile.txt").read_text()
+    assert "Self CPU" in table and "aten::" in table
+    trace = json.loads((results["profile_dir"] / "decode_trace.json").read_text())
+    assert trace["traceEvents"]
