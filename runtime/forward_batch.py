@@ -84,6 +84,11 @@ class ForwardBatch:
         return ends.to(self.input_ids.device)
 
 
+def _pack(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """The parts, flattened in order and as int64, written into `out` (returned)."""
+    return torch.cat([p.reshape(-1).to(torch.int64) for p in parts], out=out)
+
+
 class HostStager:
     """A step's host-built integer inputs reach the device in one copy.
 
@@ -101,8 +106,7 @@ class HostStager:
 
     def stage(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         sizes = [p.numel() for p in parts]
-        host = self._host_buffer(sum(sizes))
-        torch.cat([p.reshape(-1).to(torch.int64) for p in parts], out=host)
+        host = _pack(parts, self._host_buffer(sum(sizes)))
         staged = host.to(self.device, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -113,11 +117,9 @@ class HostStager:
         stager's device) with one copy: the inputs of a replayed graph that reads `out`."""
         n = sum(p.numel() for p in parts)
         if self.device.type == "cpu":
-            torch.cat([p.reshape(-1).to(torch.int64) for p in parts], out=out[:n])
+            _pack(parts, out[:n])
             return
-        host = self._host_buffer(n)
-        torch.cat([p.reshape(-1).to(torch.int64) for p in parts], out=host)
-        out[:n].copy_(host, non_blocking=True)
+        out[:n].copy_(_pack(parts, self._host_buffer(n)), non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
