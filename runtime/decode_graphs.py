@@ -114,15 +114,23 @@ class DecodeGraphRunner:
         self,
         stager: HostStager,
         host: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        gather: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [bs, vocab] of one decode step from its host inputs (ids, positions, slots,
         rows, cols as `step_inputs` and the KV allocator give them): one copy into the static
-        buffer, then the padded forward (its request-table writes included) as one graph."""
+        buffer, then the padded forward (its request-table writes included) as one graph.
+
+        With `gather` (a device tensor), the host ids are indices into it and each row's input
+        id is `gather[id]`, taken on the device (scheduler/overlap.py); padded rows take
+        `gather[0]`, which, like their usual token 0, changes no real row."""
         bs = host[0].numel()
         size = padded_size(bs, self.sizes)
         if size is None:
             raise ValueError(f"decode batch of {bs} is over the largest captured size")
         stager.stage_into(pad_step(*host, size, self.req_pool.padding_row), self.buffers.flat)
+        if gather is not None:
+            ids = self.buffers.flat[:size]
+            ids.copy_(gather.index_select(0, ids))
         return self._forward(size)[:bs].clone()
 
     def static_forward(self, size: int) -> torch.Tensor:

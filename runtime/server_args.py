@@ -74,6 +74,11 @@ class ServerArgs:
         "run every decode step eagerly (CUDA graphs are on by default on CUDA, off on CPU)",
         default=False,
     )
+    disable_overlap_schedule: bool = _opt(
+        "read each decode step's tokens before launching the next (by default a GPU launches "
+        "a plain greedy decode step before reading the last one's tokens; tp 1, CUDA graphs)",
+        default=False,
+    )
     cpu_decode_threads: int = _opt(
         "intra-op threads of a CPU decode step (and of a step whose new prompt tokens are few); "
         "0: one thread under 2^32 multiply-adds a step, every rank thread above",
@@ -228,6 +233,12 @@ class ServerArgs:
         if self.disable_cuda_graph or not self.use_cuda or self.attention_backend == "flashinfer":
             return 0
         return self.cuda_graph_max_bs or min(self.max_running_requests, MAX_DEFAULT_GRAPH_BS)
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether decode steps overlap (scheduler/overlap.py): on CUDA, over decode graphs, at
+        tp 1, unless turned off."""
+        return not self.disable_overlap_schedule and self.decode_graph_bs > 0 and self.tp_size == 1
 
     def ipc_name(self, what: str) -> str:
         """A ZMQ ipc path in a private folder: never a TCP port (invariant 15)."""

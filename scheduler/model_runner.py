@@ -118,6 +118,26 @@ class ModelRunner:
         with self._threads_for(seqs, lens, len(seqs)):
             return self._run(ForwardMode.DECODE, seqs, lens)
 
+    def decode_after(
+        self, seqs: list[Req], rows: list[int] | None, tokens: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One decode step over the static buffers whose input ids may still be on the device:
+        with `rows`, sequence i's input is `tokens[rows[i]]` (the sampled token of a step not
+        read yet, at index kv_len); without, its last token from the host, as in `decode`."""
+        assert self.graphs is not None
+        n = len(seqs)
+        with self._threads_for(seqs, [1] * n, n):
+            slots = self._alloc(n)
+            if rows is None:
+                ids = torch.tensor([seq.token_ids[seq.kv_len] for seq in seqs], dtype=torch.long)
+            else:
+                ids = torch.tensor(rows, dtype=torch.long)
+            host = (ids, *decode_places(seqs))
+            logits = self.graphs.decode(self.stager, (host[0], host[1], slots, *host[2:]), tokens)
+        for seq in seqs:
+            seq.kv_len += 1
+        return logits
+
     @contextlib.contextmanager
     def _threads_for(self, seqs: list[Req], lens: list[int], tail: int) -> Iterator[None]:
         """A CPU step's intra-op threads by `step_threads`' rule (the last `tail` of `seqs`
@@ -215,11 +235,23 @@ def step_inputs(
         rows.extend([seq.req_pool_index] * n)
         cols.extend(range(start, start + n))
     decoding = seqs[head:]
-    indices = [seq.kv_len for seq in decoding]
-    ids.extend(seq.token_ids[i] for seq, i in zip(decoding, indices))
-    values = [i + seq.mrope_delta for seq, i in zip(decoding, indices)]
-    positions.append(torch.tensor(values, dtype=torch.long).expand(3, -1))
-    rows.extend(seq.req_pool_index for seq in decoding)
-    cols.extend(indices)
+    ids.extend(seq.token_ids[seq.kv_len] for seq in decoding)
+    tail_positions, tail_rows, tail_cols = decode_places(decoding)
+    positions.append(tail_positions)
     as_long = [torch.tensor(x, dtype=torch.long) for x in (ids, rows, cols)]
-    return as_long[0], torch.cat(positions, dim=1), as_long[1], as_long[2]
+    return (
+        as_long[0],
+        torch.cat(positions, dim=1),
+        torch.cat((as_long[1], tail_rows)),
+        torch.cat((as_long[2], tail_cols)),
+    )
+
+
+def decode_places(seqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each sequence's decode token goes: [3, n] positions (its index kv_len plus the
+    request's MRoPE delta), and its request-table row and column."""
+    indices = [seq.kv_len for seq in seqs]
+    values = [i + seq.mrope_delta for seq, i in zip(seqs, indices)]
+    positions = torch.tensor(values, dtype=torch.long).expand(3, -1)
+    rows = torch.tensor([seq.req_pool_index for seq in seqs], dtype=torch.long)
+    return positions, rows, torch.tensor(indices, dtype=torch.long)

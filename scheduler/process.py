@@ -113,6 +113,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         eos_token_ids=model.config.eos_token_ids,
         enable_mixed_chunk=args.enable_mixed_chunk,
         enable_jump_forward=not args.disable_jump_forward,
+        enable_overlap=args.overlap_schedule,
         vocab_size=model.config.text.vocab_size,
         media_token_ids={
             Modality.IMAGE: model.config.image_token_id,

@@ -50,6 +50,7 @@ from scheduler.encoder_cache import EncoderCache
 from scheduler.grammar_state import CompilerFactory, GrammarStates
 from scheduler.input_checks import RequestFaults, check_inputs
 from scheduler.model_runner import ModelRunner
+from scheduler.overlap import InFlight, OverlapDecoder, continues
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req
 from scheduler.schedule_policy import PrefillAdder, batch_sharer, decode_reserve, may_share
@@ -71,6 +72,7 @@ class SchedulerConfig:
     enable_jump_forward: bool = True  # tokens a grammar forces are computed as one extend
     vocab_size: int = 2**31  # token ids a request may name (logit_bias, allowed_token_ids)
     media_token_ids: dict[str, int] = field(default_factory=dict)  # modality -> placeholder id
+    enable_overlap: bool = False  # launch a decode step before reading the last one's tokens
 
 
 @dataclass
@@ -106,10 +108,15 @@ class Scheduler:
         self._was_idle = True
         self.grammar = GrammarStates(tp, grammar_compiler, cfg.enable_jump_forward)
         self.faults = faults
+        overlap = cfg.enable_overlap and tp.size == 1 and faults is None
+        self.overlap = OverlapDecoder(runner) if overlap else None
+        self.in_flight: InFlight | None = None  # a decode step launched, its tokens not read
 
     # ------------------------------------------------------------------ the loop body
     def step(self, messages: list[SchedulerRequest]) -> StepResult:
         result = StepResult()
+        if messages or self.waiting or self.chunked:
+            self.resolve_in_flight()  # only a stream of plain decode steps overlaps
         for msg in messages:
             self.handle(msg, result)
         batch = self.schedule_prefill()
@@ -129,13 +136,21 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and self.chunked is None
+        return (
+            not self.waiting
+            and not self.running
+            and self.chunked is None
+            and self.in_flight is None
+        )
 
     @property
     def blocked(self) -> bool:
         """Nothing can run until a message comes: idle, or every request waits for pixels."""
-        return not self.running and self.chunked is None and all(
-            r.wants_pixels for r in self.waiting
+        return (
+            not self.running
+            and self.chunked is None
+            and self.in_flight is None
+            and all(r.wants_pixels for r in self.waiting)
         )
 
     @property
@@ -381,6 +396,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def run_decode(self) -> None:
+        if self.overlap is not None and self.decode_overlapped():
+            return
+        self.resolve_in_flight()
         self.counters.decode_steps += 1
         self.make_room_for_decode()
         if not self.running:
@@ -401,6 +419,50 @@ class Scheduler:
         singles = [r for r in reqs if r.extend_len == 1]
         logits = self.runner.mixed(jumps, [r.extend_len for r in jumps], singles)
         return [*jumps, *singles], logits
+
+    def decode_overlapped(self) -> bool:
+        """Launch the next decode step, then read the one in flight (scheduler/overlap.py);
+        False, with nothing done, when this step cannot run that way."""
+        assert self.overlap is not None
+        flight = self.in_flight
+        reqs = [r for r in self.running if continues(r, flight is not None)]
+        held = {id(r) for r in flight.reqs} if flight is not None else None
+        if held is not None and any(id(r) not in held for r in reqs):
+            return False
+        if reqs and not self.overlap.can_run(reqs):
+            return False
+        if len(reqs) > self.cache.free_or_evictable() or not (reqs or flight):
+            return False
+        self.in_flight = None
+        if reqs:
+            self.counters.decode_steps += 1
+            self.cache.ensure_free(len(reqs))
+            self.in_flight = self.overlap.launch(reqs, flight)
+        if flight is not None:
+            self.append_read(flight)
+        return True
+
+    def resolve_in_flight(self) -> None:
+        """Read and append the tokens of the decode step in flight, if there is one."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is not None:
+            self.append_read(flight)
+
+    def append_read(self, flight: InFlight) -> None:
+        """The tokens of a step launched without a host read, appended as `sample_and_append`
+        would (a request that ended while the step ran skips its row)."""
+        tokens, bad = flight.read()
+        for req, token, failed in zip(flight.reqs, tokens, bad):
+            if req.finished:
+                continue
+            if failed:
+                self.fail(req, "non-finite logits")
+                continue
+            req.append_token(token)
+            self.counters.generated_tokens += 1
+            self.touch(req)
+            if req.finished:
+                self.finish_request(req)
 
     def make_room_for_decode(self) -> None:
         """Retract the newest requests until one step of decode fits in KV."""

@@ -135,9 +135,8 @@ def run_tessera(scheduler: Scheduler, prompts: list[Prompt], device: str) -> dic
     while done < len(prompts):
         decodes = scheduler.counters.decode_steps
         step_start = time.perf_counter()
-        result = scheduler.step(messages)
-        sync(device)
-        now = time.perf_counter()
+        result = scheduler.step(messages)  # no sync here: a step reads its tokens (or, with
+        now = time.perf_counter()  # overlap, the last step's) and that is what the host waits for
         messages = []
         if scheduler.counters.decode_steps > decodes and len(scheduler.running) == len(prompts):
             decode_steps.append(now - step_start)
@@ -358,6 +357,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true", help="measure tessera and the floors only")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each decode step's tokens before launching the next")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile-decode", type=int, default=0, metavar="STEPS",
                    help="profile this many batch-1 decode steps (device time against wall time)")
@@ -384,6 +385,7 @@ def server_args(args: argparse.Namespace, model_path: str, ipc_dir: str) -> Serv
         max_total_tokens=args.max_total_tokens,
         mm_cache_size_mb=0,  # every image is new anyway; keep the cache out of the comparison
         disable_radix_cache=True,  # no prefix of one timed run helps the next
+        disable_overlap_schedule=args.disable_overlap_schedule,
     ).resolve()
 
 

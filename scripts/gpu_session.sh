@@ -9,7 +9,8 @@
 #
 # Every step has a time limit cut to what is left of GPU_SESSION_BUDGET seconds (default 480), so
 # a hang in one step costs that step alone. GPU_SESSION_STEPS (comma list; default all) picks
-# steps among: pytest, gpu_check, offline_7b, parity_7b, serving_7b, varlen. The 7B checkpoint
+# steps among: pytest, gpu_check, offline_7b, offline_7b_sync (batch-1 decode with overlap
+# off, to compare), parity_7b, serving_7b, varlen. The 7B checkpoint
 # (about 16 GB, bfloat16) is written in the background while the tests run. Logs and JSON
 # reports go to $OUT; the 7B offline step also writes its decode profile there, and takes more
 # arguments from GPU_SESSION_OFFLINE_ARGS (e.g. --skip-hf when a run already measured HF).
@@ -18,7 +19,7 @@ OUT=${OUT:-gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 BUDGET=${GPU_SESSION_BUDGET:-480}
-STEPS=${GPU_SESSION_STEPS:-pytest,gpu_check,offline_7b,parity_7b,serving_7b,varlen}
+STEPS=${GPU_SESSION_STEPS:-pytest,gpu_check,offline_7b,offline_7b_sync,parity_7b,serving_7b,varlen}
 CKPT=${GPU_SESSION_CKPT:-/tmp/tessera-7b}
 START=$SECONDS
 
@@ -77,6 +78,10 @@ fi
 step offline_7b 160 python3 scripts/bench_offline.py --model-path "$CKPT" --device cuda \
     --dtype bfloat16 --batch-sizes 1,32 --output-len 128 --json "$OUT/offline7b.json" \
     --profile-decode 30 --profile-dir "$OUT" ${GPU_SESSION_OFFLINE_ARGS:-}
+
+step offline_7b_sync 70 python3 scripts/bench_offline.py --model-path "$CKPT" --device cuda \
+    --dtype bfloat16 --batch-sizes 1 --output-len 128 --skip-hf --disable-overlap-schedule \
+    --json "$OUT/offline7b_sync.json"
 
 step parity_7b 80 python3 scripts/gpu_check.py --checks parity_7b --model-7b "$CKPT" \
     --json "$OUT/parity7b.json" --timeout 90

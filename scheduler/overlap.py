@@ -1,0 +1,104 @@
+"""Overlapped decode: the next decode step is launched before the last one's tokens are read.
+
+On a GPU, a decode step's host work (building and staging its inputs, reading its tokens back,
+appending them, finishing requests, reporting outputs) otherwise leaves the device idle once per
+step. With overlap, the next step's input ids are the last step's sampled tokens as they sit on
+the device (each row gathers its own by index), so the host launches step N+1 first, then waits
+for step N's tokens and does step N's bookkeeping while the device computes N+1.
+
+Which steps overlap (`OverlapDecoder.can_run`): decode steps over the static decode buffers
+(runtime/decode_graphs.py) in a one-rank group, whose requests are all greedy, with no grammar,
+logprobs, sampling controls or jump-forward run. Anything else (a prefill, any message, a
+request that is not eligible, too few free KV slots) first resolves the step in flight and runs
+as before, so every other path keeps its synchronous contract.
+
+A request with a step in flight: its newest sampled token is not yet in `token_ids`, and
+`kv_len` already counts the slot that step writes (`extend_len` is 0). When the step is read, a
+request whose token ended it (EOS or a stop token) may already have had its next step launched:
+that step's token is dropped, and the slot it wrote holds the K/V of the request's last token, so
+`token_ids` and `kv_len` agree and the radix cache keeps that slot like any other. A request
+whose next token is known to be its last (max_new_tokens) is left out of the next launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.sampler import bad_row_mask
+from scheduler.model_runner import ModelRunner
+from scheduler.req import Req
+
+
+@dataclass
+class InFlight:
+    """A launched decode step whose tokens the host has not read yet."""
+
+    reqs: list[Req]  # its rows, in order
+    tokens: torch.Tensor  # [rows] int64 on the device: the next step's input ids
+    host: torch.Tensor  # [2 * rows] int64: the tokens, then bad-row flags, copied back
+    copied: torch.cuda.Event | None  # recorded after that copy (None: already on the host)
+
+    def read(self) -> tuple[list[int], list[bool]]:
+        """(tokens, whether each row's logits were bad): waits for the step on a GPU."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        values, n = self.host.tolist(), len(self.reqs)
+        return values[:n], [bool(v) for v in values[n:]]
+
+
+class OverlapDecoder:
+    """Launches greedy decode steps without reading their tokens (see the module docstring)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def can_run(self, reqs: list[Req]) -> bool:
+        graphs = self.runner.graphs
+        return bool(reqs) and graphs is not None and graphs.fits(len(reqs)) and all(
+            plain_greedy(r) for r in reqs
+        )
+
+    def launch(self, reqs: list[Req], after: InFlight | None) -> InFlight:
+        """One decode step of `reqs`, sampled greedily on the device. With `after` (the step in
+        flight, which holds every one of `reqs`), each row's input id is its token from it."""
+        rows = None
+        if after is not None:
+            at = {id(r): i for i, r in enumerate(after.reqs)}
+            rows = [at[id(r)] for r in reqs]
+        logits = self.runner.decode_after(reqs, rows, None if after is None else after.tokens)
+        tokens = logits.argmax(dim=-1)  # the sampler's greedy pick, without a host read
+        both = torch.cat((tokens, bad_row_mask(logits).long()))
+        return InFlight(reqs, tokens, *copy_to_host(both))
+
+
+def plain_greedy(req: Req) -> bool:
+    """Whether the request's tokens need nothing from the host but the logits' argmax."""
+    p = req.params
+    return (
+        p.is_greedy
+        and p.grammar is None
+        and p.logprobs is None
+        and not p.uses_controls
+        and req.extend_len <= 1
+    )
+
+
+def continues(req: Req, in_flight: bool) -> bool:
+    """Whether a running request takes another step after its next token (with a step in
+    flight, that token is still to be appended)."""
+    produced = len(req.output_ids) + in_flight
+    return not req.finished and produced < req.params.max_new_tokens
+
+
+def copy_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A host copy of `values` that does not wait for the device: page-locked and
+    non-blocking on CUDA, with the event to wait on before reading it."""
+    if values.device.type != "cuda":
+        return values.cpu(), None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied

@@ -1,0 +1,193 @@
+"""Overlapped decode (scheduler/overlap.py) in-process on the tiny checkpoint: the same tokens
+and finishes as the synchronous scheduler over the same static decode buffers, with requests
+arriving, ending on a stop token while their next step is in flight, aborted, and mixed with
+requests that cannot overlap; nothing leaks, and the overlap really ran."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.distributed import TPGroup
+from runtime.forward_batch import ForwardBatch
+from runtime.io_struct import AbortReq, TokenizedGenerateReq
+from runtime.sampler import Sampler, SamplingParams
+from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
+from scheduler.encoder_cache import EncoderCache
+from scheduler.model_runner import ModelRunner
+from scheduler.radix_cache import RadixCache
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from vision.vlm import build_model
+
+PROMPTS = [[5, 17, 3, 99, 41, 8], [7, 7, 21, 64, 2], [11, 30, 4, 58, 9, 13, 77], [3, 1, 4, 1, 5]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> nn.Module:
+    folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("overlap") / "ck")
+    return build_model(str(folder), TPGroup(), dtype="float32")
+
+
+def make_scheduler(model: nn.Module, overlap: bool) -> Scheduler:
+    device = str(next(model.parameters()).device)  # on CUDA the steps replay captured graphs
+    runner = ModelRunner(
+        model, max_total_tokens=512, max_running_requests=6, max_context_len=96,
+        device=device, cuda_graph_max_bs=8,
+    )  # fmt: skip
+    cfg = SchedulerConfig(
+        max_running_requests=5,
+        max_prefill_tokens=256,
+        chunked_prefill_size=256,
+        context_length=90,
+        enable_overlap=overlap,
+    )
+    radix = RadixCache(runner.kv_pool)
+    return Scheduler(cfg, TPGroup(), runner, radix, EncoderCache(0), Sampler())
+
+
+def request(i: int, new: int, **kw: object) -> TokenizedGenerateReq:
+    params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True, **kw)
+    return TokenizedGenerateReq(f"r{i}", list(PROMPTS[i]), params)
+
+
+def run(sched: Scheduler, arrivals: dict[int, list[object]]) -> tuple[dict, dict, int]:
+    """Step until idle, sending arrivals[k] at step k; (tokens per rid, finish per rid, steps
+    that returned with a decode step in flight)."""
+    tokens: dict[str, list[int]] = {}
+    finishes: dict[str, str] = {}
+    in_flight, k = 0, 0
+    while k <= max(arrivals) or not sched.idle:
+        for out in sched.step(arrivals.get(k, [])).outputs:
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finishes[out.rid] = out.finish_reason.kind.value
+        in_flight += sched.in_flight is not None
+        k += 1
+        assert k < 500
+    assert_leak_free(sched)
+    return tokens, finishes, in_flight
+
+
+def assert_leak_free(sched: Scheduler) -> None:
+    kv = sched.runner.kv_pool
+    assert kv.available_size + sched.radix.evictable_size == kv.size
+    assert sched.radix.protected_size == 0
+    assert sched.runner.req_pool.available_size == sched.runner.req_pool.size
+    sched.radix.check_integrity()
+
+
+def both(model: nn.Module, arrivals: dict[int, list[object]]) -> tuple[tuple, tuple]:
+    return run(make_scheduler(model, False), arrivals), run(make_scheduler(model, True), arrivals)
+
+
+def test_overlapped_decode_gives_the_synchronous_tokens(model: nn.Module) -> None:
+    """Requests of different lengths, one arriving while the others decode (the step in
+    flight is read before its prefill)."""
+    arrivals = {0: [request(0, 12), request(1, 5)], 4: [request(2, 9)], 6: [request(3, 1)]}
+    (sync, sync_fin, sync_flight), (ours, fin, flight) = both(model, arrivals)
+    assert ours == sync and fin == sync_fin
+    assert {rid: len(t) for rid, t in ours.items()} == {"r0": 12, "r1": 5, "r2": 9, "r3": 1}
+    assert sync_flight == 0 and flight > 5
+
+
+def test_a_stop_token_read_after_the_next_launch_ends_the_request(model: nn.Module) -> None:
+    """r0 stops on its fourth token: its next step was already launched when that token was
+    read, so that step's token is dropped and its slot (the last token's K/V) is cached."""
+    plain, _, _ = run(make_scheduler(model, False), {0: [request(0, 12), request(1, 10)]})
+    stop = plain["r0"][3]
+    first = plain["r0"].index(stop)
+    arrivals = {0: [request(0, 12, stop_token_ids=[stop]), request(1, 10)]}
+    (sync, sync_fin, _), (ours, fin, flight) = both(model, arrivals)
+    assert ours == sync and fin == sync_fin
+    assert ours["r0"] == plain["r0"][: first + 1] and fin["r0"] == "stop"
+    assert ours["r1"] == plain["r1"] and flight > 3
+    sched = make_scheduler(model, True)
+    run(sched, arrivals)
+    # the stopped request's whole sequence, its last token included, is in the prefix cache
+    whole = PROMPTS[0] + plain["r0"][: first + 1]
+    assert sched.radix.match_prefix(whole).slots.numel() == len(whole)
+
+
+def test_an_abort_while_a_step_is_in_flight(model: nn.Module) -> None:
+    """An abort (any message) reads the step in flight first; the aborted request ends, the
+    other keeps its tokens, nothing leaks."""
+    arrivals = {0: [request(0, 20), request(1, 15)], 5: [AbortReq("r0")]}
+    (sync, sync_fin, _), (ours, fin, _) = both(model, arrivals)
+    assert ours == sync and fin == sync_fin
+    assert fin["r0"] == "abort" and len(ours["r1"]) == 15
+
+
+def test_a_request_that_cannot_overlap_runs_the_batch_synchronously(model: nn.Module) -> None:
+    """A request asking for logprobs needs the host each step: while it runs, no step is in
+    flight; before it arrives and after it ends, steps overlap again."""
+    arrivals = {0: [request(0, 30)], 5: [request(1, 6, logprobs=2)]}
+    sched = make_scheduler(model, True)
+    flights = []
+    tokens: dict[str, list[int]] = {}
+    k = 0
+    while k <= 5 or not sched.idle:
+        for out in sched.step(arrivals.get(k, [])).outputs:
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        flights.append(sched.in_flight is not None)
+        k += 1
+    assert_leak_free(sched)
+    sync, _, _ = run(make_scheduler(model, False), arrivals)
+    assert tokens == sync
+    assert any(flights[:5]) and any(flights[15:])
+    assert not any(flights[7:11])  # r1 decodes here, with logprobs
+
+
+class PoisonedModel(nn.Module):
+    """The real model, with NaN logits for any row whose input id is `poison`."""
+
+    def __init__(self, model: nn.Module, poison: int) -> None:
+        super().__init__()
+        self.inner, self.poison = model, poison
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def forward(self, batch: ForwardBatch, encode: object = None) -> torch.Tensor:
+        logits = self.inner(batch, encode) if encode is not None else self.inner(batch)
+        ids = batch.input_ids[batch.last_token_indices][: logits.shape[0]]
+        return logits.masked_fill((ids == self.poison)[:, None], float("nan"))
+
+
+def test_a_row_with_bad_logits_fails_its_request_alone(model: nn.Module) -> None:
+    plain, _, _ = run(make_scheduler(model, False), {0: [request(0, 10), request(1, 10)]})
+    poisoned = PoisonedModel(model, plain["r0"][4])  # r0's fifth token's logits are NaN
+    poisoned.eval()
+    results = []
+    for overlap in (False, True):
+        sched = make_scheduler(poisoned, overlap)
+        results.append(run(sched, {0: [request(0, 10), request(1, 10)]}))
+        assert sched.counters.failed == 1
+    (sync, sync_fin, _), (ours, fin, flight) = results
+    assert ours == sync and fin == sync_fin and fin["r0"] == "error"
+    assert ours["r1"] == plain["r1"] and flight > 3
+
+
+def test_overlap_flags(tmp_path: Path) -> None:
+    assert ServerArgs(device="cuda").overlap_schedule
+    assert not ServerArgs(device="cuda", disable_overlap_schedule=True).overlap_schedule
+    assert not ServerArgs(device="cuda", disable_cuda_graph=True).overlap_schedule
+    assert not ServerArgs(device="cpu").overlap_schedule
+    assert not ServerArgs(device="cuda", tp_size=2).overlap_schedule
+
+
+@pytest.mark.gpu
+def test_overlapped_decode_on_cuda_graphs(tmp_path: Path) -> None:
+    """On a GPU the steps are replayed graphs, their tokens copied back without a wait."""
+    folder = make_checkpoint("qwen2_vl", tmp_path / "ck")
+    cuda_model = build_model(str(folder), TPGroup(), dtype="float32", device="cuda")
+    stop = run(make_scheduler(cuda_model, False), {0: [request(0, 12)]})[0]["r0"][5]
+    arrivals = {0: [request(0, 12, stop_token_ids=[stop]), request(1, 5)], 4: [request(2, 9)]}
+    (sync, sync_fin, _), (ours, fin, flight) = both(cuda_model, arrivals)
+    assert ours == sync and fin == sync_fin and flight > 3
