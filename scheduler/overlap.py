@@ -88,7 +88,7 @@ def plain_greedy(req: Req) -> bool:
 def continues(req: Req, in_flight: bool) -> bool:
     """Whether a running request takes another step after its next token (with a step in
     flight, that token is still to be appended)."""
-    produced = len(req.output_ids) + in_flight
+    produced = req.output_len + in_flight
     return not req.finished and produced < req.params.max_new_tokens
 
 

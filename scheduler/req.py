@@ -123,6 +123,15 @@ class Req:
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
 
+    @property
+    def output_len(self) -> int:
+        """len(output_ids), without copying them (hot: per request per step)."""
+        return len(self.token_ids) - self.prompt_len
+
+    def outputs_from(self, start: int) -> list[int]:
+        """output_ids[start:], copying only those."""
+        return self.token_ids[self.prompt_len + start :]
+
     def keyed_items(self, start: int) -> frozenset[int]:
         """Hashes of the items sent by key only (no pixels: the ranks' encoder caches held them
         when the front end sent the request) whose placeholder run ends after token `start`."""
@@ -142,7 +151,7 @@ class Req:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return max(0, self.params.max_new_tokens - len(self.output_ids))
+        return max(0, self.params.max_new_tokens - self.output_len)
 
     def prefix_key(self) -> list[int]:
         """Radix key for matching: everything but the last token (whose logits we need); the

@@ -592,9 +592,9 @@ class Scheduler:
     def collect_outputs(self) -> list[ReqOutput]:
         outputs = []
         for req in self._touched:
-            new = req.output_ids[req.sent_len :]
+            new = req.outputs_from(req.sent_len)
             logprobs = req.logprobs[req.sent_len :] if req.params.logprobs is not None else None
-            req.sent_len = len(req.output_ids)
+            req.sent_len = req.output_len
             finish = req.outcome() if req.finished else None
             if req.finished:
                 self.grammar.drop(req)
@@ -603,7 +603,7 @@ class Scheduler:
                     req.rid,
                     new,
                     req.prompt_len,
-                    len(req.output_ids),
+                    req.output_len,
                     req.cached_tokens,
                     finish,
                     req.clock.take_report(),

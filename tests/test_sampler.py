@@ -13,6 +13,8 @@ from runtime.sampler import (
     MAX_STOP_STRINGS,
     Sampler,
     SamplingParams,
+    bad_row_mask,
+    bad_rows,
     filtered_probs,
     mix_seed,
 )
@@ -257,6 +259,20 @@ def test_non_finite_rows_fail_alone() -> None:
     assert tokens[1] == tokens[2] == FAILED_TOKEN
     assert tokens[0] == int(logits[0].argmax())
     assert 0 <= tokens[3] < VOCAB
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bad_row_mask_reads_each_kind_of_bad_row(dtype: torch.dtype) -> None:
+    """NaN anywhere, +inf anywhere, nothing finite: bad; -inf beside finite values: fine."""
+    logits = random_logits(7, seed=6).to(dtype)
+    logits[1, 3] = math.nan
+    logits[2, VOCAB - 1] = math.inf
+    logits[3] = -math.inf
+    logits[4, : VOCAB // 2] = -math.inf
+    logits[5, 0], logits[5, 7] = math.inf, math.nan
+    logits[6] = math.nan
+    assert bad_row_mask(logits).tolist() == [False, True, True, True, False, True, True]
+    assert bad_rows(logits) == [1, 2, 3, 5, 6]
 
 
 def test_a_row_with_nothing_to_draw_fails_alone() -> None:
