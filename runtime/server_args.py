@@ -76,7 +76,7 @@ class ServerArgs:
     )
     disable_overlap_schedule: bool = _opt(
         "read each decode step's tokens before launching the next (by default a GPU launches "
-        "a plain greedy decode step before reading the last one's tokens; tp 1, CUDA graphs)",
+        "a plain greedy decode step before reading the last one's tokens; with CUDA graphs)",
         default=False,
     )
     cpu_decode_threads: int = _opt(
@@ -236,9 +236,9 @@ class ServerArgs:
 
     @property
     def overlap_schedule(self) -> bool:
-        """Whether decode steps overlap (scheduler/overlap.py): on CUDA, over decode graphs, at
-        tp 1, unless turned off."""
-        return not self.disable_overlap_schedule and self.decode_graph_bs > 0 and self.tp_size == 1
+        """Whether decode steps overlap (scheduler/overlap.py): on CUDA, over decode graphs,
+        unless turned off."""
+        return not self.disable_overlap_schedule and self.decode_graph_bs > 0
 
     def ipc_name(self, what: str) -> str:
         """A ZMQ ipc path in a private folder: never a TCP port (invariant 15)."""

@@ -7,10 +7,15 @@ the device (each row gathers its own by index), so the host launches step N+1 fi
 for step N's tokens and does step N's bookkeeping while the device computes N+1.
 
 Which steps overlap (`OverlapDecoder.can_run`): decode steps over the static decode buffers
-(runtime/decode_graphs.py) in a one-rank group, whose requests are all greedy, with no grammar,
-logprobs, sampling controls or jump-forward run. Anything else (a prefill, any message, a
+(runtime/decode_graphs.py) whose requests are all greedy, with no grammar, logprobs, sampling
+controls or jump-forward run. Anything else (a prefill, any message, a
 request that is not eligible, too few free KV slots) first resolves the step in flight and runs
 as before, so every other path keeps its synchronous contract.
+
+Tensor parallelism: every rank holds the same gathered logits (the LM head all-gathers them),
+so in these steps each rank takes their argmax itself instead of rank 0 broadcasting its picks
+through the host (invariant 9: identical inputs, a deterministic pick); which steps overlap
+depends only on state every rank shares (the same messages, requests and pools).
 
 A request with a step in flight: its newest sampled token is not yet in `token_ids`, and
 `kv_len` already counts the slot that step writes (`extend_len` is 0). When the step is read, a

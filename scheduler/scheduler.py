@@ -108,7 +108,7 @@ class Scheduler:
         self._was_idle = True
         self.grammar = GrammarStates(tp, grammar_compiler, cfg.enable_jump_forward)
         self.faults = faults
-        overlap = cfg.enable_overlap and tp.size == 1 and faults is None
+        overlap = cfg.enable_overlap and faults is None
         self.overlap = OverlapDecoder(runner) if overlap else None
         self.in_flight: InFlight | None = None  # a decode step launched, its tokens not read
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import run_on_ranks
 from torch import nn
 
 from runtime.distributed import TPGroup
@@ -32,7 +33,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> nn.Module:
     return build_model(str(folder), TPGroup(), dtype="float32")
 
 
-def make_scheduler(model: nn.Module, overlap: bool) -> Scheduler:
+def make_scheduler(model: nn.Module, overlap: bool, tp: TPGroup | None = None) -> Scheduler:
     device = str(next(model.parameters()).device)  # on CUDA the steps replay captured graphs
     runner = ModelRunner(
         model, max_total_tokens=512, max_running_requests=6, max_context_len=96,
@@ -46,7 +47,7 @@ def make_scheduler(model: nn.Module, overlap: bool) -> Scheduler:
         enable_overlap=overlap,
     )
     radix = RadixCache(runner.kv_pool)
-    return Scheduler(cfg, TPGroup(), runner, radix, EncoderCache(0), Sampler())
+    return Scheduler(cfg, tp or TPGroup(), runner, radix, EncoderCache(0), Sampler())
 
 
 def request(i: int, new: int, **kw: object) -> TokenizedGenerateReq:
@@ -179,7 +180,27 @@ def test_overlap_flags(tmp_path: Path) -> None:
     assert not ServerArgs(device="cuda", disable_overlap_schedule=True).overlap_schedule
     assert not ServerArgs(device="cuda", disable_cuda_graph=True).overlap_schedule
     assert not ServerArgs(device="cpu").overlap_schedule
-    assert not ServerArgs(device="cuda", tp_size=2).overlap_schedule
+    assert ServerArgs(device="cuda", tp_size=2).overlap_schedule
+
+
+def _two_rank_overlap(tp: TPGroup, folder: str) -> list[tuple]:
+    """On each of two Gloo ranks: the synchronous run (rank 0 samples and broadcasts), then the
+    overlapped one (each rank takes its own argmax), with a stop token and an abort."""
+    model = build_model(folder, tp, dtype="float32")
+    sync = run(make_scheduler(model, False, tp), {0: [request(0, 12), request(1, 8)]})
+    stop = sync[0]["r0"][4]
+    arrivals = {0: [request(0, 12, stop_token_ids=[stop]), request(1, 8)], 3: [request(2, 9)]}
+    arrivals[7] = [AbortReq("r2")]
+    return [run(make_scheduler(model, overlap, tp), arrivals) for overlap in (False, True)]
+
+
+def test_two_ranks_take_the_same_tokens_without_a_broadcast(tmp_path: Path) -> None:
+    folder = str(make_checkpoint("qwen2_vl", tmp_path / "ck"))
+    ranks = run_on_ranks(_two_rank_overlap, 2, folder, timeout=240.0)
+    (sync, sync_fin, _), (ours, fin, flight) = ranks[0]
+    assert ranks[1] == ranks[0]  # the same tokens, finishes and overlapped steps on both ranks
+    assert ours == sync and fin == sync_fin and flight > 3
+    assert fin["r0"] == "stop" and fin["r2"] == "abort" and len(ours["r1"]) == 8
 
 
 @pytest.mark.gpu
