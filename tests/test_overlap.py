@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from device_check import DeviceRules
 from dist_utils import run_on_ranks
+from runner_utils import extend
 from torch import nn
 
+import scheduler.overlap
 from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch
 from runtime.io_struct import AbortReq, TokenizedGenerateReq
@@ -20,7 +23,9 @@ from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner
+from scheduler.overlap import OverlapDecoder
 from scheduler.radix_cache import RadixCache
+from scheduler.req import Req
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from vision.vlm import build_model
 
@@ -212,3 +217,35 @@ def test_overlapped_decode_on_cuda_graphs(tmp_path: Path) -> None:
     arrivals = {0: [request(0, 12, stop_token_ids=[stop]), request(1, 5)], 4: [request(2, 9)]}
     (sync, sync_fin, _), (ours, fin, flight) = both(cuda_model, arrivals)
     assert ours == sync and fin == sync_fin and flight > 3
+
+
+def test_a_launch_reads_nothing_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the meta device under DeviceRules: launching a step, fresh or after one in flight
+    (its ids gathered on the device), reads no device value on the host and mixes no host
+    tensor into a device op; each launch is one staged copy (the copy back is left out: meta
+    tensors hold no values to copy)."""
+    import vision.vlm
+
+    folder = make_checkpoint("qwen2_vl", tmp_path / "ck")
+    monkeypatch.setattr(vision.vlm, "load_checkpoint", lambda *args: None)  # no data on meta
+    monkeypatch.setattr(scheduler.overlap, "copy_to_host", lambda values: (values, None))
+    meta_model = vision.vlm.build_model(str(folder), TPGroup(), dtype="float32", device="meta")
+    runner = ModelRunner(
+        meta_model, max_total_tokens=256, max_running_requests=4, max_context_len=64,
+        device="meta", cuda_graph_max_bs=4,
+    )  # fmt: skip
+    reqs = [Req(list(p), None) for p in PROMPTS[:3]]
+    for req in reqs:
+        runner.admit(req)
+    extend(runner, reqs, [len(r.token_ids) for r in reqs])
+    for req in reqs:
+        req.token_ids.append(3)
+    decoder = OverlapDecoder(runner)
+    with DeviceRules() as rules:
+        first = decoder.launch(reqs, None)
+    assert rules.copies == 1 and first.tokens.device.type == "meta"
+    with DeviceRules() as rules:
+        second = decoder.launch([reqs[2], reqs[0]], first)
+    assert rules.copies == 1 and second.tokens.shape == (2,)
+    # in flight: each request's kv_len counts the slots its launched steps write
+    assert [r.kv_len - len(r.token_ids) for r in reqs] == [1, 0, 1]
