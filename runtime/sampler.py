@@ -31,6 +31,7 @@ _MASK64 = 2**64 - 1
 TEMPERATURE_FLOOR = 1e-5  # below this a request is greedy
 TOP_P_FLOOR = 1e-6  # float32 holds it; smaller values are raised to it
 FAILED_TOKEN = -1  # sample_safe's token for a row that could not be sampled
+NON_FINITE = "non-finite logits"  # why such a row's request failed
 MAX_STOP_STRINGS = 16  # documented limits on stop strings (400 beyond them)
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -345,7 +346,7 @@ class Sampler:
             fast = self._sample_in_one_read(logits, params, steps)
             if fast is not None:
                 return fast
-        errors = {i: "non-finite logits" for i in bad_rows(logits)}
+        errors = {i: NON_FINITE for i in bad_rows(logits)}
         good = [i for i in range(len(params)) if i not in errors]
         tokens = [FAILED_TOKEN] * len(params)
         batch = _Rows(logits, params, steps, controls)
@@ -380,7 +381,7 @@ class Sampler:
             return None
         values = torch.cat((tokens, bad.long())).tolist()
         n = len(params)
-        errors = {i: "non-finite logits" for i in range(n) if values[n + i]}
+        errors = {i: NON_FINITE for i in range(n) if values[n + i]}
         return [FAILED_TOKEN if i in errors else t for i, t in enumerate(values[:n])], errors
 
     def _sample_subset(self, batch: _Rows, rows: list[int]) -> list[int]:

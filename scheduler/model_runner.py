@@ -132,8 +132,9 @@ class ModelRunner:
                 ids = torch.tensor([seq.token_ids[seq.kv_len] for seq in seqs], dtype=torch.long)
             else:
                 ids = torch.tensor(rows, dtype=torch.long)
-            host = (ids, *decode_places(seqs))
-            logits = self.graphs.decode(self.stager, (host[0], host[1], slots, *host[2:]), tokens)
+            positions, table_rows, cols = decode_places(seqs)
+            host = (ids, positions, slots, table_rows, cols)
+            logits = self.graphs.decode(self.stager, host, tokens)
         for seq in seqs:
             seq.kv_len += 1
         return logits

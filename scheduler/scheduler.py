@@ -42,7 +42,7 @@ from runtime.io_struct import (
     UnknownMessage,
 )
 from runtime.logging_utils import get_logger
-from runtime.sampler import RowControls, Sampler, SamplingParams, token_logprobs
+from runtime.sampler import NON_FINITE, RowControls, Sampler, SamplingParams, token_logprobs
 from runtime.token_budget import TokenBudget
 from scheduler.batch import PrefillBatch
 from scheduler.cache import CacheManager
@@ -456,13 +456,10 @@ class Scheduler:
             if req.finished:
                 continue
             if failed:
-                self.fail(req, "non-finite logits")
+                self.fail(req, NON_FINITE)
                 continue
             req.append_token(token)
-            self.counters.generated_tokens += 1
-            self.touch(req)
-            if req.finished:
-                self.finish_request(req)
+            self.took_step(req)
 
     def make_room_for_decode(self) -> None:
         """Retract the newest requests until one step of decode fits in KV."""
@@ -498,10 +495,14 @@ class Scheduler:
             self.append_forced(req, forced.get(i, []))
             if i in ended and not req.finished:
                 req.finish = FinishKind.STOP  # the grammar can only end here
-            self.counters.generated_tokens += 1
-            self.touch(req)
-            if req.finished:
-                self.finish_request(req)
+            self.took_step(req)
+
+    def took_step(self, req: Req) -> None:
+        """A request's token of this step is appended: count it, report it, end it if done."""
+        self.counters.generated_tokens += 1
+        self.touch(req)
+        if req.finished:
+            self.finish_request(req)
 
     def append_forced(self, req: Req, run: list[int]) -> None:
         """Jump-forward: the tokens the grammar forced after the sampled one, each appended as

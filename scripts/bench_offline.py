@@ -135,8 +135,10 @@ def run_tessera(scheduler: Scheduler, prompts: list[Prompt], device: str) -> dic
     while done < len(prompts):
         decodes = scheduler.counters.decode_steps
         step_start = time.perf_counter()
-        result = scheduler.step(messages)  # no sync here: a step reads its tokens (or, with
-        now = time.perf_counter()  # overlap, the last step's) and that is what the host waits for
+        # no device sync here: a step reads its own tokens (with overlap, the previous step's),
+        # and that read is what the host waits for
+        result = scheduler.step(messages)
+        now = time.perf_counter()
         messages = []
         if scheduler.counters.decode_steps > decodes and len(scheduler.running) == len(prompts):
             decode_steps.append(now - step_start)
