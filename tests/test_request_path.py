@@ -5,6 +5,7 @@ with the one rule (`TokenBudget`) that the scheduler also asks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -40,7 +41,12 @@ from tokenizer_manager.multimodal_inputs import (
     expand_placeholder_ids,
 )
 from tokenizer_manager.protocol import APIError
-from tokenizer_manager.tokenizer_manager import GenerateInput, TokenizerManager
+from tokenizer_manager.tokenizer_manager import (
+    INLINE_PROMPT_CHARS,
+    GenerateInput,
+    TokenizerManager,
+    renders_quickly,
+)
 
 GRID = (1, 4, 6)  # 24 patches, 6 tokens with a 2x2 merge
 IMAGE_URL = "data:image/png;base64,AAAA"
@@ -302,3 +308,43 @@ def test_header_token_count_matches_the_image_processor(checkpoint: Path, size: 
     )
     grid = tuple(int(x) for x in out["image_grid_thw"][0])
     assert spec.image_cost(height, width)[0] == item_tokens(grid, spec.image.merge_size)
+
+
+def test_short_chats_are_templated_and_tokenized_on_the_loop_with_the_same_ids(
+    checkpoint: Path,
+) -> None:
+    """A short chat never hops to the CPU thread (two hops cost more than the work) and gets
+    the ids the thread path gives; a long one, and one with tools, still go to the thread."""
+    tm, reference = manager(checkpoint), manager(checkpoint)
+    hops: list[str] = []
+
+    async def recorded(fn: Any, *args: Any) -> Any:
+        hops.append(fn.__name__)
+        return fn(*args)
+
+    tm.in_thread = recorded
+    text = "describe the picture in a few words"
+    assert run(tm, chat_with(text)).input_ids == run(reference, chat_with(text)).input_ids
+    assert hops == []
+
+    long_text = "word " * (INLINE_PROMPT_CHARS // 4)
+    got = run(tm, chat_with(long_text))
+    assert hops[:2] == ["render_chat", "encode"]
+    assert got.input_ids == run(reference, chat_with(long_text)).input_ids
+
+    hops.clear()
+    run(tm, dataclasses.replace(chat_with("hi"), template_kwargs={"style": "terse"}))
+    assert "render_chat" in hops
+
+
+def test_which_chats_render_on_the_loop() -> None:
+    user = {"role": "user", "content": "hello"}
+    assert renders_quickly([user], {"add_generation_prompt": True})
+    assert renders_quickly([{"role": "user", "content": [{"type": "text", "text": "x"}]}], None)
+    assert not renders_quickly([{"role": "user", "content": "x" * (INLINE_PROMPT_CHARS + 1)}], None)
+    many = [{"role": "user", "content": "x" * 1000}] * 5  # short messages, long chat
+    assert not renders_quickly(many, None)
+    assert not renders_quickly([user], {"tools": [{"type": "function"}]})
+    assert not renders_quickly([user], {"documents": [{"text": "d"}]})
+    calls = {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}
+    assert not renders_quickly([user, calls], None)

@@ -78,6 +78,31 @@ LONG_PROMPT_CHARS = 16_384  # prompts longer than this are tokenized in a lane o
 # and MRoPE positions took 0.5 ms for a resent 2-image turn of 572 tokens there, against 0.8 ms
 # through the CPU thread and back (0.02 against 0.2 ms for a text request; docs/benchmarks.md).
 INLINE_BUILD_IDS = 2048
+# Chats and prompts this short are templated and tokenized on the event loop (about 0.1 ms
+# each): the two hops to the CPU thread and back would cost more, up to the interpreter's
+# 5 ms thread switch interval each while the loop is busy with other requests.
+INLINE_PROMPT_CHARS = 4096
+
+
+def renders_quickly(messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None) -> bool:
+    """Whether a chat is short enough to render on the event loop: its text parts within
+    INLINE_PROMPT_CHARS and nothing else for the template (tools, documents) but its flags."""
+    if any(not isinstance(v, bool | None) for v in (template_kwargs or {}).values()):
+        return False
+    chars = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+        elif content is not None:
+            return False
+        if len(m) > 2 + ("name" in m):  # tool calls, reasoning: the thread renders them
+            return False
+        if chars > INLINE_PROMPT_CHARS:
+            return False
+    return True
 
 
 def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
@@ -178,6 +203,8 @@ class TokenizerManager:
         # context by its length alone is refused before either.
         self._long = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenize-long")
         self._long_tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+        # Short prompts are tokenized on the event loop, with a tokenizer only the loop uses.
+        self._loop_tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.budget.limit)
         self.grammar = GrammarCheck(
             args.model_path, self.config.text.vocab_size, self.config.eos_token_ids
@@ -296,6 +323,8 @@ class TokenizerManager:
         """The prompt text (None for token ids) and its media, placeholders in place."""
         if inp.messages is not None:
             with self.metrics.timed("template"):
+                if renders_quickly(inp.messages, inp.template_kwargs):
+                    return self.render_chat(inp.messages, inp.template_kwargs)
                 return await self.in_thread(self.render_chat, inp.messages, inp.template_kwargs)
         if inp.text is not None:
             _client_error(check_text_prompt, inp.text, param="prompt")
@@ -396,6 +425,8 @@ class TokenizerManager:
         prompt in its own lane, so it delays no short one (invariant 18)."""
         if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
             raise self.too_long(f"a prompt of {len(prompt)} characters")
+        if len(prompt) <= INLINE_PROMPT_CHARS:
+            return self._loop_tokenizer(prompt)["input_ids"]
         if len(prompt) <= LONG_PROMPT_CHARS:
             return await self.in_thread(self.encode, prompt)
         loop = asyncio.get_running_loop()
