@@ -411,6 +411,39 @@ class Sampler:
                 picks[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
         return picks
 
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        steps: list[int],
+        columns: torch.Tensor,
+    ) -> torch.Tensor:
+        """Tokens [B] on the logits' device, with no read back and no host tensor copied in:
+        `sample` for requests without controls, its per-row settings taken from `columns`
+        (`sampler_columns`, already on the device). Greedy rows take the argmax and seeded rows
+        draw from their own generator exactly as `sample` draws them; the other sampled rows draw
+        together from the shared generator (over every row, so which rows draw needs no index
+        from the host: their tokens are random draws, not `sample`'s). A row with bad logits
+        draws from zeros (a drawing from NaN would fault a GPU); the caller fails it."""
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if all(p.is_greedy for p in params):
+            return greedy
+        temps, top_k, top_p, min_p, sampled = columns[:, :, None].unbind(0)
+        safe = logits.masked_fill(bad_row_mask(logits)[:, None], 0.0)
+        ranked, order = (safe / temps).sort(dim=-1, descending=True, stable=True)
+        positions = torch.arange(ranked.shape[-1], device=ranked.device)
+        probs = ranked.masked_fill(positions >= top_k, -math.inf).softmax(dim=-1)
+        probs = _min_p(_top_p(probs, top_p), min_p)
+        picks = torch.multinomial(probs, 1, generator=self._shared_generator(probs.device))
+        picks = picks.squeeze(1)
+        for i, p in enumerate(params):
+            if p.seed is not None and not p.is_greedy:
+                gen = request_generator(p.seed, steps[i], probs.device)
+                picks[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+        drawn = order.gather(1, picks[:, None]).squeeze(1)
+        return torch.where(sampled[:, 0] > 0, drawn, greedy)
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._shared:
             self._shared[device] = torch.Generator(device=device).manual_seed(self.seed)
@@ -461,6 +494,20 @@ def filtered_probs(
     probs = _top_p(probs, _column([max(p.top_p, TOP_P_FLOOR) for p in params], logits.device))
     probs = _min_p(probs, _column([p.min_p for p in params], logits.device))
     return probs, order
+
+
+def sampler_columns(params: list[SamplingParams], vocab: int) -> torch.Tensor:
+    """Host float32 [5, B]: the temperature, top-k, top-p and min-p `filtered_probs` uses for
+    each row, and 1 where the row samples (0: greedy; its settings are then neutral), for
+    `Sampler.sample_on_device` once on the device."""
+    rows = [
+        (max(p.temperature, TEMPERATURE_FLOOR), vocab if p.top_k < 0 else min(p.top_k, vocab),
+         max(p.top_p, TOP_P_FLOOR), p.min_p, 1.0)
+        if not p.is_greedy
+        else (1.0, vocab, 1.0, 0.0, 0.0)
+        for p in params
+    ]  # fmt: skip
+    return torch.tensor(rows, dtype=torch.float32).T.contiguous()
 
 
 def _top_k(ranked: torch.Tensor, top_k: list[int]) -> torch.Tensor:

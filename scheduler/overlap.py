@@ -7,8 +7,11 @@ the device (each row gathers its own by index), so the host launches step N+1 fi
 for step N's tokens and does step N's bookkeeping while the device computes N+1.
 
 Which steps overlap (`OverlapDecoder.can_run`): decode steps over the static decode buffers
-(runtime/decode_graphs.py) whose requests are all greedy, with no grammar, logprobs, sampling
-controls or jump-forward run. Anything else (a prefill, any message, a
+(runtime/decode_graphs.py) whose requests have no grammar, logprobs, sampling controls or
+jump-forward run, and are greedy or (at tp 1) sampled. A sampled row is drawn on the device
+(`Sampler.sample_on_device`) from per-row settings staged in one copy (`sampler_columns`);
+at tp > 1 a sampled batch runs synchronously, since rank 0's draws reach the other ranks only
+through the host broadcast. Anything else (a prefill, any message, a
 request that is not eligible, too few free KV slots) first resolves the step in flight and runs
 as before, so every other path keeps its synchronous contract.
 
@@ -31,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampler import bad_row_mask
+from runtime.forward_batch import HostStager
+from runtime.sampler import Sampler, bad_row_mask, sampler_columns
 from scheduler.model_runner import ModelRunner
 from scheduler.req import Req
 
@@ -56,13 +60,19 @@ class InFlight:
 class OverlapDecoder:
     """Launches greedy decode steps without reading their tokens (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
+        """With `sampler` (tp 1 only), sampled requests overlap too."""
+        self.runner, self.sampler = runner, sampler
+        self.columns = HostStager(runner.device)  # the sampler's per-row settings, one copy
 
     def can_run(self, reqs: list[Req]) -> bool:
         graphs = self.runner.graphs
-        return bool(reqs) and graphs is not None and graphs.fits(len(reqs)) and all(
-            plain_greedy(r) for r in reqs
+        sampled = self.sampler is not None
+        return (
+            bool(reqs)
+            and graphs is not None
+            and graphs.fits(len(reqs))
+            and all(needs_no_host(r, sampled) for r in reqs)
         )
 
     def launch(self, reqs: list[Req], after: InFlight | None) -> InFlight:
@@ -73,16 +83,29 @@ class OverlapDecoder:
             at = {id(r): i for i, r in enumerate(after.reqs)}
             rows = [at[id(r)] for r in reqs]
         logits = self.runner.decode_after(reqs, rows, None if after is None else after.tokens)
-        tokens = logits.argmax(dim=-1)  # the sampler's greedy pick, without a host read
+        tokens = self.pick(reqs, logits, after is not None)
         both = torch.cat((tokens, bad_row_mask(logits).long()))
         return InFlight(reqs, tokens, *copy_to_host(both))
 
+    def pick(self, reqs: list[Req], logits: torch.Tensor, in_flight: bool) -> torch.Tensor:
+        """Each row's token, on the device: the argmax, or a draw for sampled rows (each
+        request's step counts the token still in flight)."""
+        params = [r.params for r in reqs]
+        if self.sampler is None or all(p.is_greedy for p in params):
+            return logits.argmax(dim=-1)  # the sampler's greedy pick, without a host read
+        steps = [len(r.token_ids) - r.prompt_len + in_flight for r in reqs]
+        host = sampler_columns(params, logits.shape[-1])
+        (bits,) = self.columns.stage([host.view(torch.int32)])  # float bits, exactly
+        columns = bits.to(torch.int32).view(torch.float32)
+        return self.sampler.sample_on_device(logits, params, steps, columns)
 
-def plain_greedy(req: Req) -> bool:
-    """Whether the request's tokens need nothing from the host but the logits' argmax."""
+
+def needs_no_host(req: Req, sampled: bool) -> bool:
+    """Whether the request's next token needs nothing from the host but its logits (and, when
+    `sampled`, its sampling settings)."""
     p = req.params
     return (
-        p.is_greedy
+        (p.is_greedy or sampled)
         and p.grammar is None
         and p.logprobs is None
         and not p.uses_controls

@@ -147,6 +147,30 @@ def test_a_request_that_cannot_overlap_runs_the_batch_synchronously(model: nn.Mo
     assert not any(flights[7:11])  # r1 decodes here, with logprobs
 
 
+def sampled(i: int, new: int, **kw: object) -> TokenizedGenerateReq:
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True, **kw)
+    return TokenizedGenerateReq(f"r{i}", list(PROMPTS[i]), params)
+
+
+def test_sampled_requests_overlap_at_tp_1(model: nn.Module) -> None:
+    """Seeded sampled requests draw on the device while the next step is launched: the
+    synchronous scheduler's tokens, beside a greedy one; an unseeded one draws its own tokens
+    but as many, and the steps overlap throughout."""
+    arrivals = {
+        0: [sampled(0, 14, temperature=0.9, top_p=0.8, seed=21), request(1, 9)],
+        3: [sampled(2, 10, temperature=1.4, top_k=6, min_p=0.05, seed=-5)],
+        5: [sampled(3, 7, temperature=0.7)],
+    }
+    (sync, sync_fin, sync_flight), (ours, fin, flight) = both(model, arrivals)
+    assert {rid: ours[rid] for rid in ("r0", "r1", "r2")} == {
+        rid: sync[rid] for rid in ("r0", "r1", "r2")
+    }
+    assert fin == sync_fin and len(ours["r3"]) == 7
+    assert sync_flight == 0 and flight > 8
+    greedy_r0 = run(make_scheduler(model, False), {0: [request(0, 14)]})[0]["r0"]
+    assert ours["r0"] != greedy_r0  # it really sampled
+
+
 class PoisonedModel(nn.Module):
     """The real model, with NaN logits for any row whose input id is `poison`."""
 
@@ -214,7 +238,8 @@ def test_overlapped_decode_on_cuda_graphs(tmp_path: Path) -> None:
     folder = make_checkpoint("qwen2_vl", tmp_path / "ck")
     cuda_model = build_model(str(folder), TPGroup(), dtype="float32", device="cuda")
     stop = run(make_scheduler(cuda_model, False), {0: [request(0, 12)]})[0]["r0"][5]
-    arrivals = {0: [request(0, 12, stop_token_ids=[stop]), request(1, 5)], 4: [request(2, 9)]}
+    arrivals = {0: [request(0, 12, stop_token_ids=[stop]), request(1, 5)]}
+    arrivals[4] = [sampled(2, 9, temperature=0.9, top_p=0.9, seed=3)]  # drawn on the device
     (sync, sync_fin, _), (ours, fin, flight) = both(cuda_model, arrivals)
     assert ours == sync and fin == sync_fin and flight > 3
 

@@ -17,6 +17,7 @@ from runtime.sampler import (
     bad_rows,
     filtered_probs,
     mix_seed,
+    sampler_columns,
 )
 
 VOCAB = 64
@@ -353,3 +354,61 @@ def test_a_batch_without_controls_reads_the_device_once(
     assert all(0 <= t < VOCAB for i, t in enumerate(tokens) if i != 2)
     if temperature == 0.0:
         assert tokens[0] == int(logits[0].argmax())
+
+
+# ---------------------------------------------------------------------- drawing on the device
+
+
+def on_device(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list:
+    columns = sampler_columns(params, logits.shape[-1])
+    return Sampler().sample_on_device(logits, params, steps, columns).tolist()
+
+
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=11),
+    SamplingParams(temperature=1.3, top_k=5, seed=-4),
+    SamplingParams(temperature=0.6, min_p=0.2, seed=2**63),
+    SamplingParams(top_k=1),
+    SamplingParams(temperature=1e-7, seed=3),
+    SamplingParams(temperature=2.0, top_k=-1, top_p=1e-9, seed=8),
+]
+
+
+def test_device_draws_equal_sample_for_greedy_and_seeded_rows() -> None:
+    """Overlapped decode draws with `sample_on_device` (settings from staged columns, no host
+    index): every greedy and seeded row gets `sample`'s token, at each step and for rows in
+    any order."""
+    for seed in range(6):
+        logits = random_logits(len(MIXED), seed)
+        steps = [seed * 3 + i for i in range(len(MIXED))]
+        assert on_device(logits, MIXED, steps) == Sampler().sample(logits, MIXED, steps).tolist()
+        flipped = MIXED[::-1]
+        got = on_device(logits.flip(0), flipped, steps[::-1])
+        assert got == Sampler().sample(logits.flip(0), flipped, steps[::-1]).tolist()
+
+
+def test_unseeded_device_draws_follow_the_filtered_softmax() -> None:
+    logits = torch.tensor([1.0, 0.5, 0.0, -1.0]).repeat(20000, 1)
+    params = [SamplingParams(temperature=0.7, top_k=3)] * 20000
+    tokens = torch.tensor(on_device(logits, params, [0] * 20000))
+    probs = torch.tensor([1.0, 0.5, 0.0]) / 0.7
+    probs = torch.cat((probs.softmax(dim=-1), torch.zeros(1)))
+    assert tokens.max() < 3  # top_k holds
+    assert torch.allclose(frequencies(tokens, 4), probs.double(), atol=0.02)
+
+
+def test_a_bad_row_draws_from_zeros_and_leaves_the_others_alone() -> None:
+    logits = random_logits(3, 5)
+    logits[1, 4] = float("nan")
+    params = [SamplingParams(temperature=0.9, seed=i) for i in range(3)]
+    got = on_device(logits, params, [0, 0, 0])
+    good = Sampler().sample(logits[[0, 2]], [params[0], params[2]], [0, 0]).tolist()
+    assert [got[0], got[2]] == good and 0 <= got[1] < VOCAB
+
+
+def test_sampler_columns_are_neutral_for_greedy_rows() -> None:
+    columns = sampler_columns([SamplingParams(temperature=0.0), MIXED[2]], VOCAB)
+    assert columns.shape == (5, 2) and columns.dtype == torch.float32
+    assert columns[:, 0].tolist() == [1.0, VOCAB, 1.0, 0.0, 0.0]
+    assert columns[:, 1].tolist() == [pytest.approx(1.3), 5.0, 1.0, 0.0, 1.0]
