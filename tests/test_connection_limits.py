@@ -258,3 +258,38 @@ def test_a_body_left_unsent_after_an_early_answer_gets_no_second_answer(
         )
         answer = closed_answer(s, BODY_S + 10)
     assert answer.startswith(b"HTTP/1.1 413") and b"HTTP/1.1 408" not in answer
+
+
+async def first_body_message_app(scope: dict, receive: object, send: object) -> None:
+    """Waits before it reads the body (a busy event loop), then answers with the size of the
+    first body message it got: what the connection read ahead meanwhile."""
+    if scope["type"] != "http":
+        return
+    await asyncio.sleep(0.5)
+    first = await receive()
+    size, more = len(first["body"]), first["more_body"]
+    while more:
+        message = await receive()
+        more = message.get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": str(size).encode()})
+
+
+@pytest.mark.parametrize("body_mb, read_ahead_mb", [(2, 4), (3, 1)])
+def test_a_large_body_is_read_ahead_up_to_its_bound(body_mb: int, read_ahead_mb: int) -> None:
+    """A multi-MiB body (a chat with images) arrives while the route is busy: it is read
+    ahead, not paused after 64 KiB and resumed once per read by the route; past
+    `body_read_ahead` the socket pauses, so what one connection makes the server hold stays
+    bounded."""
+    limits = ConnectionLimits(body_read_ahead=read_ahead_mb << 20, max_connections=10)
+    srv = ThreadServer(first_body_message_app, limits)
+    try:
+        body = b"x" * (body_mb << 20)
+        answer = httpx.post(srv.url, content=body, timeout=30).text
+        first = int(answer)
+        if body_mb <= read_ahead_mb:
+            assert first == len(body)  # all of it read while the route slept
+        else:
+            assert (read_ahead_mb << 20) <= first < (read_ahead_mb << 20) + (1 << 20)
+    finally:
+        srv.stop()
