@@ -1,8 +1,11 @@
 """Sampling parameters of a request and the sampler that turns a batch of logits into tokens.
 
-How TP ranks agree on tokens (invariant 9 in docs/architecture.md): only the entry rank (rank 0)
-calls `Sampler.sample`; the scheduler then broadcasts the chosen token ids to the other ranks with
-`broadcast_pyobj`, so the ranks cannot disagree even when their logits differ in the last bit.
+How TP ranks agree on tokens (invariant 9 in docs/architecture.md): in a synchronous step only the
+entry rank (rank 0) calls `Sampler.sample`; the scheduler then broadcasts the chosen token ids to
+the other ranks with `broadcast_pyobj`, so the ranks cannot disagree even when their logits differ
+in the last bit. An overlapped decode step (scheduler/overlap.py) has every rank draw on the same
+all-gathered logits with `sample_on_device`, whose generators are seeded only from what all ranks
+share (a request's seed and step; the sampler's seed and the count of such steps).
 Sampling is also deterministic on its own: with identical logits, params and steps, samplers
 built with the same `Sampler(seed=...)` draw identical tokens, on any rank.
 
@@ -40,6 +43,7 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 MAX_LOGIT_BIAS = 1024  # entries in logit_bias
 MAX_BAD_WORDS = 64
 MAX_N = 64
+UNSEEDED_STREAM = 0x5EED_0F_0A11  # sample_on_device's unseeded rows: a stream of their own
 
 
 @dataclass
@@ -417,14 +421,17 @@ class Sampler:
         params: list[SamplingParams],
         steps: list[int],
         columns: torch.Tensor,
+        draw: int,
     ) -> torch.Tensor:
         """Tokens [B] on the logits' device, with no read back and no host tensor copied in:
         `sample` for requests without controls, its per-row settings taken from `columns`
         (`sampler_columns`, already on the device). Greedy rows take the argmax and seeded rows
-        draw from their own generator exactly as `sample` draws them; the other sampled rows draw
-        together from the shared generator (over every row, so which rows draw needs no index
-        from the host: their tokens are random draws, not `sample`'s). A row with bad logits
-        draws from zeros (a drawing from NaN would fault a GPU); the caller fails it."""
+        draw from their own generator exactly as `sample` draws them. The other sampled rows
+        draw together (over every row, so which rows draw needs no index from the host) from a
+        generator seeded from (this sampler's seed, `draw`): with the same logits and the same
+        `draw` (the count of such steps, which every rank keeps alike), every TP rank draws the
+        same tokens without rank 0's broadcast (invariant 9's seeding rule). A row with bad
+        logits draws from zeros (a drawing from NaN would fault a GPU); the caller fails it."""
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
         if all(p.is_greedy for p in params):
@@ -435,8 +442,8 @@ class Sampler:
         positions = torch.arange(ranked.shape[-1], device=ranked.device)
         probs = ranked.masked_fill(positions >= top_k, -math.inf).softmax(dim=-1)
         probs = _min_p(_top_p(probs, top_p), min_p)
-        picks = torch.multinomial(probs, 1, generator=self._shared_generator(probs.device))
-        picks = picks.squeeze(1)
+        gen = request_generator(mix_seed(self.seed, draw), UNSEEDED_STREAM, probs.device)
+        picks = torch.multinomial(probs, 1, generator=gen).squeeze(1)
         for i, p in enumerate(params):
             if p.seed is not None and not p.is_greedy:
                 gen = request_generator(p.seed, steps[i], probs.device)

@@ -8,17 +8,18 @@ for step N's tokens and does step N's bookkeeping while the device computes N+1.
 
 Which steps overlap (`OverlapDecoder.can_run`): decode steps over the static decode buffers
 (runtime/decode_graphs.py) whose requests have no grammar, logprobs, sampling controls or
-jump-forward run, and are greedy or (at tp 1) sampled. A sampled row is drawn on the device
-(`Sampler.sample_on_device`) from per-row settings staged in one copy (`sampler_columns`);
-at tp > 1 a sampled batch runs synchronously, since rank 0's draws reach the other ranks only
-through the host broadcast. Anything else (a prefill, any message, a
-request that is not eligible, too few free KV slots) first resolves the step in flight and runs
-as before, so every other path keeps its synchronous contract.
+jump-forward run, greedy or sampled. A sampled row is drawn on the device
+(`Sampler.sample_on_device`) from per-row settings staged in one copy (`sampler_columns`).
+Anything else (a prefill, any message, a request that is not eligible, too few free KV slots)
+first resolves the step in flight and runs as before, so every other path keeps its
+synchronous contract.
 
 Tensor parallelism: every rank holds the same gathered logits (the LM head all-gathers them),
-so in these steps each rank takes their argmax itself instead of rank 0 broadcasting its picks
-through the host (invariant 9: identical inputs, a deterministic pick); which steps overlap
-depends only on state every rank shares (the same messages, requests and pools).
+so in these steps each rank picks the tokens itself instead of rank 0 broadcasting its picks
+through the host (invariant 9: identical inputs, a deterministic pick): the argmax, or a draw
+whose generator is seeded from what every rank shares (a seeded request's seed and step; else
+the sampler's seed and the count of sampled launches, `OverlapDecoder.draws`). Which steps
+overlap depends only on state every rank shares (the same messages, requests and pools).
 
 A request with a step in flight: its newest sampled token is not yet in `token_ids`, and
 `kv_len` already counts the slot that step writes (`extend_len` is 0). When the step is read, a
@@ -61,9 +62,10 @@ class OverlapDecoder:
     """Launches greedy decode steps without reading their tokens (see the module docstring)."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
-        """With `sampler` (tp 1 only), sampled requests overlap too."""
+        """With `sampler`, sampled requests overlap too."""
         self.runner, self.sampler = runner, sampler
         self.columns = HostStager(runner.device)  # the sampler's per-row settings, one copy
+        self.draws = 0  # sampled launches so far: the same count on every rank
 
     def can_run(self, reqs: list[Req]) -> bool:
         graphs = self.runner.graphs
@@ -97,7 +99,8 @@ class OverlapDecoder:
         host = sampler_columns(params, logits.shape[-1])
         (bits,) = self.columns.stage([host.view(torch.int32)])  # float bits, exactly
         columns = bits.to(torch.int32).view(torch.float32)
-        return self.sampler.sample_on_device(logits, params, steps, columns)
+        self.draws += 1
+        return self.sampler.sample_on_device(logits, params, steps, columns, self.draws)
 
 
 def needs_no_host(req: Req, sampled: bool) -> bool:

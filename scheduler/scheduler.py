@@ -109,9 +109,7 @@ class Scheduler:
         self.grammar = GrammarStates(tp, grammar_compiler, cfg.enable_jump_forward)
         self.faults = faults
         overlap = cfg.enable_overlap and faults is None
-        self.overlap = None
-        if overlap:  # at tp > 1 only greedy steps overlap (no host broadcast of draws)
-            self.overlap = OverlapDecoder(runner, sampler if tp.size == 1 else None)
+        self.overlap = OverlapDecoder(runner, sampler) if overlap else None
         self.in_flight: InFlight | None = None  # a decode step launched, its tokens not read
 
     # ------------------------------------------------------------------ the loop body

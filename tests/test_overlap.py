@@ -147,9 +147,9 @@ def test_a_request_that_cannot_overlap_runs_the_batch_synchronously(model: nn.Mo
     assert not any(flights[7:11])  # r1 decodes here, with logprobs
 
 
-def sampled(i: int, new: int, **kw: object) -> TokenizedGenerateReq:
+def sampled(i: int, new: int, rid: str | None = None, **kw: object) -> TokenizedGenerateReq:
     params = SamplingParams(max_new_tokens=new, ignore_eos=True, **kw)
-    return TokenizedGenerateReq(f"r{i}", list(PROMPTS[i]), params)
+    return TokenizedGenerateReq(rid or f"r{i}", list(PROMPTS[i]), params)
 
 
 def test_sampled_requests_overlap_at_tp_1(model: nn.Module) -> None:
@@ -214,22 +214,32 @@ def test_overlap_flags(tmp_path: Path) -> None:
 
 def _two_rank_overlap(tp: TPGroup, folder: str) -> list[tuple]:
     """On each of two Gloo ranks: the synchronous run (rank 0 samples and broadcasts), then the
-    overlapped one (each rank takes its own argmax), with a stop token and an abort."""
+    overlapped one (each rank picks its own tokens: the argmax, or a draw), with a stop token,
+    an abort, a seeded and an unseeded sampled request."""
     model = build_model(folder, tp, dtype="float32")
     sync = run(make_scheduler(model, False, tp), {0: [request(0, 12), request(1, 8)]})
     stop = sync[0]["r0"][4]
     arrivals = {0: [request(0, 12, stop_token_ids=[stop]), request(1, 8)], 3: [request(2, 9)]}
     arrivals[7] = [AbortReq("r2")]
+    arrivals[9] = [sampled(3, 10, temperature=1.2, top_p=0.95)]
+    arrivals[10] = [sampled(2, 8, "s2", temperature=0.8, top_k=20, seed=99)]
     return [run(make_scheduler(model, overlap, tp), arrivals) for overlap in (False, True)]
 
 
 def test_two_ranks_take_the_same_tokens_without_a_broadcast(tmp_path: Path) -> None:
+    """Greedy and sampled steps overlap at tp 2: both ranks pick the same tokens with no host
+    broadcast (a seeded request's are the synchronous run's; an unseeded one's are its own
+    draws, the same on both ranks)."""
     folder = str(make_checkpoint("qwen2_vl", tmp_path / "ck"))
     ranks = run_on_ranks(_two_rank_overlap, 2, folder, timeout=240.0)
     (sync, sync_fin, _), (ours, fin, flight) = ranks[0]
     assert ranks[1] == ranks[0]  # the same tokens, finishes and overlapped steps on both ranks
-    assert ours == sync and fin == sync_fin and flight > 3
+    assert {k: v for k, v in ours.items() if k != "r3"} == {
+        k: v for k, v in sync.items() if k != "r3"
+    }
+    assert fin == sync_fin and flight > 8 and len(ours["r3"]) == 10
     assert fin["r0"] == "stop" and fin["r2"] == "abort" and len(ours["r1"]) == 8
+    assert len(ours["s2"]) == 8
 
 
 @pytest.mark.gpu

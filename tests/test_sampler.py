@@ -359,9 +359,15 @@ def test_a_batch_without_controls_reads_the_device_once(
 # ---------------------------------------------------------------------- drawing on the device
 
 
-def on_device(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list:
+def on_device(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    steps: list[int],
+    draw: int = 0,
+    sampler: Sampler | None = None,
+) -> list:
     columns = sampler_columns(params, logits.shape[-1])
-    return Sampler().sample_on_device(logits, params, steps, columns).tolist()
+    return (sampler or Sampler()).sample_on_device(logits, params, steps, columns, draw).tolist()
 
 
 MIXED = [
@@ -412,3 +418,17 @@ def test_sampler_columns_are_neutral_for_greedy_rows() -> None:
     assert columns.shape == (5, 2) and columns.dtype == torch.float32
     assert columns[:, 0].tolist() == [1.0, VOCAB, 1.0, 0.0, 0.0]
     assert columns[:, 1].tolist() == [pytest.approx(1.3), 5.0, 1.0, 0.0, 1.0]
+
+
+def test_unseeded_device_draws_agree_across_samplers_like_tp_ranks() -> None:
+    """Every rank draws an overlapped step itself: samplers built alike, given the same logits
+    and draw count, pick the same tokens whatever each drew before; another draw count, or
+    another sampler seed, gives other tokens."""
+    logits = random_logits(64, 9)
+    params = [SamplingParams(temperature=1.5)] * 64
+    rank0, rank1 = Sampler(seed=4), Sampler(seed=4)
+    rank0.sample(logits, params, [0] * 64)  # a synchronous step only rank 0 drew
+    first = on_device(logits, params, [0] * 64, draw=7, sampler=rank0)
+    assert first == on_device(logits, params, [0] * 64, draw=7, sampler=rank1)
+    assert first != on_device(logits, params, [0] * 64, draw=8, sampler=rank1)
+    assert first != on_device(logits, params, [0] * 64, draw=7, sampler=Sampler(seed=5))
