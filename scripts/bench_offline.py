@@ -17,6 +17,9 @@ Floors, measured in the same run:
 - vision tower time >= its FLOPs / the measured matmul rate in the model's dtype.
 
 Greedy outputs of both engines are compared at batch 1 and reported (`greedy_match`).
+`--temperature T` (above 0) has tessera's requests sample instead (unseeded, as most clients): a
+sampled decode step's cost, with or without overlap; HF is then not run (its greedy tokens are
+not comparable).
 """
 
 from __future__ import annotations
@@ -359,6 +362,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true", help="measure tessera and the floors only")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (implies --skip-hf)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens before launching the next")
     p.add_argument("--json", default=None, help="write the results here")
@@ -368,6 +373,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where the profile's op tables and Chrome trace go (default: none)")
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    if args.temperature < 0:
+        p.error("--temperature must be at least 0")
+    args.skip_hf = args.skip_hf or args.temperature > 0
     args.image_size = tuple(int(x) for x in args.image_size.lower().split("x"))
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -430,7 +438,9 @@ def run(args: argparse.Namespace, model_path: str, tmp: str) -> dict[str, Any]:
     scheduler = build_scheduler(server, TPGroup())
     model = scheduler.runner.model
     dtype = next(model.parameters()).dtype
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(
+        temperature=args.temperature, max_new_tokens=args.output_len, ignore_eos=True
+    )
     prompts = make_prompts(args, server, max(args.batch_sizes), params)
     for b in args.batch_sizes:  # warm-up: each size's kernels compiled, its decode graph captured
         run_tessera(scheduler, prompts[:b], args.device)

@@ -10,7 +10,8 @@
 # Every step has a time limit cut to what is left of GPU_SESSION_BUDGET seconds (default 480), so
 # a hang in one step costs that step alone. GPU_SESSION_STEPS (comma list; default all) picks
 # steps among: pytest, gpu_check, offline_7b, offline_7b_sync (batch-1 decode with overlap
-# off, to compare), parity_7b, serving_7b, varlen. The 7B checkpoint
+# off, to compare), parity_7b, serving_7b, varlen, offline_7b_sampled (decode at temperature 0.8,
+# overlapped, batch 1 and 32). The 7B checkpoint
 # (about 16 GB, bfloat16) is written in the background while the tests run. Logs and JSON
 # reports go to $OUT; the 7B offline step also writes its decode profile there, and takes more
 # arguments from GPU_SESSION_OFFLINE_ARGS (e.g. --skip-hf when a run already measured HF).
@@ -19,7 +20,7 @@ OUT=${OUT:-gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 BUDGET=${GPU_SESSION_BUDGET:-480}
-STEPS=${GPU_SESSION_STEPS:-pytest,gpu_check,offline_7b,offline_7b_sync,parity_7b,serving_7b,varlen}
+STEPS=${GPU_SESSION_STEPS:-pytest,gpu_check,offline_7b,offline_7b_sync,parity_7b,serving_7b,varlen,offline_7b_sampled}
 CKPT=${GPU_SESSION_CKPT:-/tmp/tessera-7b}
 START=$SECONDS
 
@@ -62,7 +63,7 @@ fi
 step pytest 120 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider --durations=10 \
     tests/test_triton_kernels.py tests/test_triton_model.py tests/test_varlen_segments.py \
     tests/test_decode_graphs.py tests/test_flashinfer_metadata.py tests/test_device_placement.py \
-    >"$OUT/pytest.log" 2>&1
+    tests/test_overlap.py::test_overlapped_decode_on_cuda_graphs >"$OUT/pytest.log" 2>&1
 [ -f "$OUT/pytest.log" ] && tail -n 40 "$OUT/pytest.log"
 
 step gpu_check 120 python3 scripts/gpu_check.py --checks parity_tiny,serve \
@@ -105,4 +106,8 @@ finally:
 EOF
 
 step varlen 40 python3 scripts/bench_varlen_gpu.py --images 32 --json "$OUT/varlen.json"
+
+step offline_7b_sampled 70 python3 scripts/bench_offline.py --model-path "$CKPT" --device cuda \
+    --dtype bfloat16 --batch-sizes 1,32 --output-len 128 --temperature 0.8 \
+    --json "$OUT/offline7b_sampled.json"
 echo "== done at $((SECONDS - START)) s"

@@ -108,3 +108,20 @@ def test_decode_profile(results: dict) -> None:
     assert "Self CPU" in table and "aten::" in table
     trace = json.loads((results["profile_dir"] / "decode_trace.json").read_text())
     assert trace["traceEvents"]
+
+
+def test_a_sampled_run_measures_tessera_alone(tmp_path: Path) -> None:
+    """--temperature: tessera's requests sample (every batch runs, every token generated);
+    HF is not run, its greedy tokens being no match for sampled ones."""
+    folder = make_checkpoint("qwen2_vl", tmp_path / "ck")
+    threads = torch.get_num_threads()
+    try:
+        out = bench_offline.main([
+            "--model-path", str(folder), "--device", "cpu", "--batch-sizes", "1,2",
+            "--output-len", "6", "--image-size", "56x56", "--temperature", "0.8",
+        ])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert set(out["tessera"]) == {1, 2} and "hf" not in out
+    with pytest.raises(SystemExit):
+        bench_offline.main(["--temperature", "-1"])
