@@ -341,3 +341,28 @@ def test_a_hybrids_factor_does_not_carry_to_another_split() -> None:
     slow = [len(c.plan.tp_items) for c in runs[1:] if not c.explored
             and seconds(c.plan) > 1.05 * best]
     assert slow == [], "greedy calls slower than DP after the first (items run TP)"
+
+
+def test_one_unlucky_try_does_not_settle_a_class_on_the_slower_plan() -> None:
+    """Many small items: the calibration says DP, but TP is truly 11% faster. TP's first try
+    lands while the machine is busy (1.6x slow). One try cannot separate TP (its band is at
+    least 2x until it has been tried again), so TP is tried again as the budget allows, and
+    auto runs TP from then on (the pooled, outlier-proof spread let that one try settle the
+    class on DP for good)."""
+    dp, tp = (plans_by_kind(MANY_SMALL, 2, SHAPE, CALIBRATED)[k].est_s for k in ("dp", "tp"))
+    truth = Scale(tp=0.89 * dp / tp)
+    assert truly_best(MANY_SMALL, truth) == "tp" and truly_best(MANY_SMALL, Scale()) == "dp"
+    learner = EncoderLearner()
+    runs, unlucky = [], True
+    for i in range(120):
+        plans = plans_by_kind(MANY_SMALL, 2, SHAPE, CALIBRATED, scale_of(learner, MANY_SMALL))
+        choice = learner.choose(size_class(MANY_SMALL), plans)
+        slow = NOISE[i % len(NOISE)]
+        if choice.plan.kind == "tp" and unlucky:
+            slow, unlucky = 1.6, False
+        learner.observe(choice, slow * true_seconds(MANY_SMALL, choice.plan, truth))
+        runs.append(choice)
+    assert not unlucky  # TP was tried, and that try was the slow one
+    assert 2 <= sum(c.plan.kind == "tp" and c.explored for c in runs) <= 4
+    assert {c.plan.kind for c in runs[50:] if not c.explored} == {"tp"}
+    assert learner.explored <= learner.explore_fraction * learner.calls

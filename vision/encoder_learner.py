@@ -16,8 +16,12 @@ Choosing (`EncoderLearner.choose`), given the best plan of each kind under the m
   do what the calibration says: the better static mode for the batch shape;
 - each kind's estimate has a band (`width`, in log units). Measured n times in the class:
   `confidence * noise / sqrt(n)`, where `noise` is the robust spread of one call's time around
-  its kind's median, pooled over every class and kind (the machine's noise, not a constant: on
-  a quiet machine two plans 15% apart separate after one try of the slower one). Borrowed from
+  its kind's median, pooled over every class and kind (the machine's noise, not a constant),
+  but never narrower than `early_spread[n - 1]` while n is below `min_tries`: the pooled spread
+  is a median and ignores outliers by design, so one unlucky try (a call 1.6x slow while the
+  machine was busy) could otherwise separate and settle a class on the wrong plan for good. A
+  kind one try could misjudge by up to 2x is tried again; past a quarter it is separated after
+  two tries; a plan 1.3x slower on a quiet machine after one or two. Borrowed from
   other classes: how far borrowing missed in the classes where it can be checked, plus the
   noise. Untried anywhere: `untried_spread`. Another kind is *separated* from the greedy plan
   once its optimistic end lies above the greedy plan's estimate, less `tolerance` once it has
@@ -125,6 +129,7 @@ class EncoderLearner:
     explore_fraction: float = 0.125  # at most this share of all calls explore
     tolerance: float = 0.03  # a plan tried `min_tries` times that cannot gain this is left alone
     min_tries: int = 3
+    early_spread: tuple[float, ...] = (2.0, 1.25)  # least band after 1, 2 tries in a class
     calls: int = 0
     explored: int = 0
     stats: dict[tuple[SizeClass, str], RatioStats] = field(default_factory=dict)
@@ -198,7 +203,11 @@ class EncoderLearner:
         untried = math.log(self.untried_spread)
         got = self.stats.get((klass, kind))
         if got is not None:
-            return min(untried, self.confidence * self.noise() / math.sqrt(len(got.recent)))
+            n = len(got.recent)
+            band = self.confidence * self.noise() / math.sqrt(n)
+            if n < self.min_tries and n <= len(self.early_spread):
+                band = max(band, math.log(self.early_spread[n - 1]))
+            return min(untried, band)
         miss = self.borrow_miss()
         if miss is None or not any(k == kind for _, k in self.stats):
             return untried
