@@ -436,12 +436,8 @@ class Sampler:
         greedy = logits.argmax(dim=-1)
         if all(p.is_greedy for p in params):
             return greedy
-        temps, top_k, top_p, min_p, sampled = columns[:, :, None].unbind(0)
         safe = logits.masked_fill(bad_row_mask(logits)[:, None], 0.0)
-        ranked, order = (safe / temps).sort(dim=-1, descending=True, stable=True)
-        positions = torch.arange(ranked.shape[-1], device=ranked.device)
-        probs = ranked.masked_fill(positions >= top_k, -math.inf).softmax(dim=-1)
-        probs = _min_p(_top_p(probs, top_p), min_p)
+        probs, order = _filtered(safe, columns)
         gen = request_generator(mix_seed(self.seed, draw), UNSEEDED_STREAM, probs.device)
         picks = torch.multinomial(probs, 1, generator=gen).squeeze(1)
         for i, p in enumerate(params):
@@ -449,7 +445,7 @@ class Sampler:
                 gen = request_generator(p.seed, steps[i], probs.device)
                 picks[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
         drawn = order.gather(1, picks[:, None]).squeeze(1)
-        return torch.where(sampled[:, 0] > 0, drawn, greedy)
+        return torch.where(columns[4] > 0, drawn, greedy)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._shared:
@@ -495,18 +491,14 @@ def filtered_probs(
     """Float32 probabilities after temperature, top-k, top-p and min-p, over each row's tokens
     sorted by logit (highest first, ties by token id), plus that order. Dropped tokens get 0;
     the best token is always kept. Rows are not renormalised (multinomial does not need it)."""
-    temps = _column([max(p.temperature, TEMPERATURE_FLOOR) for p in params], logits.device)
-    ranked, order = (logits.float() / temps).sort(dim=-1, descending=True, stable=True)
-    probs = _top_k(ranked, [p.top_k for p in params]).softmax(dim=-1)
-    probs = _top_p(probs, _column([max(p.top_p, TOP_P_FLOOR) for p in params], logits.device))
-    probs = _min_p(probs, _column([p.min_p for p in params], logits.device))
-    return probs, order
+    columns = sampler_columns(params, logits.shape[-1]).to(logits.device)
+    return _filtered(logits, columns)
 
 
 def sampler_columns(params: list[SamplingParams], vocab: int) -> torch.Tensor:
-    """Host float32 [5, B]: the temperature, top-k, top-p and min-p `filtered_probs` uses for
-    each row, and 1 where the row samples (0: greedy; its settings are then neutral), for
-    `Sampler.sample_on_device` once on the device."""
+    """Host float32 [5, B]: each row's temperature, top-k, top-p and min-p as `_filtered` takes
+    them (floors applied, top-k within the vocabulary), and 1 where the row samples (0: greedy;
+    its settings are then neutral)."""
     rows = [
         (max(p.temperature, TEMPERATURE_FLOOR), vocab if p.top_k < 0 else min(p.top_k, vocab),
          max(p.top_p, TOP_P_FLOOR), p.min_p, 1.0)
@@ -517,11 +509,13 @@ def sampler_columns(params: list[SamplingParams], vocab: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32).T.contiguous()
 
 
-def _top_k(ranked: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    vocab = ranked.shape[-1]
-    ks = _column([vocab if k < 0 else min(k, vocab) for k in top_k], ranked.device)
-    positions = torch.arange(vocab, device=ranked.device)
-    return ranked.masked_fill(positions >= ks, -math.inf)
+def _filtered(logits: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`filtered_probs` with the rows' settings as `sampler_columns`, on the logits' device."""
+    temps, top_k, top_p, min_p, _ = columns[:, :, None].unbind(0)
+    ranked, order = (logits.float() / temps).sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(ranked.shape[-1], device=ranked.device)
+    probs = ranked.masked_fill(positions >= top_k, -math.inf).softmax(dim=-1)
+    return _min_p(_top_p(probs, top_p), min_p), order
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -549,10 +543,6 @@ def bad_row_mask(logits: torch.Tensor) -> torch.Tensor:
 def bad_rows(logits: torch.Tensor) -> list[int]:
     """Rows with a NaN or +inf logit, or no finite logit at all."""
     return bad_row_mask(logits).nonzero().flatten().tolist()
-
-
-def _column(values: list[float] | list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
 
 
 def request_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
