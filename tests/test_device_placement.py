@@ -117,7 +117,8 @@ def test_model_runner_steps_keep_devices_apart(
 
 def test_sampler_filters_on_the_device() -> None:
     """Temperature, top-k, top-p and min-p work on the logits' device with host-side settings
-    (copied to the device as one block of columns); a greedy batch stays on the device until its tokens are read.
+    (copied to the device as one block of columns); a greedy batch stays on the device until
+    its tokens are read.
     (The draw itself needs a device generator, which the meta device has not.)"""
     logits = torch.zeros(3, 50, device=META)
     params = [
