@@ -268,8 +268,11 @@ def counters(server: Server) -> dict:
 
 
 def test_backpressure_health_and_abandoned_waiting_request(server: Server) -> None:
-    """With rank 0 frozen nothing starts: a client that gives up while waiting is aborted
-    before any token, the queue cap answers 503 with Retry-After, and /health turns 503."""
+    """With rank 0 frozen nothing starts: a client that gives up while waiting is aborted and
+    gets nothing, the queue cap answers 503 with Retry-After, and /health turns 503. Its
+    request and its abort both wait in rank 0's socket; once rank 0 runs again they may reach
+    it in one receive (aborted before its prefill) or two (aborted after its first token), so
+    the server computed 0 or 1 token for it."""
     before = counters(server)
     rank0 = server.pid_of("scheduler-TP0")
     body = chat_body("Wait for it.", max_tokens=3, temperature=0, ignore_eos=True)
@@ -302,5 +305,6 @@ def test_backpressure_health_and_abandoned_waiting_request(server: Server) -> No
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
     after = counters(server)
     assert after["aborted"] == before["aborted"] + 1
-    assert after["generated_tokens"] == before["generated_tokens"] + 3 * MAX_QUEUED
+    abandoned_tokens = after["generated_tokens"] - before["generated_tokens"] - 3 * MAX_QUEUED
+    assert abandoned_tokens in (0, 1)
     assert_idle_and_clean(server)
