@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.allocator import keep_freed_memory
+from runtime.allocator import freeze_startup_objects, keep_freed_memory
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.server_args import ServerArgs
 
@@ -184,6 +184,8 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     loop = asyncio.get_running_loop()
     supervisor.on_fatal(lambda reason: fail_everything(loop, tm, mm, reason))
     app = create_app(tm)
+    frozen = freeze_startup_objects()  # a full collection held the loop 146 ms before
+    logger.debug("froze %d startup objects", frozen)
     config = uvicorn_config(
         app,
         args.host,

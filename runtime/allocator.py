@@ -5,12 +5,18 @@ munmap on free, so the next step's buffers are faulted in and zeroed page by pag
 scheduler serving 4-image requests that was about 32k minor faults per request. Each tessera
 process calls `keep_freed_memory()` first thing; the settings only change where freed memory goes,
 never what a program computes. A no-op where the C library is not glibc.
+
+The same goes for Python's own objects: `freeze_startup_objects()`, called once a process is ready,
+takes everything alive then (modules, the model, the tokenizer: some 260k objects in the main
+process) out of the cyclic collector's sight, so a full collection walks only what serving made
+since. Unfrozen, each full collection held the main process's event loop for about 146 ms.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 
 from runtime.logging_utils import get_logger
 
@@ -44,3 +50,12 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.warning("the C library refused some allocator settings; freed memory may churn")
     return ok
+
+
+def freeze_startup_objects() -> int:
+    """Collect once, then freeze every object alive now into the collector's permanent
+    generation (never walked, never collected); returns how many are frozen. Objects freed by
+    reference counting are still freed: only cyclic garbage among them would stay."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -168,6 +168,7 @@ class ServerInfo:
     encoder_cache: EncoderCacheStats = field(default_factory=EncoderCacheStats)
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     encoder_plans: dict[str, int] = field(default_factory=dict)  # auto encoder mode: per kind
+    gc_frozen: int = 0  # objects this rank froze once ready (runtime/allocator.py)
 
 
 @dataclass

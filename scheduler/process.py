@@ -10,7 +10,7 @@ import torch
 import zmq
 from torch import nn
 
-from runtime.allocator import keep_freed_memory
+from runtime.allocator import freeze_startup_objects, keep_freed_memory
 from runtime.cpus import threads_per_rank
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
 from runtime.grammar import checkpoint_compiler
@@ -170,9 +170,7 @@ def scheduler_requests(msgs: list[RankBroadcast]) -> list[SchedulerRequest] | No
     return msgs
 
 
-def step_or_die(
-    scheduler: Scheduler, tp: TPGroup, msgs: list[SchedulerRequest]
-) -> StepResult:
+def step_or_die(scheduler: Scheduler, tp: TPGroup, msgs: list[SchedulerRequest]) -> StepResult:
     """A fault the scheduler could not pin on a request (a collective, the device, a bug) ends
     this rank; the supervisor then fails every client and stops the server."""
     try:
@@ -213,6 +211,7 @@ def run_scheduler_process(
     except Exception:
         ready.send(ReadyReport.failed(traceback.format_exc(), rank=tp_rank))
         raise
+    freeze_startup_objects()  # the model and the imports: no full collection walks them again
     try:
         with torch.inference_mode():
             serve(scheduler, tp, channel, local_shm_dir(args.nnodes))

@@ -18,6 +18,7 @@ cannot be pinned on a request and ends the server (see scheduler/process.py).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -634,6 +635,7 @@ class Scheduler:
             encoder_cache=self.cache.encoder_stats(),
             counters=dataclasses.replace(self.counters),
             encoder_plans=dict(self.runner.model.plan_counts),
+            gc_frozen=gc.get_freeze_count(),
         )
 
 

@@ -94,11 +94,34 @@ def test_media_features_must_be_finite(bad: float | None) -> None:
     if bad is not None:
         feature[4, 1] = bad
     item = SimpleNamespace(offsets=[(1, 3)], pad_value=7, feature=feature, num_patches=6)
-    prompt = torch.tensor([0, 7, 7, 0])
+    prompt = [0, 7, 7, 0]
     if bad is None:
         check_item(item, prompt)
         return
     with pytest.raises(ValueError, match="NaN or inf"):
+        check_item(item, prompt)
+
+
+@pytest.mark.parametrize(
+    ("offsets", "message"),
+    [
+        ([(1, 3)], None),
+        ([(0, 2)], "pad value"),
+        ([(1, 3), (2, 5)], "outside"),
+        ([(3, 3)], "outside"),
+    ],
+)
+def test_media_placeholders_must_hold_the_items_pad_value(
+    offsets: list[tuple[int, int]], message: str | None
+) -> None:
+    """Each placeholder run lies inside the prompt, non-empty, and every token of it is the
+    item's pad value."""
+    item = SimpleNamespace(offsets=offsets, pad_value=7, feature=None, num_patches=2)
+    prompt = [0, 7, 7, 0]
+    if message is None:
+        check_item(item, prompt)
+        return
+    with pytest.raises(ValueError, match=message):
         check_item(item, prompt)
 
 

@@ -357,6 +357,8 @@ def test_models_metrics_and_idle_server_info(server: Server) -> None:
     info = idle_info(server)
     assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
     assert info["kv_protected"] == 0 and info["encoder_cache"]["pins"] == 0
+    # both processes froze their start-up objects (imports, tokenizer, model) once ready
+    assert info["main_gc_frozen"] > 10_000 and info["gc_frozen"] > 10_000
 
 
 def metric_values(server: Server) -> dict[str, float]:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import zmq
 
-from runtime.allocator import keep_freed_memory
+from runtime.allocator import freeze_startup_objects, keep_freed_memory
 from runtime.io_struct import (
     BatchStrOut,
     BatchTokenOut,
@@ -436,6 +436,7 @@ def run_detokenizer_process(server_args: ServerArgs, ready: Connection) -> None:
         raise
     ready.send(ReadyReport("ready"))
     logger.info("detokenizer ready on %s", server_args.detokenizer_ipc)
+    freeze_startup_objects()
     try:
         serve(manager, channel)
     finally:

@@ -6,6 +6,7 @@ cancellation of a request whose client went away."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
@@ -148,6 +149,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
             **asdict(info),
             "media": tm.media_info(),
             "api": vars(app.state.counters) | {"in_flight": len(tm.states)},
+            "main_gc_frozen": gc.get_freeze_count(),
         }
 
     @app.get("/metrics")

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.allocator import keep_freed_memory
+from runtime.allocator import freeze_startup_objects, keep_freed_memory
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
 from runtime.transport.shm import SharedTensor
@@ -70,6 +70,7 @@ def init_worker(model_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_freed_memory()
     image_processor(model_path)
+    freeze_startup_objects()
 
 
 def media_digest(modality: Modality, data: bytes, spec: ProcessorSpec) -> int:
