@@ -13,6 +13,7 @@ from numerics import assert_within_rounding, kernel_bound, vision_terms
 from torch import nn
 
 from runtime.distributed import TPGroup
+from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -131,6 +132,22 @@ def test_bfloat16_weights_are_packed_where_the_cpu_supports_them() -> None:
     assert use_onednn_linears(layer) == 1 and layer.weight.dtype == torch.bfloat16
     got, want = layer(x).float(), want.float()  # both: float32 sums, outputs rounded to bf16
     assert (got - want).norm() <= kernel_bound(torch.bfloat16, 65, 2) * want.norm()
+
+
+def test_an_untied_lm_head_is_packed_and_a_tied_one_is_not() -> None:
+    """The untied head computes its logits through oneDNN, as aten's path does; a head tied to
+    the embedding keeps sharing the plain weight the lookup reads."""
+    head = _filled(ParallelLMHead(300, 24, TPGroup()))
+    plain = copy.deepcopy(head)
+    assert use_onednn_linears(head) == 1 and head.weight.is_mkldnn
+    for rows in (1, 5):
+        x = torch.randn(rows, 24)
+        assert_same_sums(head(x), plain(x), 24)
+    embedding = _filled(VocabParallelEmbedding(300, 24, TPGroup()))
+    tied = ParallelLMHead(300, 24, TPGroup())
+    tied.tie_to(embedding)
+    assert use_onednn_linears(nn.ModuleList([embedding, tied])) == 0
+    assert tied.weight is embedding.weight and not embedding.weight.is_mkldnn
 
 
 def test_only_cpu_float_matrices_are_packable() -> None:

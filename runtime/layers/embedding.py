@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed import TPGroup
+from runtime.layers.linear import linear, onednn_packable, pack_weight
 from runtime.layers.weights import LazyWeight, as_lazy, copy_checked, set_weight_loader
 
 
@@ -44,15 +45,30 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits over the whole vocabulary (gathered on every rank)."""
+    """Projects hidden states to logits over the whole vocabulary (gathered on every rank).
+
+    An untied head is a linear layer like the others and is packed for oneDNN on a CPU
+    (`pack_for_onednn`): with a 152k vocabulary of width 512, 16 rows take 42 ms there against
+    138 ms through aten's sgemm on the AMD EPYC host, one row 29 against 54 ms. A head tied to
+    the embedding keeps the plain weight the lookup needs (packing it would hold a second copy
+    of the vocabulary)."""
 
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
         super().__init__(vocab_size, dim, tp)
+        self.tied = False
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
+
+    def pack_for_onednn(self) -> bool:
+        """Swap an untied weight for its oneDNN-packed copy; False (unchanged) otherwise."""
+        if self.tied or self.weight.is_mkldnn or not onednn_packable(self.weight):
+            return False
+        self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
+        return True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None)
         logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

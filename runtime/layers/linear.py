@@ -337,5 +337,10 @@ def prepare_shard_weights(module: nn.Module, shard: TPGroup) -> None:
 
 def use_onednn_linears(module: nn.Module) -> int:
     """Pack every linear layer's weight in `module` for oneDNN where it can be (CPU, float32 or
-    bfloat16), once the weights are loaded and sharded; returns how many were packed."""
-    return sum(layer.pack_for_onednn() for layer in module.modules() if isinstance(layer, _Linear))
+    bfloat16), once the weights are loaded and sharded, an untied LM head's included
+    (runtime/layers/embedding.py); returns how many were packed."""
+    return sum(
+        layer.pack_for_onednn()
+        for layer in module.modules()
+        if isinstance(layer, _Linear) or callable(getattr(layer, "pack_for_onednn", None))
+    )
