@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -103,16 +104,18 @@ class Supervisor:
         logger.info("all %d child processes are ready", len(self.children))
 
     def watch(self) -> None:
-        """In a thread: if any child dies, say which and why, stop everything, exit non-zero."""
+        """In a thread: if any child dies, say which and why, stop everything, exit non-zero.
+        Wakes on the first death (the children's sentinels), not on a poll: a rank whose peer
+        was killed fails its next collective and exits within milliseconds, and a poll that saw
+        both dead named the wrong one."""
         while not self._stopping:
-            for name, proc, _ in self.children:
-                if not proc.is_alive() and not self._stopping:
-                    reason = f"{name} exited unexpectedly with code {proc.exitcode}"
-                    logger.error("%s; shutting down", reason)
-                    self.run_fatal_hooks(reason)
-                    self.stop()
-                    os._exit(1)
-            time.sleep(0.25)
+            wait_for_any([proc.sentinel for _, proc, _ in self.children], timeout=1.0)
+            reason = death_reason(self.children)
+            if reason is not None and not self._stopping:
+                logger.error("%s; shutting down", reason)
+                self.run_fatal_hooks(reason)
+                self.stop()
+                os._exit(1)
 
     def on_fatal(self, hook: Callable[[str], None]) -> None:
         """Run `hook(reason)` (in the watch thread) before the children are stopped."""
@@ -200,6 +203,21 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     finally:
         # the children stop while the media workers do: a stop never waits for both in turn
         await asyncio.gather(tm.close(), asyncio.to_thread(supervisor.stop))
+
+
+def death_reason(children: list[tuple[str, mp.Process, Connection]]) -> str | None:
+    """Which child died and how (None while all live). Where several are dead, one killed by a
+    signal is named first: the others most likely exited because it did (a collective with it
+    broke); they are listed after it."""
+    dead = [(name, proc.exitcode) for name, proc, _ in children if not proc.is_alive()]
+    if not dead:
+        return None
+    dead.sort(key=lambda d: not (d[1] is not None and d[1] < 0))  # stable: start order otherwise
+    (name, code), *others = dead
+    reason = f"{name} exited unexpectedly with code {code}"
+    if others:
+        reason += " (also exited: " + ", ".join(f"{n} with code {c}" for n, c in others) + ")"
+    return reason
 
 
 def _interrupt(signum: int, frame: object) -> None:

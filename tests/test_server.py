@@ -532,6 +532,28 @@ def test_killing_a_rank_stops_the_server(folder: str, tmp_path: Path) -> None:
     assert wait_until(lambda: not srv.group_alive())
 
 
+def test_the_child_killed_first_is_named_not_the_rank_that_failed_after_it() -> None:
+    """A killed rank's peer fails its next collective and exits with code 1 a few milliseconds
+    later; when the supervisor finds both dead, the killed one is the reason (a CI run named
+    TP0 for a SIGKILL of TP1)."""
+    from types import SimpleNamespace
+
+    from launch import death_reason
+
+    def child(name: str, code: int | None) -> tuple:
+        return name, SimpleNamespace(is_alive=lambda: code is None, exitcode=code), None
+
+    live = [child("scheduler-TP0", None), child("detokenizer", None)]
+    assert death_reason(live) is None
+    both = [child("scheduler-TP0", 1), child("scheduler-TP1", -9), child("detokenizer", None)]
+    assert death_reason(both) == (
+        "scheduler-TP1 exited unexpectedly with code -9 (also exited: scheduler-TP0 with code 1)"
+    )
+    assert death_reason([child("scheduler-TP0", 1), child("detokenizer", 0)]) == (
+        "scheduler-TP0 exited unexpectedly with code 1 (also exited: detokenizer with code 0)"
+    )
+
+
 def test_client_disconnect_aborts_on_every_rank(server: Server) -> None:
     body = {
         "model": "qwen2_vl",
