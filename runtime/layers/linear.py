@@ -339,8 +339,5 @@ def use_onednn_linears(module: nn.Module) -> int:
     """Pack every linear layer's weight in `module` for oneDNN where it can be (CPU, float32 or
     bfloat16), once the weights are loaded and sharded, an untied LM head's included
     (runtime/layers/embedding.py); returns how many were packed."""
-    return sum(
-        layer.pack_for_onednn()
-        for layer in module.modules()
-        if isinstance(layer, _Linear) or callable(getattr(layer, "pack_for_onednn", None))
-    )
+    layers = [m for m in module.modules() if callable(getattr(m, "pack_for_onednn", None))]
+    return sum(layer.pack_for_onednn() for layer in layers)
