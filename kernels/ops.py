@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import norm, rotary
+from kernels import activation, norm, rotary
 from kernels.attention.varlen import VarlenAttention, varlen_attention
 
 Tensor = torch.Tensor
@@ -28,6 +28,12 @@ class KernelOps:
     # (q, k, cos, sin) -> rotated (q, k); q/k: [tokens, heads, head_dim], cos/sin: [tokens, dim]
     apply_rotary_qk: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     varlen_attention: VarlenAttention  # the vision towers' segment attention
+    # x [..., 2 * hidden] holding [gate | up] -> silu(gate) * up
+    silu_and_mul: Callable[[Tensor], Tensor] = activation.silu_and_mul
+    # (q, k, v, cos, sin, k_buf, v_buf, slots) -> rotated (q, k), the rotated k and v written at
+    # `slots` of one layer's pool buffers in the same launch; None: rotate, then the attention
+    # backend stores (the torch set: on a CPU the two are not separate kernels worth fusing)
+    rotary_store_kv: Callable[..., tuple[Tensor, Tensor]] | None = None
 
 
 TORCH_OPS = KernelOps(
@@ -44,6 +50,7 @@ def get_kernel_ops(name: str) -> KernelOps:
     if name in ("torch", "auto"):
         return TORCH_OPS
     if name in ("triton", "flashinfer"):  # FlashInfer's decoder attention, Triton's others
+        from kernels.triton import activation as triton_activation
         from kernels.triton import norm as triton_norm
         from kernels.triton import rotary as triton_rotary
 
@@ -58,6 +65,8 @@ def get_kernel_ops(name: str) -> KernelOps:
             fused_add_rms_norm=triton_norm.fused_add_rms_norm,
             apply_rotary_qk=triton_rotary.apply_rotary_qk,
             varlen_attention=varlen_attention,
+            silu_and_mul=triton_activation.silu_and_mul,
+            rotary_store_kv=triton_rotary.rotary_store_kv,
         )
     raise ValueError(f"unknown attention backend {name!r}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.layers.linear import aligned_hidden_size
 from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
 
@@ -91,7 +92,9 @@ def activation_peak_bytes(
     and the memory pool the decode CUDA graphs of up to `graph_bs` requests keep."""
     text, vision = config.text, config.vision
     patches = tokens * vision.spatial_merge_size**2
-    vision_row = 6 * vision.embed_dim + 2 * vision.intermediate_size
+    # the tower's MLP as a GPU runs it: padded to aligned rows (vision/vit_common.py)
+    vision_hidden = aligned_hidden_size(vision.intermediate_size, itemsize, tp)
+    vision_row = 6 * vision.embed_dim + 2 * vision_hidden
     qkv = (text.num_attention_heads + 2 * text.num_key_value_heads) * text.head_dim
     text_row = 4 * text.hidden_size + (qkv + 4 * text.intermediate_size) // tp
     logits = text.vocab_size * LOGIT_BYTES

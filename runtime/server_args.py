@@ -65,6 +65,11 @@ class ServerArgs:
         default="onednn",
         choices=list(CPU_LINEAR_PATHS),
     )
+    disable_vit_mlp_padding: bool = _opt(
+        "keep the vision tower's MLP hidden size as the checkpoint has it on CUDA (by default "
+        "it is zero-padded where its rows are not 16-byte aligned, e.g. Qwen2.5-VL's 3420)",
+        default=False,
+    )
     cuda_graph_max_bs: int | None = _opt(
         "largest decode batch replayed as a CUDA graph (padded to 1, 2, 4, 8, 16, 24, ...); "
         "larger batches run eagerly (default: --max-running-requests, at most 256)",

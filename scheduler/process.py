@@ -140,6 +140,7 @@ def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:
         device=device,
         show_progress=tp.is_first,
         cpu_linear=args.cpu_linear,
+        pad_vit_mlp=not args.disable_vit_mlp_padding,
     )
 
 

@@ -176,7 +176,6 @@ def profile_decode(
     prefill and one decode. `device_ms_per_step` sums the step's kernels (and copies) on the
     device; the rest of `wall_ms_per_step` is the host (scheduler, sampler, launches, the token's
     copy back) with the device idle. Writes the op tables and a Chrome trace to `out_dir`."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -205,11 +204,7 @@ def profile_decode(
     profiled = produced
     while not finished:
         step()
-    kernels: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
-            us = event.time_range.elapsed_us()
-            kernels[event.name] = kernels.get(event.name, 0.0) + us
+    kernels = device_kernel_us(prof)
     device_us = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     if out_dir is not None:
@@ -227,6 +222,42 @@ def profile_decode(
         "device_ms_per_step": device_us / 1e3 / steps if device == "cuda" else None,
         "device_busy_fraction": device_us / 1e6 / wall if device == "cuda" else None,
         "top_device_ms_per_step": {name[:80]: us / 1e3 / steps for name, us in top},
+    }
+
+
+def device_kernel_us(prof: Any) -> dict[str, float]:
+    """Microseconds on the device per kernel (and copy) name, summed over a profile."""
+    from torch.autograd import DeviceType
+
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us()
+    return kernels
+
+
+def profile_vision(model: torch.nn.Module, prompts: list[Prompt], device: str) -> dict[str, Any]:
+    """Where one vision-tower call over every prompt's image spends the device's time: the
+    top kernels in ms, and their sum against the call's wall time (after a warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pixels = torch.cat([p.media.pixel_values for p in prompts]).to(device, model.visual.dtype)
+    grid = torch.tensor([p.media.grid_thw for p in prompts])
+    with torch.inference_mode():
+        model.visual(pixels, grid)
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            model.visual(pixels, grid)
+            sync(device)
+            wall = time.perf_counter() - start
+    kernels = device_kernel_us(prof)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "patches": int(pixels.shape[0]),
+        "wall_ms": wall * 1e3,
+        "device_ms": sum(kernels.values()) / 1e3,
+        "top_device_ms": {name[:80]: us / 1e3 for name, us in top},
     }
 
 
@@ -369,6 +400,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile-decode", type=int, default=0, metavar="STEPS",
                    help="profile this many batch-1 decode steps (device time against wall time)")
+    p.add_argument("--disable-vit-mlp-padding", action="store_true",
+                   help="keep the vision MLP's checkpoint hidden size on CUDA (to compare)")
+    p.add_argument("--profile-vision", action="store_true",
+                   help="profile one vision-tower call over every prompt's image (CUDA only)")
     p.add_argument("--profile-dir", default=None,
                    help="where the profile's op tables and Chrome trace go (default: none)")
     args = p.parse_args(argv)
@@ -396,6 +431,7 @@ def server_args(args: argparse.Namespace, model_path: str, ipc_dir: str) -> Serv
         mm_cache_size_mb=0,  # every image is new anyway; keep the cache out of the comparison
         disable_radix_cache=True,  # no prefix of one timed run helps the next
         disable_overlap_schedule=args.disable_overlap_schedule,
+        disable_vit_mlp_padding=args.disable_vit_mlp_padding,
     ).resolve()
 
 
@@ -455,6 +491,8 @@ def run(args: argparse.Namespace, model_path: str, tmp: str) -> dict[str, Any]:
         results["decode_profile"] = profile_decode(
             scheduler, prompts[0], args.device, args.profile_decode, out_dir
         )
+    if args.profile_vision and args.device == "cuda":
+        results["vision_profile"] = profile_vision(model, prompts, args.device)
     eos = set(model.config.eos_token_ids)
     del scheduler, model
     if args.skip_hf:
@@ -518,6 +556,12 @@ def print_table(results: dict[str, Any]) -> None:
         on_device = f", on the device {device_ms:.3f} ms" if device_ms is not None else ""
         print(f"decode profile: {prof['wall_ms_per_step']:.3f} ms per step{on_device}")
         for name, ms in prof["top_device_ms_per_step"].items():
+            print(f"  {ms:8.3f} ms  {name}")
+    if "vision_profile" in results:
+        prof = results["vision_profile"]
+        print(f"vision profile: {prof['patches']} patches, {prof['wall_ms']:.2f} ms, on the "
+              f"device {prof['device_ms']:.2f} ms")
+        for name, ms in prof["top_device_ms"].items():
             print(f"  {ms:8.3f} ms  {name}")
     if "greedy_match" in results:
         print(f"greedy outputs equal to HF: {results['greedy_match']} "

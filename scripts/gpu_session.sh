@@ -9,9 +9,11 @@
 #
 # Every step has a time limit cut to what is left of GPU_SESSION_BUDGET seconds (default 480), so
 # a hang in one step costs that step alone. GPU_SESSION_STEPS (comma list; default all) picks
-# steps among: pytest, gpu_check, offline_7b, offline_7b_sync (batch-1 decode with overlap
-# off, to compare), parity_7b, serving_7b, varlen, offline_7b_sampled (decode at temperature 0.8,
-# overlapped, batch 1 and 32). The 7B checkpoint
+# steps among: pytest, gpu_check, offline_7b, vision_unpadded (the 7B's vision tower profiled
+# with its MLP hidden size as the checkpoint has it, to compare with offline_7b's padded one),
+# offline_7b_sync (batch-1 decode with overlap off, to compare), parity_7b, serving_7b, varlen,
+# offline_7b_sampled (decode at temperature 0.8, overlapped, batch 1 and 32);
+# GPU_SESSION_CHECKS the gpu_check checks (default parity_tiny,serve). The 7B checkpoint
 # (about 16 GB, bfloat16) is written in the background while the tests run. Logs and JSON
 # reports go to $OUT; the 7B offline step also writes its decode profile there, and takes more
 # arguments from GPU_SESSION_OFFLINE_ARGS (e.g. --skip-hf when a run already measured HF).
@@ -20,7 +22,7 @@ OUT=${OUT:-gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 BUDGET=${GPU_SESSION_BUDGET:-480}
-STEPS=${GPU_SESSION_STEPS:-pytest,gpu_check,offline_7b,offline_7b_sync,parity_7b,serving_7b,varlen,offline_7b_sampled}
+STEPS=${GPU_SESSION_STEPS:-pytest,gpu_check,offline_7b,vision_unpadded,offline_7b_sync,parity_7b,serving_7b,varlen,offline_7b_sampled}
 CKPT=${GPU_SESSION_CKPT:-/tmp/tessera-7b}
 START=$SECONDS
 
@@ -63,10 +65,11 @@ fi
 step pytest 120 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider --durations=10 \
     tests/test_triton_kernels.py tests/test_triton_model.py tests/test_varlen_segments.py \
     tests/test_decode_graphs.py tests/test_flashinfer_metadata.py tests/test_device_placement.py \
-    tests/test_overlap.py::test_overlapped_decode_on_cuda_graphs >"$OUT/pytest.log" 2>&1
+    tests/test_overlap.py::test_overlapped_decode_on_cuda_graphs tests/test_vit_mlp_padding.py \
+    >"$OUT/pytest.log" 2>&1
 [ -f "$OUT/pytest.log" ] && tail -n 40 "$OUT/pytest.log"
 
-step gpu_check 120 python3 scripts/gpu_check.py --checks parity_tiny,serve \
+step gpu_check 120 python3 scripts/gpu_check.py --checks "${GPU_SESSION_CHECKS:-parity_tiny,serve}" \
     --json "$OUT/gpu_check.json" --timeout 120
 
 if [ -n "${CKPT_PID:-}" ]; then
@@ -78,7 +81,11 @@ fi
 
 step offline_7b 160 python3 scripts/bench_offline.py --model-path "$CKPT" --device cuda \
     --dtype bfloat16 --batch-sizes 1,32 --output-len 128 --json "$OUT/offline7b.json" \
-    --profile-decode 30 --profile-dir "$OUT" ${GPU_SESSION_OFFLINE_ARGS:-}
+    --profile-decode 30 --profile-vision --profile-dir "$OUT" ${GPU_SESSION_OFFLINE_ARGS:-}
+
+step vision_unpadded 60 python3 scripts/bench_offline.py --model-path "$CKPT" --device cuda \
+    --dtype bfloat16 --batch-sizes 32 --output-len 4 --skip-hf --disable-vit-mlp-padding \
+    --profile-vision --json "$OUT/vision_unpadded.json"
 
 step offline_7b_sync 70 python3 scripts/bench_offline.py --model-path "$CKPT" --device cuda \
     --dtype bfloat16 --batch-sizes 1 --output-len 128 --skip-hf --disable-overlap-schedule \

@@ -21,6 +21,7 @@ import types  # noqa: E402
 import pytest  # noqa: E402
 from numerics import assert_within_rounding, kernel_bound  # noqa: E402
 
+from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.attention.base import AttentionLayer  # noqa: E402
 from kernels.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kernels.attention.varlen import varlen_attention  # noqa: E402
@@ -37,7 +38,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 def tk() -> types.SimpleNamespace:
     """The kernel modules, or a skip when they cannot run here."""
     triton = pytest.importorskip("triton")
-    from kernels.triton import attention, norm, rotary, varlen_attention
+    from kernels.triton import activation, attention, norm, rotary, varlen_attention
 
     if not CUDA:
         from triton.runtime.interpreter import InterpretedFunction
@@ -50,7 +51,8 @@ def tk() -> types.SimpleNamespace:
                 f"triton {triton.__version__})"
             )
     return types.SimpleNamespace(
-        attention=attention, norm=norm, rotary=rotary, varlen=varlen_attention
+        attention=attention, norm=norm, rotary=rotary, varlen=varlen_attention,
+        activation=activation,
     )
 
 
@@ -417,6 +419,59 @@ def test_mrope_rotary(tk: types.SimpleNamespace, dtype: torch.dtype) -> None:
     # on each side
     assert rel_err(q_out, apply_rotary(q, cos, sin)) <= kernel_bound(dtype, 3, 2)
     assert rel_err(k_out, apply_rotary(k, cos, sin)) <= kernel_bound(dtype, 3, 2)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_kv(tk: types.SimpleNamespace, dtype: torch.dtype, pool_dtype) -> None:
+    """The fused decoder step: q and k rotated as apply_rotary_qk rotates them, the rotated k and
+    the v written at the step's slots (cast to the pool's dtype) and nowhere else."""
+    gen = torch.Generator().manual_seed(12)
+    tokens, heads, kv_heads, head_dim = 5, 4, 2, 16
+    positions = torch.randint(0, 50, (3, tokens), generator=gen).to(DEVICE)
+    cos, sin = mrope_cos_sin(positions, head_dim, 10000.0, (2, 3, 3))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))  # strided views, as in a model
+    k_buf = torch.zeros(12, kv_heads, head_dim, dtype=pool_dtype, device=DEVICE)
+    v_buf = torch.zeros_like(k_buf)
+    slots = torch.tensor([7, 2, 11, 4, 9])
+    q_out, k_out = tk.rotary.rotary_store_kv(q, k, v, cos, sin, k_buf, v_buf, slots)
+    ref_q, ref_k = tk.rotary.apply_rotary_qk(q, k, cos, sin)
+    assert torch.equal(q_out, ref_q) and torch.equal(k_out, ref_k)  # the same float32 math
+    # as in test_mrope_rotary
+    assert rel_err(k_out, apply_rotary(k, cos, sin)) <= kernel_bound(dtype, 3, 2)
+    stored_k, stored_v = k_buf[slots.to(DEVICE)], v_buf[slots.to(DEVICE)]
+    if CUDA or pool_dtype == dtype:
+        assert torch.equal(stored_k, ref_k.to(pool_dtype))
+        assert torch.equal(stored_v, v.to(pool_dtype))
+    else:  # the interpreter's fp32 -> bf16 cast may round differently: allow one bf16 ulp
+        torch.testing.assert_close(stored_k, ref_k.to(pool_dtype), rtol=2**-7, atol=0.0)
+        torch.testing.assert_close(stored_v, v.to(pool_dtype), rtol=2**-7, atol=0.0)
+    others = torch.ones(12, dtype=torch.bool)
+    others[slots] = False
+    assert not k_buf[others.to(DEVICE)].any() and not v_buf[others.to(DEVICE)].any()
+
+
+def test_rotary_store_kv_rejects_mismatched_pool(tk: types.SimpleNamespace) -> None:
+    q, k = torch.zeros(3, 4, 16), torch.zeros(3, 2, 16)
+    cos = torch.zeros(3, 16)
+    with pytest.raises(ValueError, match="pool buffers"):
+        tk.rotary.rotary_store_kv(
+            q, k, k, cos, cos, torch.zeros(8, 4, 16), torch.zeros(8, 4, 16), torch.arange(3)
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(tk: types.SimpleNamespace, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(13)
+    hidden = 1030  # two column blocks, the second masked
+    x = (3 * torch.randn(2, 3, 2 * hidden, generator=gen)).to(DEVICE, dtype)
+    out = tk.activation.silu_and_mul(x)
+    assert out.shape == (2, 3, hidden) and out.dtype == dtype
+    # silu's exp and division, then the product, rounded on both sides (the kernel's exp may
+    # differ from torch's by a few ulps of float32)
+    assert rel_err(out, silu_and_mul(x)) <= kernel_bound(dtype, 4, 2)
 
 
 # ---------------------------------------------------------------- GPU only: native, larger, bf16

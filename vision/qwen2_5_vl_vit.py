@@ -90,6 +90,11 @@ class Qwen2_5_VisionMLP(nn.Module):
         self.act = get_activation(act)
         self.down_proj = RowParallelLinear(hidden, dim, tp, bias=True)
 
+    def hidden_layers(self) -> tuple[MergedColumnParallelLinear, RowParallelLinear]:
+        """The layers on either side of the hidden features: Qwen2.5-VL-7B's 3420 are padded
+        on CUDA (vision/vit_common.py `pad_vision_mlps`)."""
+        return self.gate_up_proj, self.down_proj
+
     def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, shard).chunk(2, dim=-1)
         return self.down_proj(self.act(gate).mul_(up), shard)  # act's output is new

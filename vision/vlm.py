@@ -41,6 +41,7 @@ from vision.fusion import fuse_embeddings
 from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer
 from vision.qwen2_vl_vit import Qwen2VisionTransformer
 from vision.qwen3_vl_vit import Qwen3VisionTransformer
+from vision.vit_common import pad_vision_mlps
 
 VISION_TOWERS = {
     "qwen2_vl": Qwen2VisionTransformer,
@@ -186,12 +187,16 @@ def build_model(
     device: str = "cpu",
     show_progress: bool = False,
     cpu_linear: str = "onednn",
+    pad_vit_mlp: bool = True,
 ) -> Qwen2VLForConditionalGeneration:
     """Build this rank's shard of the model and load its slice of the checkpoint.
 
     Auto encoder mode with tp > 1 uses `encoder_costs`, or calibrates them here (every rank).
     `cpu_linear` "onednn" packs the linear layers' CPU weights for oneDNN's matmul once loaded
-    (runtime/layers/linear.py); "aten" keeps aten's (MKL) path. GPU weights are never packed."""
+    (runtime/layers/linear.py); "aten" keeps aten's (MKL) path. GPU weights are never packed.
+    On CUDA the vision tower's MLP hidden size is zero-padded where its rows are not 16-byte
+    aligned (Qwen2.5-VL's 3420; vision/vit_common.py `pad_vision_mlps`, exact); `pad_vit_mlp`
+    False keeps the checkpoint's sizes (the server's `--disable-vit-mlp-padding`)."""
     if cpu_linear not in CPU_LINEAR_PATHS:
         raise ValueError(f"cpu_linear {cpu_linear!r} is not one of {CPU_LINEAR_PATHS}")
     config = ModelConfig.from_dir(model_path)
@@ -211,6 +216,8 @@ def build_model(
         torch.set_default_dtype(previous)
     load_checkpoint(model, model_path, show_progress)
     model.eval()
+    if pad_vit_mlp and torch.device(device).type == "cuda":  # auto mode runs shards of tp
+        pad_vision_mlps(model.visual, tp.size if model.encoder_mode == "auto" else 1)
     if cpu_linear == "onednn":
         use_onednn_linears(model)
     if model.encoder_mode == "auto":

@@ -30,8 +30,10 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         layer: AttentionLayer,
         batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """Store k/v at batch.out_cache_loc, then attend.
+        """Store k/v at batch.out_cache_loc (unless the caller already did: `kv_stored`, as
+        KernelOps.rotary_store_kv does), then attend.
 
         q: [tokens, heads * head_dim]; k, v: [tokens, kv_heads * head_dim].
         Returns [tokens, heads * head_dim].
@@ -40,11 +42,17 @@ class AttentionBackend(Protocol):
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: AttentionLayer,
+    batch: ForwardBatch,
+    kv_stored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write the step's new K/V ([tokens, kv_heads * head_dim]) at batch.out_cache_loc; returns
-    the layer's K and V pool buffers, which then hold them."""
+    """Write the step's new K/V ([tokens, kv_heads * head_dim]) at batch.out_cache_loc, unless
+    `kv_stored` says the caller did; returns the layer's K and V pool buffers, which then hold
+    them."""
     kv = batch.kv_pool
-    shape = (-1, layer.num_kv_heads, layer.head_dim)
-    kv.set_kv(layer.layer_id, batch.out_cache_loc, k.view(shape), v.view(shape))
+    if not kv_stored:
+        shape = (-1, layer.num_kv_heads, layer.head_dim)
+        kv.set_kv(layer.layer_id, batch.out_cache_loc, k.view(shape), v.view(shape))
     return kv.k_buffers[layer.layer_id], kv.v_buffers[layer.layer_id]

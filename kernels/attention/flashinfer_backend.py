@@ -120,8 +120,9 @@ class FlashInferAttentionBackend:
         v: torch.Tensor,
         layer: AttentionLayer,
         batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        k_buf, v_buf = store_kv(k, v, layer, batch)
+        k_buf, v_buf = store_kv(k, v, layer, batch, kv_stored)
         wrapper = self._plan(batch, layer, q.dtype, k_buf.dtype)
         pages = (as_pages(k_buf), as_pages(v_buf))
         out = wrapper.run(q.view(-1, layer.num_heads, layer.head_dim), pages)

@@ -36,8 +36,9 @@ class TorchAttentionBackend:
         v: torch.Tensor,
         layer: AttentionLayer,
         batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        store_kv(k, v, layer, batch)
+        store_kv(k, v, layer, batch, kv_stored)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         if batch.is_decode and self.running.covers(batch, layer):
             return self.running.attend(q, k, v, layer, batch).flatten(1)

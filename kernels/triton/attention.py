@@ -447,10 +447,11 @@ class TritonAttentionBackend:
         v: torch.Tensor,
         layer: AttentionLayer,
         batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         if layer.num_heads % layer.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
-        k_buf, v_buf = store_kv(k, v, layer, batch)
+        k_buf, v_buf = store_kv(k, v, layer, batch, kv_stored)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         meta = self.metadata(batch, q.device)
         if batch.is_decode:

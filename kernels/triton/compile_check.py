@@ -175,10 +175,44 @@ def rotary_specs(dtype: torch.dtype) -> Iterator[KernelSpec]:
         )
 
 
+def rotary_store_specs(dtype: torch.dtype) -> Iterator[KernelSpec]:
+    """The decoders' fused rotary and KV store, into a pool of the same dtype (slots int64)."""
+    ty = TRITON_TYPES[dtype]
+    strides = (
+        "stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_qot stride_qoh "
+        "stride_kot stride_koh stride_kbt stride_kbh stride_vbt stride_vbh stride_ct stride_st"
+    )
+    signature = {
+        **_ptrs("q_ptr k_ptr v_ptr", ty),
+        **_ptrs("cos_ptr sin_ptr", "fp32"),
+        **_ptrs("q_out_ptr k_out_ptr k_buf v_buf", ty),
+        "slots_ptr": "*i64",
+        **_ints(f"{strides} num_heads num_kv_heads half head_dim"),
+    }
+    for heads, kv_heads, head_dim in LLM_SHAPES:
+        yield spec(
+            "_rotary_store_kernel", "kernels.triton.rotary", signature,
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads),
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+        )
+
+
+def activation_specs(dtype: torch.dtype) -> Iterator[KernelSpec]:
+    """silu(gate) * up (one block size for every width)."""
+    from kernels.triton.activation import BLOCK
+
+    signature = {**_ptrs("x_ptr out_ptr", TRITON_TYPES[dtype]), **_ints("stride_x stride_o hidden")}
+    yield spec("_silu_and_mul_kernel", "kernels.triton.activation", signature, BLOCK=BLOCK)
+
+
 def all_specs(dtypes: tuple[torch.dtype, ...] = DTYPES) -> list[KernelSpec]:
     """Every distinct specialisation the launchers pick for the served models, per dtype (shapes
     that give the same constexprs, such as head_dim 72 and 80, compile once)."""
-    makers = (attention_specs, varlen_specs, norm_specs, rotary_specs)
+    makers = (
+        attention_specs, varlen_specs, norm_specs, rotary_specs, rotary_store_specs,
+        activation_specs,
+    )
     found = (one for dtype in dtypes for make in makers for one in make(dtype))
     return list(dict.fromkeys(found))
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.activation import silu_and_mul
+from kernels.ops import TORCH_OPS, KernelOps
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self, ops: KernelOps = TORCH_OPS):
+        super().__init__()
+        self.ops = ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        return self.ops.silu_and_mul(x)

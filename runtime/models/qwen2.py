@@ -26,12 +26,12 @@ from runtime.model_config import TextConfig
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, cfg: TextConfig, tp: TPGroup):
+    def __init__(self, cfg: TextConfig, tp: TPGroup, ops: KernelOps = TORCH_OPS):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], tp, False)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, bias=False)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -69,6 +69,7 @@ class Qwen2Attention(nn.Module):
             cfg.head_dim, cfg.rope_theta, cfg.mrope_section, ops, cfg.mrope_interleaved
         )
         self.backend = backend
+        self.rotary_store_kv = ops.rotary_store_kv
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch
@@ -79,8 +80,16 @@ class Qwen2Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, d)).view_as(q)  # norms take [rows, dim]
             k = self.k_norm(k.reshape(-1, d)).view_as(k)
-        q, k = self.rotary(q, k, *cos_sin)
-        out = self.backend.forward(q.flatten(1), k.flatten(1), v, self.layer, batch)
+        if self.rotary_store_kv is None:
+            q, k = self.rotary(q, k, *cos_sin)
+            out = self.backend.forward(q.flatten(1), k.flatten(1), v, self.layer, batch)
+            return self.o_proj(out)
+        pool, layer_id = batch.kv_pool, self.layer.layer_id
+        q, k = self.rotary_store_kv(
+            q, k, v.view_as(k), *cos_sin,
+            pool.k_buffers[layer_id], pool.v_buffers[layer_id], batch.out_cache_loc,
+        )
+        out = self.backend.forward(q.flatten(1), k.flatten(1), v, self.layer, batch, kv_stored=True)
         return self.o_proj(out)
 
 
@@ -95,7 +104,7 @@ class Qwen2DecoderLayer(nn.Module):
     ):
         super().__init__()
         self.self_attn = Qwen2Attention(cfg, layer_id, tp, backend, ops)
-        self.mlp = Qwen2MLP(cfg, tp)
+        self.mlp = Qwen2MLP(cfg, tp, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
