@@ -30,6 +30,9 @@ Per configuration and turn it prints the median time to first token of the image
 text-only conversations and their ratio, the main-process and media-worker CPU per image (and,
 to tell the images' share from a request's own, the main-process CPU per text-only request), and
 the pixel MB sent to the ranks; the speed-up of the cache is the "off" row against the "on" row.
+`new_tokens` and `text_new_tokens` are what each side prefilled (the prompt less the cached
+tokens of its usage): the comparison holds while they are alike, which is why every text
+conversation starts with a tag of its own (`text_conversations`).
 
 Where a turn's time goes: a wave's bodies are all encoded before any of its clocks starts (a
 client encoding the other conversations' 1.6 MB bodies in the same event loop once added ~15 ms
@@ -62,7 +65,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import numpy as np
@@ -111,9 +114,20 @@ def image_conversation(
     return Conversation([{"role": "user", "content": content}], 2)
 
 
-def text_conversation(words: int) -> Conversation:
-    text = FILLER * words + " Look at these two images."
+def text_conversation(words: int, tag: str = "") -> Conversation:
+    """A text-only first turn of about `words` filler words. `tag` starts it: every text
+    conversation gets its own, so that no two share a prefix in the cache (the image ones share
+    none either: their images are new), nor one of an earlier round."""
+    text = f"{tag}{FILLER * words} Look at these two images."
     return Conversation([{"role": "user", "content": text}], 0)
+
+
+def text_conversations(words: int, seed: int, n: int) -> list[Conversation]:
+    """The text-only side of a round: `n` conversations, each starting with its own tag (its
+    round's seed and its number). Identical ones would share their prefix in the cache, with one
+    another and with the last round's, and prefill a fraction of what the image turns do; each
+    turn's text request must prefill what its image request does (`new_tokens`)."""
+    return [text_conversation(words, f"Chat {seed}-{i}.") for i in range(n)]
 
 
 @dataclass
@@ -133,16 +147,20 @@ def encode(api: Api, conv: Conversation) -> bytes:
     return json.dumps(body).encode()
 
 
-async def turn(
-    api: Api, conv: Conversation, payload: bytes | None = None
-) -> tuple[float, int, float]:
-    """One streamed request; (seconds to the first token, prompt tokens, seconds until this
-    client had written the body's last byte). The answer joins the conversation. The clock
-    starts once the body (`payload`, else this turn's) is encoded: a client's own JSON encoding
-    (10 ms for two 448-pixel PNGs here) is not the server's time."""
+class Reply(NamedTuple):
+    ttft_s: float  # seconds to the first token
+    prompt_tokens: int
+    upload_s: float  # seconds until this client had written the body's last byte
+    cached_tokens: int  # of the prompt, served from the prefix cache (usage.prompt_tokens_details)
+
+
+async def turn(api: Api, conv: Conversation, payload: bytes | None = None) -> Reply:
+    """One streamed request. The answer joins the conversation. The clock starts once the body
+    (`payload`, else this turn's) is encoded: a client's own JSON encoding (10 ms for two
+    448-pixel PNGs here) is not the server's time."""
     payload = encode(api, conv) if payload is None else payload
     headers = {"content-type": "application/json", "content-length": str(len(payload))}
-    start, first, text, prompt, sent = time.perf_counter(), None, [], 0, []
+    start, first, text, prompt, cached, sent = time.perf_counter(), None, [], 0, 0, []
     content = upload(payload, sent)
     post = api.client.stream("POST", "/v1/chat/completions", content=content, headers=headers)
     async with post as resp:
@@ -154,12 +172,14 @@ async def turn(
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 prompt = chunk["usage"]["prompt_tokens"]
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                cached = details.get("cached_tokens") or 0
             for choice in chunk.get("choices", []):
                 if choice["delta"].get("content"):
                     first = first or time.perf_counter()
                     text.append(choice["delta"]["content"])
     conv.messages.append({"role": "assistant", "content": "".join(text)})
-    return (first or time.perf_counter()) - start, prompt, sent[0] - start
+    return Reply((first or time.perf_counter()) - start, prompt, sent[0] - start, cached)
 
 
 async def upload(payload: bytes, sent: list[float]) -> AsyncIterator[bytes]:
@@ -227,8 +247,9 @@ async def wave(api: Api, convs: list[Conversation], k: int) -> list:
 async def filler_words(api: Api, prompt_tokens: int) -> int:
     """Filler words that give a text-only first turn `prompt_tokens` tokens (one calibration
     request of 100 words, then proportion)."""
-    base = (await turn(api, text_conversation(0)))[1]
-    per = ((await turn(api, text_conversation(100)))[1] - base) / 100
+    tag = "Chat calibration."  # no benchmarked conversation starts with it
+    base = (await turn(api, text_conversation(0, tag))).prompt_tokens
+    per = ((await turn(api, text_conversation(100, tag))).prompt_tokens - base) / 100
     return max(0, round((prompt_tokens - base) / max(per, 1e-6)))
 
 
@@ -239,10 +260,10 @@ async def run_config(server: Server, args: argparse.Namespace, seed: int) -> lis
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         api = Api(client, model, args.max_tokens)
         warm = image_conversation(np.random.default_rng(seed + 10_000), args.image_size)
-        _, image_prompt, _ = await turn(api, warm)
+        image_prompt = (await turn(api, warm)).prompt_tokens
         words = await filler_words(api, image_prompt)
         images = [image_conversation(rng, args.image_size) for _ in range(args.conversations)]
-        texts = [text_conversation(words) for _ in range(args.conversations)]
+        texts = text_conversations(words, seed, args.conversations)
         media = (await client.get("/server_info")).json().get("media") or {}
         ids = media.get("processed_cache") is not None  # ids need the processed-item cache
         by_id = [image_conversation(rng, args.image_size, True) for _ in range(args.conversations)]
@@ -254,11 +275,11 @@ async def run_config(server: Server, args: argparse.Namespace, seed: int) -> lis
                 after = costs(server, sync)
                 text_out = await wave(api, texts, k)
                 text_cost = costs(server, sync)
-                id_out = await wave(api, by_id, k) if ids else [(math.nan, 0, 0.0)]
+                id_out = await wave(api, by_id, k) if ids else [Reply(math.nan, 0, 0.0, 0)]
                 rows.append(row(server.name, k, image_out, text_out, before, after, images))
                 text_main = (text_cost["main_cpu_s"] - after["main_cpu_s"]) * 1e3 / len(texts)
                 rows[-1]["text_main_cpu_ms_per_request"] = text_main
-                rows[-1]["ids_vs_text"] = statistics.median(t for t, *_ in id_out) / (
+                rows[-1]["ids_vs_text"] = statistics.median(r.ttft_s for r in id_out) / (
                     rows[-1]["text_ttft_ms"] / 1e3
                 )
                 rows[-1] |= stage_ms(before["stages"], after["stages"], "stage_")
@@ -272,15 +293,18 @@ def row(
     name: str, k: int, image_out: list, text_out: list, before: dict, after: dict, convs: list
 ) -> dict[str, Any]:
     images = sum(conv.images for conv in convs)
-    ttft = statistics.median(t for t, *_ in image_out)
-    text_ttft = statistics.median(t for t, *_ in text_out)
+    ttft = statistics.median(r.ttft_s for r in image_out)
+    text_ttft = statistics.median(r.ttft_s for r in text_out)
     return {
         "server": name, "turn": k + 1, "ttft_ms": ttft * 1e3, "text_ttft_ms": text_ttft * 1e3,
         "ttft_vs_text": ttft / text_ttft,
-        "prompt_tokens": statistics.median(p for _, p, _ in image_out),
-        "text_prompt_tokens": statistics.median(p for _, p, _ in text_out),
-        "upload_ms": statistics.median(u for *_, u in image_out) * 1e3,
-        "text_upload_ms": statistics.median(u for *_, u in text_out) * 1e3,
+        "prompt_tokens": statistics.median(r.prompt_tokens for r in image_out),
+        "text_prompt_tokens": statistics.median(r.prompt_tokens for r in text_out),
+        # what each prefilled: its prompt less what the prefix cache served
+        "new_tokens": statistics.median(r.prompt_tokens - r.cached_tokens for r in image_out),
+        "text_new_tokens": statistics.median(r.prompt_tokens - r.cached_tokens for r in text_out),
+        "upload_ms": statistics.median(r.upload_s for r in image_out) * 1e3,
+        "text_upload_ms": statistics.median(r.upload_s for r in text_out) * 1e3,
         "main_cpu_ms_per_image": (after["main_cpu_s"] - before["main_cpu_s"]) * 1e3 / images,
         "worker_cpu_ms_per_image": (after["worker_cpu_s"] - before["worker_cpu_s"]) * 1e3 / images,
         "pixel_mb_to_ranks": (after["pixel_bytes"] - before["pixel_bytes"]) / 1e6,
@@ -289,7 +313,8 @@ def row(
 
 COLUMNS = [
     ("server", "{}"), ("turn", "{}"), ("ttft_ms", "{:.1f}"), ("text_ttft_ms", "{:.1f}"),
-    ("ttft_vs_text", "{:.2f}"), ("prompt_tokens", "{:.0f}"), ("main_cpu_ms_per_image", "{:.2f}"),
+    ("ttft_vs_text", "{:.2f}"), ("prompt_tokens", "{:.0f}"), ("new_tokens", "{:.0f}"),
+    ("text_new_tokens", "{:.0f}"), ("main_cpu_ms_per_image", "{:.2f}"),
     ("worker_cpu_ms_per_image", "{:.2f}"), ("pixel_mb_to_ranks", "{:.2f}"),
     ("text_main_cpu_ms_per_request", "{:.2f}"), ("ids_vs_text", "{:.2f}"), ("load_avg", "{:.1f}"),
 ]  # fmt: skip

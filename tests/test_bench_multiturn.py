@@ -31,6 +31,20 @@ def test_every_turn_is_measured_against_a_text_prefix_of_its_length(report: dict
     assert turns[0]["pixel_mb_to_ranks"] == pytest.approx(4 * 64 * 1176 * 4 / 1e6)
     assert turns[1]["pixel_mb_to_ranks"] == 0
     assert turns[1]["prompt_tokens"] > turns[0]["prompt_tokens"]  # the history grows
+    # what each side prefilled: the prompt less the prefix cache's share, from the usage
+    assert 0 < turns[1]["new_tokens"] < turns[1]["prompt_tokens"]
+    assert 0 < turns[1]["text_new_tokens"] < turns[1]["text_prompt_tokens"]
+
+
+def test_no_two_text_conversations_share_a_prefix() -> None:
+    """A round's text conversations, and the next round's, start differently: identical ones
+    were served from one another's cache (1 new token a turn from the second round on, against
+    31-41 for the image turns) and made the text baseline look faster than it is."""
+    first = [c.messages[0]["content"] for c in bench_multiturn.text_conversations(10, 0, 4)]
+    second = [c.messages[0]["content"] for c in bench_multiturn.text_conversations(10, 1000, 4)]
+    starts = {text[: text.index(".") + 1] for text in first + second}
+    assert len(starts) == 8
+    assert all(len(text) == len(first[0]) for text in first)  # the same length within a round
 
 
 def test_the_hash_comparison_is_reported(report: dict) -> None:
