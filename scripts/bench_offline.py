@@ -236,9 +236,13 @@ def device_kernel_us(prof: Any) -> dict[str, float]:
     return kernels
 
 
-def profile_vision(model: torch.nn.Module, prompts: list[Prompt], device: str) -> dict[str, Any]:
+def profile_vision(
+    model: torch.nn.Module, prompts: list[Prompt], device: str, out_dir: Path | None = None
+) -> dict[str, Any]:
     """Where one vision-tower call over every prompt's image spends the device's time: the
-    top kernels in ms, and their sum against the call's wall time (after a warm-up call)."""
+    top kernels in ms, and their sum against the call's wall time (after a warm-up call).
+    `out_dir` gets `vision_profile.txt`: the torch ops by the device time of the kernels they
+    launched (which op a copy kernel belongs to, say)."""
     from torch.profiler import ProfilerActivity, profile
 
     pixels = torch.cat([p.media.pixel_values for p in prompts]).to(device, model.visual.dtype)
@@ -253,6 +257,10 @@ def profile_vision(model: torch.nn.Module, prompts: list[Prompt], device: str) -
             wall = time.perf_counter() - start
     kernels = device_kernel_us(prof)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by="device_time_total", row_limit=40)
+        (out_dir / "vision_profile.txt").write_text(table)
     return {
         "patches": int(pixels.shape[0]),
         "wall_ms": wall * 1e3,
@@ -492,7 +500,8 @@ def run(args: argparse.Namespace, model_path: str, tmp: str) -> dict[str, Any]:
             scheduler, prompts[0], args.device, args.profile_decode, out_dir
         )
     if args.profile_vision and args.device == "cuda":
-        results["vision_profile"] = profile_vision(model, prompts, args.device)
+        out_dir = Path(args.profile_dir) if args.profile_dir else None
+        results["vision_profile"] = profile_vision(model, prompts, args.device, out_dir)
     eos = set(model.config.eos_token_ids)
     del scheduler, model
     if args.skip_hf:

@@ -15,8 +15,9 @@
 # offline_7b_sampled (decode at temperature 0.8, overlapped, batch 1 and 32);
 # GPU_SESSION_CHECKS the gpu_check checks (default parity_tiny,serve). The 7B checkpoint
 # (about 16 GB, bfloat16) is written in the background while the tests run. Logs and JSON
-# reports go to $OUT; the 7B offline step also writes its decode profile there, and takes more
-# arguments from GPU_SESSION_OFFLINE_ARGS (e.g. --skip-hf when a run already measured HF).
+# reports go to $OUT; the 7B offline step also writes its decode and vision profiles there,
+# and takes more arguments from GPU_SESSION_OFFLINE_ARGS (e.g. --skip-hf when a run already
+# measured HF).
 set -u
 OUT=${OUT:-gpu-session}
 mkdir -p "$OUT"
