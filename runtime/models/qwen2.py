@@ -80,16 +80,17 @@ class Qwen2Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, d)).view_as(q)  # norms take [rows, dim]
             k = self.k_norm(k.reshape(-1, d)).view_as(k)
-        if self.rotary_store_kv is None:
+        store = self.rotary_store_kv  # rotates, and writes K and V to the pool, in one kernel
+        if store is not None:
+            pool, layer_id = batch.kv_pool, self.layer.layer_id
+            q, k = store(
+                q, k, v.view_as(k), *cos_sin,
+                pool.k_buffers[layer_id], pool.v_buffers[layer_id], batch.out_cache_loc,
+            )
+        else:
             q, k = self.rotary(q, k, *cos_sin)
-            out = self.backend.forward(q.flatten(1), k.flatten(1), v, self.layer, batch)
-            return self.o_proj(out)
-        pool, layer_id = batch.kv_pool, self.layer.layer_id
-        q, k = self.rotary_store_kv(
-            q, k, v.view_as(k), *cos_sin,
-            pool.k_buffers[layer_id], pool.v_buffers[layer_id], batch.out_cache_loc,
-        )
-        out = self.backend.forward(q.flatten(1), k.flatten(1), v, self.layer, batch, kv_stored=True)
+        stored = store is not None
+        out = self.backend.forward(q.flatten(1), k.flatten(1), v, self.layer, batch, stored)
         return self.o_proj(out)
 
 
