@@ -18,12 +18,12 @@ cannot be pinned on a request and ends the server (see scheduler/process.py).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from runtime.allocator import frozen_startup_objects
 from runtime.distributed import TPGroup
 from runtime.grammar import apply_bitmask
 from runtime.io_struct import (
@@ -635,7 +635,7 @@ class Scheduler:
             encoder_cache=self.cache.encoder_stats(),
             counters=dataclasses.replace(self.counters),
             encoder_plans=dict(self.runner.model.plan_counts),
-            gc_frozen=gc.get_freeze_count(),
+            gc_frozen=frozen_startup_objects(),
         )
 
 

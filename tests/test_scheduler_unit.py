@@ -322,3 +322,17 @@ def test_a_prompt_that_ends_does_not_wait_for_the_next_ones_first_chunk(model) -
         scheduler.step([])
     kv = scheduler.runner.kv_pool
     assert kv.available_size + scheduler.radix.evictable_size == kv.size
+
+
+def test_server_info_does_not_walk_the_frozen_objects(model, monkeypatch) -> None:
+    """/server_info and every /metrics scrape ask the rank for its info between two steps:
+    counting the frozen generation there walked 173k objects (about 2 ms) each time."""
+    import gc
+
+    def walk() -> int:
+        raise AssertionError("gc.get_freeze_count() walks the whole permanent generation")
+
+    scheduler = make_scheduler(model, kv_tokens=512)
+    monkeypatch.setattr(gc, "get_freeze_count", walk)
+    info = scheduler.server_info()
+    assert info.gc_frozen == 0  # this test process never froze its start-up objects

@@ -6,7 +6,6 @@ cancellation of a request whose client went away."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
@@ -17,6 +16,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from runtime.allocator import frozen_startup_objects
 from runtime.logging_utils import get_logger
 from runtime.model_config import GenerationDefaults
 from tokenizer_manager.api.base import ApiContext, model_name
@@ -149,7 +149,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
             **asdict(info),
             "media": tm.media_info(),
             "api": vars(app.state.counters) | {"in_flight": len(tm.states)},
-            "main_gc_frozen": gc.get_freeze_count(),
+            "main_gc_frozen": frozen_startup_objects(),
         }
 
     @app.get("/metrics")
