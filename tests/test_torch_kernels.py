@@ -35,6 +35,18 @@ def test_rms_norm_is_hf_bit_for_bit_and_leaves_its_input(
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("dim", [64, 512, 1280, 3584])
+def test_float32_rms_norm_is_hf_bit_for_bit_at_model_shapes(rows: int, dim: int) -> None:
+    """Float32 on a CPU takes torch's own rms_norm; it must keep HF's values exactly at the
+    widths tessera's models use (a fused kernel summing in another order would not)."""
+    gen = torch.Generator().manual_seed(rows * dim)
+    for scale in (1e-3, 1.0, 30.0):
+        x = torch.randn(rows, dim, generator=gen) * scale
+        weight = torch.randn(dim, generator=gen)
+        assert torch.equal(norm.rms_norm(x, weight, 1e-6), hf_rms_norm(x, weight, 1e-6))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_joint_rotary_of_q_and_k_equals_one_rotation_each(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
