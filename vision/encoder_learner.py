@@ -8,7 +8,9 @@ of plan ("dp", "tp", "hybrid"). A kind's estimate for a class is the median of i
 ratios there: one slow outlier moves nothing. A kind not yet measured in a class borrows its
 ratio from the other classes, scaled by how the class's measured kinds compare with theirs (see
 `ratios_of`): load that arrives after the calibration then cannot make an untried plan look
-cheaper than the tried ones.
+cheaper than the tried ones. A kind measured nowhere yet takes `untried_share` of the class's
+measured level: how far a tried kind missed its model is partly the machine, which the untried
+kind shares, and partly that kind's own model, which it does not.
 
 Choosing (`EncoderLearner.choose`), given the best plan of each kind under the model:
 - the greedy plan is the one with the lowest estimate. With nothing measured every ratio is 1
@@ -130,6 +132,7 @@ class EncoderLearner:
     tolerance: float = 0.03  # a plan tried `min_tries` times that cannot gain this is left alone
     min_tries: int = 3
     early_spread: tuple[float, ...] = (2.0, 1.25)  # least band after 1, 2 tries in a class
+    untried_share: float = 0.5  # of a class's measured level (log), a kind tried nowhere takes
     calls: int = 0
     explored: int = 0
     stats: dict[tuple[SizeClass, str], RatioStats] = field(default_factory=dict)
@@ -149,12 +152,23 @@ class EncoderLearner:
         against theirs (their geometric mean of own / overall); a hybrid's ratio, relative to
         its parts' (see `Scale`), is borrowed as it is. A machine that slowed down
         after the start-up calibration slows every kind alike, so an untried kind must not
-        look cheaper merely because the tried ones were measured on the slower machine."""
+        look cheaper merely because the tried ones were measured on the slower machine.
+
+        A TP or DP measured nowhere yet takes `untried_share` of the level of the class's
+        measured TP and DP (the mean of their log ratios): at 1, an untried TP priced a
+        hybrid's TP part 10-30% under the DP measured beside it, and the hybrid, truly slower,
+        ran greedily for rounds (tp 2, the benchmark's random workload); at the full level the
+        calibration's order could not change before an exploration, and a kind whose own
+        model was 3x wrong kept running until one."""
         own = {k: self.stats[klass, k].log_ratio() for k in KINDS if (klass, k) in self.stats}
         if not own:
             return {}  # a class's first call does what the calibration says (the safe default)
         overall = self._overall()
         logs = {k: _borrowed(own, overall, k) for k in overall}
+        level = [v for k, v in own.items() if k not in RELATIVE]
+        if level:
+            guess = self.untried_share * statistics.fmean(level)
+            logs |= {k: guess for k in KINDS if k not in RELATIVE and k not in logs}
         return {k: math.exp(v) for k, v in {**logs, **own}.items()}
 
     def _overall(self, without: SizeClass | None = None) -> dict[str, float]:
