@@ -125,6 +125,7 @@ class SchedulerCounters:
     forced_tokens: int = 0  # appended by jump-forward: a decode step saved for each
     pixels_wanted: int = 0  # requests whose keyed items some rank lacked (pixels asked for)
     deferred_to_share: int = 0  # admissions put off a step to match a batch-mate's prompt
+    encoder_deferred: int = 0  # admissions put off a step by the step's encoder budget
 
 
 @dataclass

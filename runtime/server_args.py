@@ -105,6 +105,13 @@ class ServerArgs:
         "extends, so they keep flowing while images are encoded and prefilled",
         default=False,
     )
+    max_encoder_patches_per_step: int = _opt(
+        "vision patches one prefill step may encode: a step always takes its first image or "
+        "video request, and further media requests only while their patches fit, so a burst "
+        "of images is encoded over several steps (text prompts behind them and, with mixed "
+        "steps, the running requests' tokens go on meanwhile); 0: no bound",
+        default=0,
+    )
     disable_jump_forward: bool = _opt(
         "structured outputs: decode the tokens a grammar forces one step each instead of "
         "computing each forced run as one extend",
@@ -332,6 +339,8 @@ class ServerArgs:
             raise ValueError("--max-content-parts must be at least 1")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be at least 1")
+        if self.max_encoder_patches_per_step < 0:
+            raise ValueError("--max-encoder-patches-per-step must be at least 0 (0: no bound)")
         if self.mm_cache_size_mb < 0:
             raise ValueError("--mm-cache-size-mb must be 0 (off) or positive")
         if self.mm_processor_cache_gb < 0:

@@ -14,6 +14,7 @@ class PrefillBatch:
     reqs: list[Req] = field(default_factory=list)
     lens: list[int] = field(default_factory=list)  # lens[i]: prompt tokens reqs[i] computes now
     decodes: list[Req] = field(default_factory=list)  # mixed steps: one decode token each
+    patches: int = 0  # vision patches the chunks give the encoder (media items they enter)
 
     def add(self, req: Req, n: int) -> None:
         self.reqs.append(req)

@@ -112,6 +112,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         schedule_policy=args.schedule_policy,
         eos_token_ids=model.config.eos_token_ids,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        max_encoder_patches_per_step=args.max_encoder_patches_per_step,
         enable_jump_forward=not args.disable_jump_forward,
         enable_overlap=args.overlap_schedule,
         vocab_size=model.config.text.vocab_size,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -143,6 +144,17 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish is not None
+
+    def patches_entered(self, start: int, end: int) -> int:
+        """Vision patches of the media items whose placeholder run starts in tokens
+        [start, end): what a chunk over those tokens gives the encoder (an item a chunk enters
+        is encoded whole; the chunks after it read its stored embedding)."""
+        items = self.mm.items if self.mm is not None else []
+        return sum(
+            math.prod(i.grid_thw)
+            for i in items
+            if i.offsets and start <= min(s for s, _ in i.offsets) < end
+        )
 
     @property
     def extend_len(self) -> int:

@@ -70,6 +70,8 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     check_integrity_when_idle: bool = True
     enable_mixed_chunk: bool = False  # running decodes ride along each prefill step
+    # vision patches one prefill step may encode past its first media request; 0: no bound
+    max_encoder_patches_per_step: int = 0
     enable_jump_forward: bool = True  # tokens a grammar forces are computed as one extend
     vocab_size: int = 2**31  # token ids a request may name (logit_bias, allowed_token_ids)
     media_token_ids: dict[str, int] = field(default_factory=dict)  # modality -> placeholder id
@@ -253,12 +255,12 @@ class Scheduler:
             self.fail(req, problem)
         adder, batch = self.make_adder(), PrefillBatch()
         if self.chunked is not None:
-            n = adder.add(
-                self.chunked.extend_len, self.chunked.remaining_new_tokens, self.chunked.arrival
-            )
+            chunked = self.chunked
+            n = adder.add(chunked.extend_len, chunked.remaining_new_tokens, chunked.arrival)
             if n is None:
                 return None  # the chunked request waits for KV; decode frees some meanwhile
-            batch.add(self.chunked, n)
+            batch.add(chunked, n)
+            batch.patches += chunked.patches_entered(chunked.kv_len, chunked.kv_len + n)
             self.chunked = None
         for req in self.ordered_waiting():
             if req.wants_pixels or not (ready(req) and self.grammar.is_ready(req)):
@@ -296,12 +298,33 @@ class Scheduler:
             return False
         if self.wait_for_pixels(req):
             return True  # it holds nothing now; admission goes on with the next request
+        if self.over_encoder_budget(batch, req, adder):
+            self.cache.unlock(req)
+            return True  # it leads the next step's media; text prompts behind it go on now
         adder.rem_total -= locked  # its cached prefix is no longer evictable
         n = adder.add(req.extend_len, req.remaining_new_tokens, req.arrival)
         if n is None:
             self.cache.unlock(req)
             return False
         batch.add(req, n)
+        batch.patches += req.patches_entered(req.kv_len, req.kv_len + n)
+        return True
+
+    def over_encoder_budget(self, batch: PrefillBatch, req: Req, adder: PrefillAdder) -> bool:
+        """The images and videos this request's chunk would encode do not fit the step's
+        encoder budget (`max_encoder_patches_per_step`) next to those already in it. A step
+        always takes its first media request, so the budget only splits several across steps:
+        a prefill step's length is bounded by about one item's encoder time, and the running
+        requests' next tokens (riding along, with mixed steps) and the text prompts admitted
+        past it do not wait for a whole burst of images to be encoded."""
+        budget = self.cfg.max_encoder_patches_per_step
+        if budget <= 0 or batch.patches == 0 or req.mm is None:
+            return False
+        chunk = min(req.extend_len, adder.chunk_size, adder.rem_input)
+        need = req.patches_entered(req.kv_len, req.kv_len + chunk)
+        if need == 0 or batch.patches + need <= budget:
+            return False
+        self.counters.encoder_deferred += 1
         return True
 
     def wait_for_pixels(self, req: Req) -> bool:

@@ -33,6 +33,10 @@ Groups and workloads (--quick: 4 requests each, at most 8 output tokens, 1 round
         checkpoint: the vit-hd64 preset), else on --model-path; the segments a stopped vLLM
         leaves in /dev/shm are removed
         vit-tp2       16 chats of four images (112 to 672 px), 16 words, 1 token, 4 at a time
+  variants  (only when named) tessera with its defaults against tessera with the flags of each
+        `--variant NAME=FLAGS`, on the tp1 workloads, ratios variant / defaults; e.g.
+        --group variants --variant "mixed-b1024=--enable-mixed-chunk
+        --max-encoder-patches-per-step 1024" --workload mixed
 
 Per workload and server the report gives the median over rounds of requests/s, output tokens/s,
 TTFT and ITL p50/p99, and the ratio of each pair's medians (tessera / vLLM; within one server,
@@ -55,6 +59,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import statistics
 import sys
@@ -187,6 +192,24 @@ GROUPS = {
         ),
     ),
 }
+
+
+VARIANTS = "variants"
+
+
+def variants_group(variants: Sequence[str]) -> Group:
+    """tessera with its defaults against tessera with other flags (`NAME=FLAGS` each), on the
+    tp 1 group's workloads: what a flag changes, measured side by side in alternating rounds."""
+    specs = []
+    for variant in variants:
+        name, sep, flags = variant.partition("=")
+        if not sep or not name or name in (TESSERA, VLLM):
+            raise SystemExit(f"--variant {variant!r}: give NAME=FLAGS, NAME not tessera or vllm")
+        specs.append(ServerSpec(name, TESSERA, tuple(shlex.split(flags))))
+    if not specs:
+        raise SystemExit("--group variants needs at least one --variant NAME=FLAGS")
+    servers = (ServerSpec(TESSERA, TESSERA), *specs)
+    return Group(servers, GROUPS["tp1"].scenarios, tuple((s.name, TESSERA) for s in specs))
 
 
 def tp_size(flags: Sequence[str]) -> int:
@@ -449,7 +472,9 @@ def conditions(argv: Sequence[str]) -> dict[str, Any]:
 
 def benchmark(args: argparse.Namespace, argv: Sequence[str]) -> int:
     info = conditions(argv)
-    groups = [GROUPS[name] for name in args.group]
+    groups = [
+        variants_group(args.variant) if name == VARIANTS else GROUPS[name] for name in args.group
+    ]
     runs: list[dict[str, Any]] = []
     for group in groups:
         run_group(group, args, runs)
@@ -610,8 +635,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="python of vLLM's venv")
     p.add_argument(
-        "--group", action="append", choices=sorted(GROUPS), default=None,
-        help="which comparison (repeatable; default: tp1 and tp2)",
+        "--group", action="append", choices=[*sorted(GROUPS), VARIANTS], default=None,
+        help="which comparison (repeatable; default: tp1 and tp2); variants: tessera against "
+        "tessera with the flags of each --variant",
+    )  # fmt: skip
+    p.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=FLAGS",
+        help="with --group variants: a tessera server named NAME started with FLAGS, e.g. "
+        "mixed='--enable-mixed-chunk' (repeatable)",
     )  # fmt: skip
     p.add_argument(
         "--server", action="append", default=None,

@@ -169,6 +169,26 @@ def test_workload_filter_runs_only_that_workload(
     assert set(measured) == {"long-prompt"} and len(measured) == len(started)
 
 
+def test_variants_group_starts_tessera_with_each_variants_flags(tmp_path: Path) -> None:
+    """`--group variants --variant NAME=FLAGS`: tessera with its defaults and once per variant
+    with the variant's flags, ratios variant / defaults; a malformed variant is refused."""
+    argv = ["--model-path", "/tmp/a", "--log-dir", str(tmp_path), "--group", "variants",
+            "--variant", "mixed-b=--enable-mixed-chunk --max-encoder-patches-per-step 1024"]
+    args = bench.parse_args(argv)
+    group = bench.variants_group(args.variant)
+    assert [s.name for s in group.servers] == ["tessera", "mixed-b"]
+    assert group.pairs == (("mixed-b", "tessera"),)
+    assert group.scenarios == bench.GROUPS["tp1"].scenarios
+    server = bench.make_server(group.servers[1], args)
+    flags = server.argv[server.argv.index("launch.py") + 1:]
+    assert flags[:2] == ["--model-path", "/tmp/a"]
+    assert "--enable-mixed-chunk" in flags
+    assert flags[flags.index("--max-encoder-patches-per-step") + 1] == "1024"
+    for bad in (["oops"], ["vllm=--tp 1"], []):
+        with pytest.raises(SystemExit):
+            bench.variants_group(bad)
+
+
 def test_tp2_group_runs_on_its_own_checkpoint(tmp_path: Path) -> None:
     argv = ["--model-path", "/tmp/a", "--tp2-model-path", "/tmp/b", "--log-dir", str(tmp_path)]
     args = bench.parse_args(argv)

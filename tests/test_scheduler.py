@@ -82,8 +82,15 @@ TP_SETTINGS = [
     pytest.param({"tp_size": 4}, id="tp4-vit_tp"),
     # mixed steps: the running decodes ride along every prefill chunk
     pytest.param({"tp_size": 1, "enable_mixed_chunk": True}, id="tp1-mixed"),
+    # and each step encodes one image past its first media request's (every rank agrees)
     pytest.param(
-        {"tp_size": 2, "mm_encoder_mode": "dp", "enable_mixed_chunk": True}, id="tp2-vit_dp-mixed"
+        {
+            "tp_size": 2,
+            "mm_encoder_mode": "dp",
+            "enable_mixed_chunk": True,
+            "max_encoder_patches_per_step": 64,
+        },
+        id="tp2-vit_dp-mixed-budget",
     ),
 ]
 
@@ -122,6 +129,8 @@ def test_pool_was_small_enough_to_retract_and_chunks_cut_images(served: dict) ->
     assert counters.retractions > 0
     assert counters.prefill_steps > 1
     assert (counters.mixed_steps > 0) == served["args"].get("enable_mixed_chunk", False)
+    budget = served["args"].get("max_encoder_patches_per_step", 0)
+    assert (counters.encoder_deferred > 0) == (budget > 0)
 
 
 def test_nothing_leaked_once_idle(served: dict) -> None:

@@ -11,6 +11,7 @@ from vlm_cases import Checkpoint, gradient_image
 
 from runtime.distributed import TPGroup
 from runtime.io_struct import BatchStrOut, TokenizedGenerateReq, UnknownMessage
+from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
 from runtime.sampler import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
@@ -38,10 +39,14 @@ def make_scheduler(
     encoder_cache_mb: int = 0,
     radix: bool = True,
     decode_threads: int = 0,
+    encoder_patches: int = 0,
+    mixed: bool = False,
 ) -> Scheduler:
     args = ServerArgs(
         device="cpu",
         cpu_decode_threads=decode_threads,
+        max_encoder_patches_per_step=encoder_patches,
+        enable_mixed_chunk=mixed,
         max_total_tokens=kv_tokens,
         max_running_requests=8,
         max_prefill_tokens=512,
@@ -296,6 +301,81 @@ def test_a_wave_on_one_image_prefills_the_image_once(model, folder: Path) -> Non
     assert shared.counters.prompt_tokens_computed <= whole - 3 * (start - 1)
     assert shared.counters.deferred_to_share == 3
     assert shared.encoder_cache.counters.items_encoded == 1
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_burst_of_images_is_encoded_over_steps_within_the_budget(
+    model, folder: Path, mixed: bool
+) -> None:
+    """Three image chats (64, 80 and 80 patches) and a text chat arrive in one step. With a
+    budget of 100 patches a step, each step encodes one image: the first image's request and
+    the text one (which passes the images put off) prefill at once, the other two in the next
+    steps, and their outputs are those of a scheduler without the budget, which encodes all
+    three in the first step. With mixed steps, the running requests decode in those steps."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    sizes = [(112, 112), (112, 140), (140, 112)]
+    cases = [
+        Checkpoint(folder).case("image", [gradient_image(size), f"word {i}"])
+        for i, size in enumerate(sizes)
+    ]
+    assert [c.mm.items[0].grid_thw for c in cases] == [(1, 8, 8), (1, 8, 10), (1, 10, 8)]
+
+    def burst() -> list[TokenizedGenerateReq]:
+        text = [(j * 13) % 360 + 1 for j in range(24)]
+        chats = [
+            TokenizedGenerateReq(f"i{i}", case.input_ids, params, case.mm)
+            for i, case in enumerate(cases)
+        ]
+        return [*chats, TokenizedGenerateReq("text", text, params)]
+
+    def serve(scheduler: Scheduler) -> tuple[dict[str, list[int]], list[int], list[set[str]]]:
+        outputs: dict[str, list[int]] = {}
+        encoded, firsts, incoming = [], [], burst()
+        while incoming or not scheduler.idle:
+            result = scheduler.step(incoming)
+            incoming = []
+            encoded.append(scheduler.encoder_cache.counters.items_encoded)
+            firsts.append({o.rid for o in result.outputs if o.rid not in outputs})
+            for out in result.outputs:
+                outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+        return outputs, encoded, firsts
+
+    # no prefix cache: its own deferral (a batch-mate with the same template start) is not
+    # what this test is about
+    bounded = make_scheduler(
+        model, 2000, encoder_cache_mb=1, radix=False, encoder_patches=100, mixed=mixed
+    )
+    outputs, encoded, firsts = serve(bounded)
+    plain = make_scheduler(model, 2000, encoder_cache_mb=1, radix=False, mixed=mixed)
+    plain_outputs, plain_encoded, plain_firsts = serve(plain)
+    assert outputs == plain_outputs and all(len(t) == 3 for t in outputs.values())
+    assert plain_encoded[0] == 3 and plain_firsts[0] == {"i0", "i1", "i2", "text"}
+    assert encoded[:3] == [1, 2, 3]
+    assert firsts[:3] == [{"i0", "text"}, {"i1"}, {"i2"}]
+    assert bounded.counters.encoder_deferred == 3  # i1 and i2 in step 1, i2 in step 2
+    assert plain.counters.encoder_deferred == 0
+    assert (bounded.counters.mixed_steps == 2) == mixed  # steps 2 and 3 carried i0 and text
+    kv = bounded.runner.kv_pool
+    assert kv.available_size + bounded.radix.evictable_size == kv.size
+
+
+def test_a_chunk_gives_the_encoder_the_items_it_enters() -> None:
+    """An item is encoded whole by the chunk that enters its placeholder run; the chunks
+    after it read the stored embedding."""
+    item = MultimodalDataItem(Modality.IMAGE, offsets=[(10, 26)], grid_thw=(1, 8, 8))
+    video = MultimodalDataItem(Modality.VIDEO, offsets=[(30, 40), (42, 52)], grid_thw=(2, 4, 4))
+    req = Req(list(range(60)), mm=MultimodalInputs([item, video], torch.zeros(3, 60)))
+    assert req.patches_entered(0, 10) == 0
+    assert req.patches_entered(0, 11) == 64
+    assert req.patches_entered(11, 30) == 0  # inside the image: already entered
+    assert req.patches_entered(11, 31) == 32
+    assert req.patches_entered(0, 60) == 96
+    assert Req(list(range(5))).patches_entered(0, 5) == 0
+
+
+def test_the_encoder_budget_flag_refuses_a_negative_value() -> None:
+    with pytest.raises(ValueError, match="max-encoder-patches-per-step"):
+        ServerArgs(max_encoder_patches_per_step=-1).check()
 
 
 def test_a_prompt_that_ends_does_not_wait_for_the_next_ones_first_chunk(model) -> None:
