@@ -31,6 +31,21 @@ if TYPE_CHECKING:
 logger = get_logger("tessera.launch")
 
 
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """The HTTP server's socket, bound first thing and listening only once the server is ready
+    (until then a client is refused, not left waiting): a busy port fails the launch at once,
+    not after the model has loaded, and no port a child opens while it starts (Gloo listens on
+    ephemeral ports) can take the one asked for."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"cannot serve HTTP on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -155,7 +170,7 @@ def fail_everything(loop: asyncio.AbstractEventLoop, tm: object, mm: object, rea
     mm.shutdown()
 
 
-async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
+async def serve_http(args: ServerArgs, supervisor: Supervisor, sock: socket.socket) -> None:
     import uvicorn
 
     from runtime.cpus import usable_cpus
@@ -199,7 +214,7 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor) -> None:
     )
     try:
         logger.info("serving on http://%s:%d", args.host, args.port)
-        await uvicorn.Server(config).serve()
+        await uvicorn.Server(config).serve(sockets=[sock])
     finally:
         # the children stop while the media workers do: a stop never waits for both in turn
         await asyncio.gather(tm.close(), asyncio.to_thread(supervisor.stop))
@@ -238,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         # less CPU on the 2-core machine). The children read it when torch starts; a value the
         # user set is kept.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.node_rank == 0:
+        from tokenizer_manager.cpu_pool import start_fork_server
+
+        http_socket = bind_http_socket(args.host, args.port)
+        # the media workers' imports run now, beside the children's start-up, not after it
+        start_fork_server()
     supervisor = Supervisor(args)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -249,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             # uvloop's event loop, as uvicorn picks when it runs its own: 6% less main-process
             # CPU per 4-image request than asyncio's (docs/benchmarks.md)
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                runner.run(serve_http(args, supervisor))
+                runner.run(serve_http(args, supervisor, http_socket))
         else:
             while True:
                 time.sleep(1)

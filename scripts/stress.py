@@ -104,8 +104,18 @@ class LaunchedServer:
         raise TimeoutError(f"server not healthy:\n{self.log.read_text()[-4000:]}")
 
     def children(self) -> list[int]:
-        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        return [int(p) for p in path.read_text().split()] if path.exists() else []
+        """Every live process under the server's main process, children's children included
+        (the media workers are forked by the media fork server, a child of the main process)."""
+        out, todo = [], [self.proc.pid]
+        while todo:
+            for task in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+                try:
+                    found = [int(pid) for pid in task.read_text().split()]
+                except OSError:
+                    continue
+                out += found
+                todo += found
+        return out
 
     def group_alive(self) -> bool:
         try:

@@ -202,3 +202,32 @@ def test_a_job_that_cannot_be_read_fails_with_its_own_error(pool: WorkerPool) ->
         pool.submit(len, FailsOnLoad()).result(60)
     assert pool.submit(divmod, 9, 4).result(60) == (2, 1)
     assert pool.pids() == before  # no worker died for it
+
+
+def loaded_modules(names: tuple[str, ...]) -> dict[str, bool]:
+    import gc
+    import sys
+
+    # the fork server froze what it imported: the worker inherits a permanent generation
+    return {name: name in sys.modules for name in names} | {"frozen": gc.get_freeze_count() > 0}
+
+
+def test_workers_are_forked_with_the_media_code_already_imported(pool: WorkerPool) -> None:
+    """A worker (and the replacement of a killed one) is forked from a fork server that has
+    imported the media code once, so it does not import it again for seconds (a spawned worker
+    starts with nothing imported), and that froze those objects for the collector."""
+    from tokenizer_manager.cpu_pool import MEDIA_WORKER_PRELOAD
+
+    want = dict.fromkeys([*MEDIA_WORKER_PRELOAD, "frozen"], True)
+    assert pool.submit(loaded_modules, MEDIA_WORKER_PRELOAD).result(30) == want
+    first = pool.pids()
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: all(gone(pid) for pid in first))
+    replies = [pool.submit(loaded_modules, MEDIA_WORKER_PRELOAD) for _ in range(4)]
+    assert all(r.result(30) == want for r in replies)
+    assert not set(pool.pids()) & set(first)
+    # every worker's parent is the one fork server, not this process
+    parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+               for pid in pool.pids()}
+    assert len(parents) == 1 and os.getpid() not in parents

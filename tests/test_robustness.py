@@ -137,7 +137,8 @@ def test_native_sampling_params_are_checked(server: Server, params: dict) -> Non
 
 
 def media_worker_pids(server: Server) -> list[int]:
-    """The main process's children that are not the scheduler ranks or the detokenizer."""
+    """The processes under the main process that are not the scheduler ranks or the
+    detokenizer: the media fork server and the workers forked from it."""
     known = {server.pid_of(n) for n in ("scheduler-TP0", "scheduler-TP1", "detokenizer")}
     return [pid for pid in server.children() if pid not in known]
 

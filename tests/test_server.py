@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -530,6 +531,19 @@ def test_killing_a_rank_stops_the_server(folder: str, tmp_path: Path) -> None:
     finally:
         srv.stop()
     assert wait_until(lambda: not srv.group_alive())
+
+
+def test_a_busy_port_fails_the_launch_before_any_child_starts(folder: str, tmp_path: Path) -> None:
+    """The HTTP port is bound first thing: taken, the launch ends at once with a clear error
+    (not after every rank has loaded the model, and no child process is started)."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(port),
+               "--model-path", folder, "--tp", "2", "--device", "cpu"]  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode != 0
+    assert f"cannot serve HTTP on 127.0.0.1:{port}" in run.stderr
+    assert "started scheduler" not in run.stdout + run.stderr
 
 
 def test_the_child_killed_first_is_named_not_the_rank_that_failed_after_it() -> None:

@@ -4,9 +4,9 @@ Three pools keep the asyncio loop free:
 - a fetch thread pool for http(s) URLs (at most `fetches_per_request` of them per request, so a
   request of stalling URLs cannot take every thread), and an I/O thread pool for data: URLs and
   allowed local files; both read image headers, so most bad media are refused before any CPU work;
-- a small pool of CPU worker processes (cpu_pool.WorkerPool, started with `spawn`) runs the
-  worker side (`media_worker`: decode, resize, patchify, digest); the values both sides share
-  live in `media_types`.
+- a small pool of CPU worker processes (cpu_pool.WorkerPool, forked from a fork server that
+  has imported their code) runs the worker side (`media_worker`: decode, resize, patchify,
+  digest); the values both sides share live in `media_types`.
 
 Every item is fetched and header-checked before any is decoded: the images' tokens (the
 checkpoint's resize rule over the header size) must fit what the context leaves, and the decoded
