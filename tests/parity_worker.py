@@ -5,7 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from runner_utils import extend_all_logits, greedy_generate, release
+from runner_utils import (
+    extend_all_logits,
+    extend_all_logits_batch,
+    greedy_generate_batch,
+    release,
+)
 
 from runtime.distributed import TPGroup
 from scheduler.encoder_cache import EncoderCache
@@ -65,20 +70,44 @@ def run_cut_cases(tp: TPGroup, model: Any, cases: list[tuple[str, list[int], Any
     return out if tp.rank == 0 else {k: out[k] for k in ("_cache", "_kv_free")}
 
 
+def chunked_logits(runner: ModelRunner, cases: list[tuple[str, list[int], Any]]) -> list:
+    """Every case prefilled at once in chunks of CHUNK tokens each: one step carries the next
+    chunk of every case not yet done (so a step holds chunks of several images); each case's
+    logits of every prompt token."""
+    seqs = [Req(list(ids), mm) for _, ids, mm in cases]
+    for seq in seqs:
+        runner.admit(seq)
+    try:
+        parts: list[list[torch.Tensor]] = [[] for _ in seqs]
+        while any(seq.kv_len < len(seq.token_ids) for seq in seqs):
+            active = [i for i, seq in enumerate(seqs) if seq.kv_len < len(seq.token_ids)]
+            lens = [min(CHUNK, len(seqs[i].token_ids) - seqs[i].kv_len) for i in active]
+            rows = extend_all_logits_batch(runner, [seqs[i] for i in active], lens)
+            for i, logits in zip(active, rows):
+                parts[i].append(logits)
+        return [torch.cat(p) for p in parts]
+    finally:
+        for seq in seqs:
+            release(runner, seq)
+
+
 def run_cases(
     tp: TPGroup, folder: str, mode: str, cases: list[tuple[str, list[int], Any]], new_tokens: int
 ) -> dict:
     costs = AUTO_COSTS if mode == "auto" else None
     model = build_model(folder, tp, encoder_mode=mode, encoder_costs=costs, dtype="float32")
-    runner = ModelRunner(model, max_total_tokens=1024, max_running_requests=4, max_context_len=256)
-    out = {}
-    for name, ids, mm in cases:
-        full = all_logits(runner, ids, mm, None)
-        chunked = all_logits(runner, ids, mm, CHUNK)
-        tokens = greedy_generate(runner, Req(list(ids), mm), new_tokens)
-        keep = tp.rank == 0
-        out[name] = {"logits": full if keep else None, "chunked": chunked if keep else None,
-                     "tokens": tokens}
+    runner = ModelRunner(
+        model, max_total_tokens=1024, max_running_requests=len(cases), max_context_len=256
+    )
+    keep = tp.rank == 0
+    # each case alone in full, then all of them in chunks together, then all decoded together
+    full = [all_logits(runner, ids, mm, None) for _, ids, mm in cases]  # every rank runs it
+    chunked = chunked_logits(runner, cases)
+    tokens = greedy_generate_batch(runner, [Req(list(ids), mm) for _, ids, mm in cases], new_tokens)
+    out = {
+        name: {"logits": f if keep else None, "chunked": c if keep else None, "tokens": t}
+        for (name, _, _), f, c, t in zip(cases, full, chunked, tokens)
+    }
     out["_plans"] = dict(model.plan_counts)
     out["_cut"] = run_cut_cases(tp, model, cases)
     out["_kv_free"] = runner.kv_pool.available_size == runner.kv_pool.size

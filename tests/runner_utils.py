@@ -27,6 +27,19 @@ def extend_all_logits(runner: ModelRunner, seq: Req, n: int) -> torch.Tensor:
     return lm.lm_head(hidden[0])
 
 
+def extend_all_logits_batch(runner: ModelRunner, seqs: list[Req], lens: list[int]) -> list:
+    """`extend_all_logits` for several sequences in one step: each one's logits of its new
+    tokens."""
+    lm = runner.model.language_model
+    hidden: list[torch.Tensor] = []
+    hook = lm.model.register_forward_hook(lambda _m, _args, out: hidden.append(out))
+    try:
+        runner.mixed(seqs, lens, [])
+    finally:
+        hook.remove()
+    return list(lm.lm_head(hidden[0]).split(lens))
+
+
 def release(runner: ModelRunner, req: Req) -> None:
     """Free every KV slot and the request slot `req` holds (no radix cache here)."""
     if req.req_pool_index < 0:
@@ -56,3 +69,23 @@ def greedy_generate(
         return out
     finally:
         release(runner, req)
+
+
+def greedy_generate_batch(runner: ModelRunner, reqs: list[Req], max_new_tokens: int) -> list:
+    """`greedy_generate` for several requests at once: one prefill step for all of them, then
+    decode steps over the whole batch; frees them at the end."""
+    for req in reqs:
+        runner.admit(req)
+    try:
+        logits = extend(runner, reqs, [len(req.token_ids) for req in reqs])
+        outs: list[list[int]] = [[] for _ in reqs]
+        for step in range(max_new_tokens):
+            for req, out, row in zip(reqs, outs, logits):
+                out.append(int(row.argmax()))
+                req.token_ids.append(out[-1])
+            if step + 1 < max_new_tokens:
+                logits = runner.decode(reqs)
+        return outs
+    finally:
+        for req in reqs:
+            release(runner, req)
