@@ -54,6 +54,12 @@ class MultimodalDataItem:
         self.pad_value = MM_PAD_SHIFT_VALUE + self.hash % 2**PAD_VALUE_BITS
 
     @property
+    def span(self) -> tuple[int, int]:
+        """[start, end) of the tokens from its first placeholder run to its last (a video's
+        runs are separated by timestamp text)."""
+        return min(s for s, _ in self.offsets), max(e for _, e in self.offsets)
+
+    @property
     def model_specific_data(self) -> dict[str, Any]:
         key = f"{Modality(self.modality).value}_grid_thw"
         data: dict[str, Any] = {key: torch.tensor([self.grid_thw])}

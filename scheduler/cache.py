@@ -140,8 +140,7 @@ class CacheManager:
         to be read (they have no pixels to encode again); unpin the rest."""
         pins = set(req.keyed_items(req.kv_len))
         for item in req.mm.items if req.mm is not None else []:
-            start = min(s for s, _ in item.offsets)
-            end = max(e for _, e in item.offsets)
+            start, end = item.span
             if start < chunk_end < end:
                 pins.add(item.hash)
         self.set_encoder_pins(req, frozenset(pins))

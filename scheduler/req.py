@@ -138,7 +138,7 @@ class Req:
         when the front end sent the request) whose placeholder run ends after token `start`."""
         items = self.mm.items if self.mm is not None else []
         return frozenset(
-            i.hash for i in items if i.feature is None and max(e for _, e in i.offsets) > start
+            i.hash for i in items if i.feature is None and i.span[1] > start
         )
 
     @property
@@ -153,7 +153,7 @@ class Req:
         return sum(
             math.prod(i.grid_thw)
             for i in items
-            if i.offsets and start <= min(s for s, _ in i.offsets) < end
+            if i.offsets and start <= i.span[0] < end
         )
 
     @property

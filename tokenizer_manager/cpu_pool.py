@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import queue
 import signal
 import threading
@@ -47,6 +48,7 @@ JOB_ATTEMPTS = 3  # workers a job may find dead before it fails
 STARTED = "started"  # a worker's word that it has read a job and runs it now
 # what a media worker imports before its first job (transformers' image processing is most of
 # a worker's start-up): the fork server's preload, frozen for the collector once imported
+FORK_SERVER_ENV = "TESSERA_MEDIA_FORK_SERVER"  # set in the fork server's environment only
 MEDIA_WORKER_PRELOAD = (
     "tokenizer_manager.media_worker",
     "transformers.image_processing_utils",
@@ -267,7 +269,11 @@ def start_fork_server() -> multiprocessing.context.BaseContext:
     while the caller goes on."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(MEDIA_WORKER_PRELOAD))
-    multiprocessing.forkserver.ensure_running()
+    os.environ[FORK_SERVER_ENV] = "1"  # the server starts with this process's environment
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        del os.environ[FORK_SERVER_ENV]
     return ctx
 
 
