@@ -15,21 +15,14 @@ def extend(runner: ModelRunner, seqs: list[Req], lens: list[int]) -> torch.Tenso
 
 
 def extend_all_logits(runner: ModelRunner, seq: Req, n: int) -> torch.Tensor:
-    """Prefill the next `n` tokens of `seq` and return the logits of every one of them: the
-    decoder's hidden states, read by a forward hook, through the model's own LM head."""
-    lm = runner.model.language_model
-    hidden: list[torch.Tensor] = []
-    hook = lm.model.register_forward_hook(lambda _m, _args, out: hidden.append(out))
-    try:
-        runner.mixed([seq], [n], [])
-    finally:
-        hook.remove()
-    return lm.lm_head(hidden[0])
+    """Prefill the next `n` tokens of `seq` and return the logits of every one of them."""
+    return extend_all_logits_batch(runner, [seq], [n])[0]
 
 
 def extend_all_logits_batch(runner: ModelRunner, seqs: list[Req], lens: list[int]) -> list:
-    """`extend_all_logits` for several sequences in one step: each one's logits of its new
-    tokens."""
+    """Prefill the next lens[i] tokens of each sequence in one step; each one's logits of every
+    new token: the decoder's hidden states, read by a forward hook, through the model's own LM
+    head."""
     lm = runner.model.language_model
     hidden: list[torch.Tensor] = []
     hook = lm.model.register_forward_hook(lambda _m, _args, out: hidden.append(out))
@@ -53,31 +46,23 @@ def greedy_generate(
     runner: ModelRunner, req: Req, max_new_tokens: int, chunk_size: int | None = None
 ) -> list[int]:
     """Prefill (optionally in chunks), then decode greedily; frees the request at the end."""
-    runner.admit(req)
-    try:
-        prompt_len = len(req.token_ids)
-        step = chunk_size or prompt_len
-        while req.kv_len < prompt_len:
-            logits = extend(runner, [req], [min(step, prompt_len - req.kv_len)])
-        out: list[int] = []
-        for _ in range(max_new_tokens):
-            token = int(logits[-1].argmax())
-            out.append(token)
-            req.token_ids.append(token)
-            if len(out) < max_new_tokens:
-                logits = runner.decode([req])
-        return out
-    finally:
-        release(runner, req)
+    return greedy_generate_batch(runner, [req], max_new_tokens, chunk_size)[0]
 
 
-def greedy_generate_batch(runner: ModelRunner, reqs: list[Req], max_new_tokens: int) -> list:
-    """`greedy_generate` for several requests at once: one prefill step for all of them, then
-    decode steps over the whole batch; frees them at the end."""
+def greedy_generate_batch(
+    runner: ModelRunner, reqs: list[Req], max_new_tokens: int, chunk_size: int | None = None
+) -> list[list[int]]:
+    """Prefill every request together (optionally in chunks of `chunk_size` tokens each), then
+    decode greedily over the whole batch; frees them at the end."""
     for req in reqs:
         runner.admit(req)
     try:
-        logits = extend(runner, reqs, [len(req.token_ids) for req in reqs])
+        logits: list = [None] * len(reqs)  # each request's logits after its last prompt token
+        while active := [i for i, r in enumerate(reqs) if r.kv_len < len(r.token_ids)]:
+            left = [len(reqs[i].token_ids) - reqs[i].kv_len for i in active]
+            lens = [min(chunk_size or n, n) for n in left]
+            for i, row in zip(active, extend(runner, [reqs[i] for i in active], lens)):
+                logits[i] = row
         outs: list[list[int]] = [[] for _ in reqs]
         for step in range(max_new_tokens):
             for req, out, row in zip(reqs, outs, logits):

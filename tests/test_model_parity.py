@@ -81,8 +81,6 @@ def ranks(request: pytest.FixtureRequest, oracle: dict) -> tuple[int, list[dict]
     return request.param, run_on_ranks(parity_worker, request.param, jobs, NEW_TOKENS, timeout=400)
 
 
-NEW_TOKENS = 16  # every case's greedy tokens, all cases decoded as one batch
-
 def _params(fn):
     fn = pytest.mark.parametrize("case", CASES)(fn)
     fn = pytest.mark.parametrize("mode", MODES, ids=[f"vit_{m}" for m in MODES])(fn)

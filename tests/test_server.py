@@ -533,7 +533,7 @@ def test_killing_a_rank_stops_the_server(folder: str, tmp_path: Path) -> None:
     assert wait_until(lambda: not srv.group_alive())
 
 
-def test_a_busy_port_fails_the_launch_before_any_child_starts(folder: str, tmp_path: Path) -> None:
+def test_a_busy_port_fails_the_launch_before_any_child_starts(folder: str) -> None:
     """The HTTP port is bound first thing: taken, the launch ends at once with a clear error
     (not after every rank has loaded the model, and no child process is started)."""
     with socket.create_server(("127.0.0.1", 0)) as taken:
