@@ -387,3 +387,31 @@ def test_an_untried_kind_does_not_price_a_slower_plan_under_the_tried_one() -> N
     assert [c.plan.kind for c in runs if not c.explored] == ["dp"] * sum(
         not c.explored for c in runs)
     assert learner.explored <= learner.explore_fraction * learner.calls
+
+
+def test_a_lucky_hybrid_try_does_not_undercut_dp() -> None:
+    """As the benchmark's tp 2 random workload ran: the machine runs every plan 1.28x slower
+    than the calibration said, DP is truly the fastest, and the first try of a hybrid lands in
+    a quiet moment (0.7x its true time). Its factor, learned below 1, priced every hybrid's DP
+    part under what DP itself pays, so a hybrid that moved one item to TP looked cheaper than
+    DP and ran greedily, slower. A hybrid now costs at least its parts: every greedy call is
+    DP, and the hybrid is only explored."""
+    batch = [[1, 24, 24]] + [[1, 8, 8]] * 5
+    truth = Scale(dp=1.28, tp=1.28)
+    assert truly_best(batch, truth) == "dp"
+    dp_s = true_seconds(batch, plans_by_kind(batch, 2, SHAPE, CALIBRATED)["dp"], truth)
+    learner, runs, learned = EncoderLearner(), [], None
+    for i in range(80):
+        plans = plans_by_kind(batch, 2, SHAPE, CALIBRATED, scale_of(learner, batch))
+        choice = learner.choose(size_class(batch), plans)
+        lucky = choice.plan.kind == "hybrid" and learned is None
+        slow = 0.7 if lucky else NOISE[i % len(NOISE)]
+        learner.observe(choice, slow * true_seconds(batch, choice.plan, truth))
+        if lucky:
+            learned = learner.ratios_of(size_class(batch))["hybrid"]
+        runs.append(choice)
+    assert learned is not None and learned < 0.8  # a hybrid was tried, in a quiet moment
+    greedy = [c for c in runs if not c.explored]
+    assert {c.plan.kind for c in greedy} == {"dp"}, [c.plan.kind for c in runs]
+    assert all(true_seconds(batch, c.plan, truth) <= dp_s * 1.0001 for c in greedy)
+    assert learner.explored <= learner.explore_fraction * learner.calls

@@ -289,8 +289,14 @@ def test_an_untried_hybrid_is_costed_with_what_tp_and_dp_taught() -> None:
     assert min(hybrids) < 1.3 * dp_s  # a flat factor of 1 for the hybrid would pick it
     plan = plan_encoder(batch, 2, SHAPE, slow, scale)
     assert plan.kind == "dp" and plan.factor == pytest.approx(1.3)
-    # Once a hybrid has been measured, its own factor decides.
-    assert plan_encoder(batch, 2, SHAPE, slow, replace(scale, hybrid=0.5)).kind == "hybrid"
+    # A hybrid measured under its parts' price is still priced at its parts: a factor below 1
+    # would price its DP part under what DP pays for the same work.
+    lucky = plans_by_kind(batch, 2, SHAPE, slow, replace(scale, hybrid=0.5))
+    assert lucky["hybrid"].factor == pytest.approx(1.0)
+    assert plan_encoder(batch, 2, SHAPE, slow, replace(scale, hybrid=0.5)).kind == "dp"
+    # Above 1 the factor prices it.
+    costly = plans_by_kind(batch, 2, SHAPE, slow, replace(scale, hybrid=1.5))["hybrid"]
+    assert costly.factor == pytest.approx(1.5)
 
 
 def test_a_video_spreads_its_frames_over_the_ranks() -> None:

@@ -46,9 +46,9 @@ START_TIMEOUT = 120.0  # seconds a fresh worker may take to import and run its i
 STOP_TIMEOUT = 5.0  # seconds a worker gets to exit before it is killed
 JOB_ATTEMPTS = 3  # workers a job may find dead before it fails
 STARTED = "started"  # a worker's word that it has read a job and runs it now
+FORK_SERVER_ENV = "TESSERA_MEDIA_FORK_SERVER"  # set in the fork server's environment only
 # what a media worker imports before its first job (transformers' image processing is most of
 # a worker's start-up): the fork server's preload, frozen for the collector once imported
-FORK_SERVER_ENV = "TESSERA_MEDIA_FORK_SERVER"  # set in the fork server's environment only
 MEDIA_WORKER_PRELOAD = (
     "tokenizer_manager.media_worker",
     "transformers.image_processing_utils",

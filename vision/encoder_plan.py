@@ -292,7 +292,16 @@ class Scale:
     factor on that sum, what hybrids measured beyond their parts (1 until one is measured).
     With one flat factor per kind instead, a hybrid's factor learned on one split was applied
     to every other split (the model's best hybrid is often another split once a factor moves),
-    and auto kept running hybrids that measured 30% slower than DP."""
+    and auto kept running hybrids that measured 30% slower than DP.
+
+    The hybrid's factor prices a plan only when it is above 1: a hybrid costs at least its two
+    parts at their own kinds' factors. Below 1 it is a discount learned on the splits that were
+    run and applied to every other: on the DP part of a hybrid that moves one item to TP it
+    priced that work under what DP itself pays, so such a hybrid looked cheaper than DP (one
+    lucky try measured 0.69 of its parts at tp 2, the benchmark's random workload, and a hybrid
+    slower than DP ran for four rounds), and on one that moves all but two items to TP it
+    undercut TP the same way. The factor is still learned against the parts' sum (`estimate`'s
+    base), and above 1 it keeps a hybrid that measured slow from being chosen again."""
 
     dp: float = 1.0
     tp: float = 1.0
@@ -307,8 +316,8 @@ class Scale:
         kind's factor times the base, the time that factor is learned against."""
         if kind == "hybrid":
             base = self.tp * tp_s + self.dp * dp_s
-        else:
-            base = tp_s + dp_s
+            return max(1.0, self.of(kind)) * base, base
+        base = tp_s + dp_s
         return self.of(kind) * base, base
 
 
