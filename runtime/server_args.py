@@ -101,9 +101,12 @@ class ServerArgs:
     )
     context_length: int | None = _opt("max prompt + output tokens per request", type=int)
     enable_mixed_chunk: bool = _opt(
-        "mixed steps: the running decodes join each prefill step's forward as one-token "
-        "extends, so they keep flowing while images are encoded and prefilled",
-        default=False,
+        "mixed steps (the default; --disable-mixed-chunk turns them off): the running decodes "
+        "join each prefill step's forward as one-token extends, so they keep flowing while "
+        "images are encoded and prefilled, and while they run a prefill step computes at most "
+        "--chunked-prefill-size prompt tokens",
+        default=True,
+        off_flag="--disable-mixed-chunk",
     )
     max_encoder_patches_per_step: int = _opt(
         "vision patches one prefill step may encode: a step always takes its first image or "
@@ -276,6 +279,9 @@ class ServerArgs:
             flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
             if f.type == "bool":
                 parser.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
+                if "off_flag" in meta:  # on by default: the flag is accepted, this one turns off
+                    parser.add_argument(meta["off_flag"], dest=f.name, action="store_false")
+                parser.set_defaults(**{f.name: f.default})
                 continue
             kind = meta.pop("type", None) or {"int": int, "float": float}.get(str(f.type), str)
             default = None if meta.get("action") == "append" else f.default

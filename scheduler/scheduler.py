@@ -344,10 +344,21 @@ class Scheduler:
         reserved = sum(decode_reserve(r.remaining_new_tokens) for r in self.running)
         return PrefillAdder(
             rem_total=self.cache.free_or_evictable() - reserved,
-            rem_input=self.cfg.max_prefill_tokens,
+            rem_input=self.prefill_budget(),
             chunk_size=self.cfg.chunked_prefill_size,
             rem_reqs=self.cfg.max_running_requests - len(self.running),
         )
+
+    def prefill_budget(self) -> int:
+        """Prompt tokens the next prefill step may compute. While requests decode inside
+        prefill steps (mixed steps), a step's length is what each of them waits for its next
+        token, so a step computes at most one chunk (--chunked-prefill-size) in all; with
+        nothing running, or without mixed steps (the decodes then wait for every prefill step
+        until the queue is empty, so more, shorter steps would only make them wait longer), a
+        whole --max-prefill-tokens batch."""
+        if self.cfg.enable_mixed_chunk and self.running:
+            return min(self.cfg.max_prefill_tokens, self.cfg.chunked_prefill_size)
+        return self.cfg.max_prefill_tokens
 
     def ordered_waiting(self) -> list[Req]:
         if self.cfg.schedule_policy == "lpm" and not self.radix.disable:

@@ -135,6 +135,28 @@ def test_the_short_request_decodes_while_the_long_one_prefills() -> None:
     assert tokens >= 4  # one token per chunk step; without mixing, none
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "plain"])
+def test_while_requests_decode_a_mixed_step_computes_one_chunk_in_all(mixed: bool) -> None:
+    """Prompts of 6 tokens, chunks of 8, batches of 64: with nothing running a step takes them
+    all; once a request decodes, a mixed step takes one chunk's worth (the rest wait a step),
+    so the running request's next token waits for 8 prompt tokens, not 48. Without mixed steps
+    the running request waits for the prefill steps anyway: they stay whole batches."""
+    sched = make_scheduler(1000, mixed=mixed)
+    sched.step([request(f"a{i}", 6, new=30, seed=i) for i in range(3)])
+    assert len(sched.runner.model.batches[-1].extend_lens_list) == 3  # 18 tokens, one step
+    sched.step([request(f"b{i}", 6, new=30, seed=10 + i) for i in range(3)])
+    batch = sched.runner.model.batches[-1]
+    prompt_tokens = sum(batch.extend_lens_list[: batch.extend_count])
+    if mixed:
+        assert prompt_tokens <= 8 and batch.decode_tail == 3
+        assert len(sched.waiting) + (sched.chunked is not None) >= 1
+    else:
+        assert prompt_tokens == 18 and batch.decode_tail == 0
+    outputs: dict[str, list[int]] = {}
+    drain(sched, sched.step([]), outputs)
+    assert_leak_free(sched)
+
+
 @pytest.mark.parametrize("kv_tokens", [1000, 70], ids=["roomy", "tight"])
 def test_outputs_equal_without_mixing(kv_tokens: int) -> None:
     plain = make_scheduler(kv_tokens, mixed=False)

@@ -80,8 +80,9 @@ TP_SETTINGS = [
     # auto: the tower's cost model is calibrated when the scheduler ranks start
     pytest.param({"tp_size": 2, "mm_encoder_mode": "auto"}, id="tp2-vit_auto"),
     pytest.param({"tp_size": 4}, id="tp4-vit_tp"),
-    # mixed steps: the running decodes ride along every prefill chunk
-    pytest.param({"tp_size": 1, "enable_mixed_chunk": True}, id="tp1-mixed"),
+    # mixed steps are the default (the running decodes ride along every prefill chunk); here
+    # without them, every prefill step apart from the decodes
+    pytest.param({"tp_size": 1, "enable_mixed_chunk": False}, id="tp1-plain"),
     # and each step encodes one image past its first media request's (every rank agrees)
     pytest.param(
         {
@@ -128,7 +129,7 @@ def test_pool_was_small_enough_to_retract_and_chunks_cut_images(served: dict) ->
     counters = served["info"].counters
     assert counters.retractions > 0
     assert counters.prefill_steps > 1
-    assert (counters.mixed_steps > 0) == served["args"].get("enable_mixed_chunk", False)
+    assert (counters.mixed_steps > 0) == served["args"].get("enable_mixed_chunk", True)
     budget = served["args"].get("max_encoder_patches_per_step", 0)
     assert (counters.encoder_deferred > 0) == (budget > 0)
 
