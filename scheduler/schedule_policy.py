@@ -66,7 +66,8 @@ class PrefillAdder:
     """Admits requests in the given order until a budget runs out.
 
     rem_total: KV tokens that may still be taken (free + evictable - reserved decode room).
-    rem_input: prompt tokens this batch may still compute (--max-prefill-tokens).
+    rem_input: prompt tokens this batch may still compute (`Scheduler.prefill_budget`:
+        --max-prefill-tokens, or one --chunked-prefill-size while requests decode in mixed steps).
     chunk_size: the most prompt tokens one request may compute in one step (--chunked-prefill-size).
     rem_reqs: request slots left (--max-running-requests minus running).
 
