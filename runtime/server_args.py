@@ -278,6 +278,8 @@ class ServerArgs:
             meta = dict(f.metadata)
             flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
             if f.type == "bool":
+                if f.default is True and "off_flag" not in meta:  # else nothing could turn it off
+                    raise TypeError(f"ServerArgs.{f.name} is on by default and needs an off_flag")
                 parser.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
                 if "off_flag" in meta:  # on by default: the flag is accepted, this one turns off
                     parser.add_argument(meta["off_flag"], dest=f.name, action="store_false")
