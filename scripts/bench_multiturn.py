@@ -36,8 +36,9 @@ conversation starts with a tag of its own (`text_conversations`).
 
 Where a turn's time goes: a wave's bodies are all encoded before any of its clocks starts (a
 client encoding the other conversations' 1.6 MB bodies in the same event loop once added ~15 ms
-to the median), and a second table gives, per turn, image request / text-only request, the
-client's upload (start to the body's last byte written) and the mean ms per request of every
+to the median; the chat requests go through aiohttp, which spends less than half httpx's CPU
+sending them: `chat_session`), and a second table gives, per turn, image request / text-only request, the
+client's upload (start to the body handed to the connection) and the mean ms per request of every
 stage the server reports in /metrics (`tessera_request_stage_seconds`: receive, parse, template,
 tokenize, media, build, send = arrival to the scheduler, queue, encoder, prefill, first_token).
 
@@ -62,11 +63,11 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import aiohttp
 import httpx
 import numpy as np
 from bench_vs_reference import STARTED_CHILD, Server, make_server, proc_stat, process_tree
@@ -132,9 +133,27 @@ def text_conversations(words: int, seed: int, n: int) -> list[Conversation]:
 
 @dataclass
 class Api:
-    client: httpx.AsyncClient
+    session: aiohttp.ClientSession  # from `chat_session`: the chat requests go through it
     model: str
     max_tokens: int
+
+
+def chat_session(base_url: str) -> aiohttp.ClientSession:
+    """The client of the chat requests: aiohttp, as `bench_serving.py`'s. On this 2-core machine
+    the client shares the cores with the server, and httpx spent 6.1-6.3 ms of CPU per request
+    sending four 1.6 MB bodies at once against aiohttp's 2.7-2.8 (the same turn resent 15 times,
+    full prefix hits): the difference landed in the image turns' time to first token (median
+    29 against 24 ms) and not in the text turns' (small bodies). A client's own cost is not the
+    server's time, as with the JSON encoding (`wave`). Each request's `trace_request_ctx` list
+    gets the time its body was handed to the connection."""
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(_body_sent)
+    timeout = aiohttp.ClientTimeout(total=600)
+    return aiohttp.ClientSession(base_url, timeout=timeout, trace_configs=[trace])
+
+
+async def _body_sent(session: Any, ctx: Any, params: Any) -> None:
+    ctx.trace_request_ctx.append(time.perf_counter())
 
 
 def encode(api: Api, conv: Conversation) -> bytes:
@@ -150,7 +169,7 @@ def encode(api: Api, conv: Conversation) -> bytes:
 class Reply(NamedTuple):
     ttft_s: float  # seconds to the first token
     prompt_tokens: int
-    upload_s: float  # seconds until this client had written the body's last byte
+    upload_s: float  # seconds until this client had handed the body to the connection
     cached_tokens: int  # of the prompt, served from the prefix cache (usage.prompt_tokens_details)
 
 
@@ -159,14 +178,16 @@ async def turn(api: Api, conv: Conversation, payload: bytes | None = None) -> Re
     (`payload`, else this turn's) is encoded: a client's own JSON encoding (10 ms for two
     448-pixel PNGs here) is not the server's time."""
     payload = encode(api, conv) if payload is None else payload
-    headers = {"content-type": "application/json", "content-length": str(len(payload))}
+    headers = {"content-type": "application/json"}
     start, first, text, prompt, cached, sent = time.perf_counter(), None, [], 0, 0, []
-    content = upload(payload, sent)
-    post = api.client.stream("POST", "/v1/chat/completions", content=content, headers=headers)
+    post = api.session.post(
+        "/v1/chat/completions", data=payload, headers=headers, trace_request_ctx=sent
+    )
     async with post as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
+        async for raw in resp.content:  # one line at a time
+            line = raw.decode().rstrip("\r\n")
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
@@ -179,14 +200,8 @@ async def turn(api: Api, conv: Conversation, payload: bytes | None = None) -> Re
                     first = first or time.perf_counter()
                     text.append(choice["delta"]["content"])
     conv.messages.append({"role": "assistant", "content": "".join(text)})
-    return Reply((first or time.perf_counter()) - start, prompt, sent[0] - start, cached)
-
-
-async def upload(payload: bytes, sent: list[float]) -> AsyncIterator[bytes]:
-    """The body in one write, as a client with the bytes in hand sends it; `sent` gets the time
-    the write ended (the transport asks for more once the previous chunk is out)."""
-    yield payload
-    sent.append(time.perf_counter())
+    upload = (sent[-1] if sent else math.nan) - start
+    return Reply((first or time.perf_counter()) - start, prompt, upload, cached)
 
 
 # ---------------------------------------------------------------- server costs
@@ -256,9 +271,10 @@ async def filler_words(api: Api, prompt_tokens: int) -> int:
 async def run_config(server: Server, args: argparse.Namespace, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     url = server.url
-    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client, \
+            chat_session(url) as session:  # fmt: skip
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        api = Api(client, model, args.max_tokens)
+        api = Api(session, model, args.max_tokens)
         warm = image_conversation(np.random.default_rng(seed + 10_000), args.image_size)
         image_prompt = (await turn(api, warm)).prompt_tokens
         words = await filler_words(api, image_prompt)
