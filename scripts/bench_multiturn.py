@@ -37,10 +37,11 @@ conversation starts with a tag of its own (`text_conversations`).
 Where a turn's time goes: a wave's bodies are all encoded before any of its clocks starts (a
 client encoding the other conversations' 1.6 MB bodies in the same event loop once added ~15 ms
 to the median; the chat requests go through aiohttp, which spends less than half httpx's CPU
-sending them: `chat_session`), and a second table gives, per turn, image request / text-only request, the
-client's upload (start to the body handed to the connection) and the mean ms per request of every
-stage the server reports in /metrics (`tessera_request_stage_seconds`: receive, parse, template,
-tokenize, media, build, send = arrival to the scheduler, queue, encoder, prefill, first_token).
+sending them: `chat_session`), and a second table gives, per turn, image request / text-only
+request, the client's upload (start to the body handed to the connection) and the mean ms per
+request of every stage the server reports in /metrics (`tessera_request_stage_seconds`: receive,
+parse, template, tokenize, media, build, send = arrival to the scheduler, queue, encoder,
+prefill, first_token).
 
 On a machine others load, `--rounds N` starts every configuration's server at once (idle
 servers sleep) and runs N rounds; each round runs every configuration's conversations (new
