@@ -153,6 +153,12 @@ def chat_session(base_url: str) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(base_url, timeout=timeout, trace_configs=[trace])
 
 
+async def get_json(session: aiohttp.ClientSession, path: str) -> Any:
+    async with session.get(path) as resp:
+        resp.raise_for_status()
+        return await resp.json()
+
+
 async def _body_sent(session: Any, ctx: Any, params: Any) -> None:
     ctx.trace_request_ctx.append(time.perf_counter())
 
@@ -272,16 +278,15 @@ async def filler_words(api: Api, prompt_tokens: int) -> int:
 async def run_config(server: Server, args: argparse.Namespace, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     url = server.url
-    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client, \
-            chat_session(url) as session:  # fmt: skip
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    async with chat_session(url) as session:
+        model = (await get_json(session, "/v1/models"))["data"][0]["id"]
         api = Api(session, model, args.max_tokens)
         warm = image_conversation(np.random.default_rng(seed + 10_000), args.image_size)
         image_prompt = (await turn(api, warm)).prompt_tokens
         words = await filler_words(api, image_prompt)
         images = [image_conversation(rng, args.image_size) for _ in range(args.conversations)]
         texts = text_conversations(words, seed, args.conversations)
-        media = (await client.get("/server_info")).json().get("media") or {}
+        media = (await get_json(session, "/server_info")).get("media") or {}
         ids = media.get("processed_cache") is not None  # ids need the processed-item cache
         by_id = [image_conversation(rng, args.image_size, True) for _ in range(args.conversations)]
         rows = []

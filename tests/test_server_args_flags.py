@@ -19,10 +19,10 @@ def test_mixed_steps_are_on_by_default_and_the_off_flag_turns_them_off():
 def test_every_setting_on_by_default_has_a_flag_that_turns_it_off():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    for f in dataclasses.fields(ServerArgs):
-        if f.type == "bool" and f.default is True:
-            off = f.metadata["off_flag"]
-            assert getattr(parser.parse_args([off]), f.name) is False, f.name
+    on = [f for f in dataclasses.fields(ServerArgs) if f.type == "bool" and f.default is True]
+    assert "enable_mixed_chunk" in {f.name for f in on}
+    for f in on:
+        assert getattr(parser.parse_args([f.metadata["off_flag"]]), f.name) is False, f.name
 
 
 def test_a_setting_on_by_default_without_an_off_flag_is_refused():
