@@ -60,6 +60,15 @@ def finish_reason(out: StrOutput) -> str | None:
     return out.finish_reason.kind.value  # errors never get here: see finish_error
 
 
+async def closing_one(stream: AsyncIterator[StrOutput], work: Awaitable[T]) -> T:
+    """`closing_all` for one stream, in this task."""
+    try:
+        return await work
+    except BaseException:
+        await stream.aclose()
+        raise
+
+
 async def closing_all(streams: list[AsyncIterator[StrOutput]], work: list[Awaitable[T]]) -> list[T]:
     """Run `work` (one awaitable per stream) together; if any fails or this is cancelled, the
     rest is cancelled and every stream closed (each open request is aborted), then it raises."""
@@ -76,19 +85,32 @@ async def closing_all(streams: list[AsyncIterator[StrOutput]], work: list[Awaita
 
 
 async def first_outputs(streams: list[AsyncIterator[StrOutput]]) -> list[StrOutput]:
-    """The first output of each stream (started together)."""
+    """The first output of each stream (started together). One stream (n = 1, one prompt: most
+    requests) is read in this task: a new task per stream starts behind every task that became
+    ready meanwhile, so a request sent the scheduler its message only once the loop had also
+    run the other requests' steps (4 ms later for an image chat arriving with three others)."""
+    if len(streams) == 1:
+        return [await closing_one(streams[0], first_output(streams[0]))]
     return await closing_all(streams, [first_output(s) for s in streams])
 
 
 async def collect_all(
     firsts: list[StrOutput], streams: list[AsyncIterator[StrOutput]]
 ) -> list[list[StrOutput]]:
-    """Every stream's outputs, gathered together."""
-    return await closing_all(streams, [collect_until_done(f, s) for f, s in zip(firsts, streams)])
+    """Every stream's outputs, gathered together (one stream: in this task)."""
+    work = [collect_until_done(f, s) for f, s in zip(firsts, streams)]
+    if len(streams) == 1:
+        return [await closing_one(streams[0], work[0])]
+    return await closing_all(streams, work)
 
 
 async def merged(streams: list[AsyncIterator[StrOutput]]) -> AsyncIterator[tuple[int, StrOutput]]:
-    """(stream index, output) as they come from any stream; each stream's order is kept."""
+    """(stream index, output) as they come from any stream; each stream's order is kept. One
+    stream is read directly: no task and no wait per output."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
     pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
     try:
         while pending:
