@@ -1,6 +1,7 @@
-"""A request's path to the scheduler takes no task hop: the route's work (`until_disconnect`)
-and a request with one stream (n = 1, one prompt: `first_outputs`) run in the route's own task,
-so the request reaches the scheduler before the loop runs the other tasks that became ready
+"""A request's path to the scheduler and back takes no task hop: the route's work
+(`until_disconnect`), a request with one stream (n = 1, one prompt: `first_outputs`) and its
+event stream (`EventStream`) run in the route's own task, so the request reaches the scheduler,
+and its first token the client, before the loop runs the other tasks that became ready
 meanwhile (other requests' parsing). Several streams still run together, every stream is closed
 when the work is cancelled, and a client that leaves still gets its request aborted."""
 
@@ -15,6 +16,7 @@ import pytest
 from runtime.io_struct import StrOutput
 from tokenizer_manager import http_server
 from tokenizer_manager.api.outputs import collect_all, first_outputs, merged
+from tokenizer_manager.api.sse import EventStream
 from tokenizer_manager.http_server import until_disconnect
 
 
@@ -178,5 +180,86 @@ def test_a_route_cancelled_from_outside_is_cancelled(monkeypatch) -> None:
         route.cancel()
         with pytest.raises(asyncio.CancelledError):
             await route
+
+    asyncio.run(main())
+
+
+SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+
+
+async def client_stays() -> dict:
+    await asyncio.Event().wait()
+    return {}
+
+
+def test_an_event_stream_writes_its_first_chunk_before_other_ready_tasks() -> None:
+    log: list[str] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: first\n\n"
+        await asyncio.sleep(0)
+        yield b"data: second\n\n"
+
+    async def send(message: dict) -> None:
+        log.append(message["type"] + ":" + message.get("body", b"").decode().strip())
+
+    async def route() -> None:
+        asyncio.get_running_loop().call_soon(log.append, "another request's step")
+        await EventStream(body())(SCOPE, client_stays, send)
+        await asyncio.sleep(0)  # no cancellation left pending
+
+    asyncio.run(route())
+    assert log == [
+        "http.response.start:",
+        "http.response.body:data: first",
+        "another request's step",
+        "http.response.body:data: second",
+        "http.response.body:",
+    ]
+
+
+def test_a_client_that_leaves_mid_stream_closes_the_stream() -> None:
+    log: list[str] = []
+    sent: list[dict] = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            yield b"data: first\n\n"
+            await asyncio.Event().wait()
+            yield b"never"
+        finally:
+            log.append("closed")
+
+    async def leaves() -> dict:
+        await asyncio.sleep(0.02)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def route() -> None:
+        await EventStream(endless())(SCOPE, leaves, send)
+        await asyncio.sleep(0)  # the route goes on: no cancellation is left pending
+        log.append("route done")
+
+    asyncio.run(route())
+    assert log == ["closed", "route done"]
+    assert [m.get("body") for m in sent[1:]] == [b"data: first\n\n"]
+
+
+def test_an_event_stream_cancelled_from_outside_is_cancelled() -> None:
+    async def endless() -> AsyncIterator[bytes]:
+        yield b"data: first\n\n"
+        await asyncio.Event().wait()
+
+    async def send(message: dict) -> None:
+        pass
+
+    async def main() -> None:
+        task = asyncio.ensure_future(EventStream(endless())(SCOPE, client_stays, send))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
     asyncio.run(main())

@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from runtime.io_struct import StrOutput
 from runtime.model_config import GenerationDefaults
 from runtime.sampler import SamplingParams
 from tokenizer_manager.api.fields import UnknownFields
 from tokenizer_manager.api.outputs import collect_all, first_outputs
-from tokenizer_manager.api.sse import StreamWriter, sse
+from tokenizer_manager.api.sse import EventStream, StreamWriter, sse
 from tokenizer_manager.api.usage import UsageRecorder
 from tokenizer_manager.protocol import APIError
 from tokenizer_manager.tokenizer_manager import GenerateInput, TokenizerManager
@@ -85,7 +85,7 @@ class Serving(ABC, Generic[R]):
         n = tokenized[0].sampling_params.n
         if inputs[0].stream:
             body = sse(self.stream_writer(rid, req), firsts, streams, self.usage, n)
-            return StreamingResponse(body, media_type="text/event-stream")
+            return EventStream(body)
         per_request = await collect_all(firsts, streams)
         choices = [c for outputs in per_request for c in by_choice(outputs, n)]
         self.usage.record([outputs[-1] for outputs in choices])

@@ -3,9 +3,13 @@ outputs into payloads; the writer adds the framing, the error event, usage and `
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from runtime.io_struct import StrOutput
 from tokenizer_manager.api.outputs import finish_error, merged
@@ -23,6 +27,40 @@ class StreamWriter(Protocol):
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]: ...
 
     def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]: ...
+
+
+class EventStream(StreamingResponse):
+    """An event stream written by the route's own task, a listener task watching for the
+    client to leave (which cancels the writing, and so closes the request's streams: the
+    abort). Starlette writes a stream from a new task: it starts behind every task that became
+    ready meanwhile, and with four image chats at once the first one's first token waited there
+    while the loop parsed the others' bodies."""
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        if scope["type"] != "http" or task is None:
+            await super().__call__(scope, receive, send)
+            return
+        left: list[bool] = []
+        listener = asyncio.ensure_future(self._listen(receive, task, left))
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not left or task.cancelling() > 1:
+                raise  # cancelled from outside as well
+            task.uncancel()  # the client left: the stream is closed, nothing more to send
+        finally:
+            listener.cancel()
+        if self.background is not None:
+            await self.background()
+
+    async def _listen(self, receive: Receive, task: asyncio.Task, left: list[bool]) -> None:
+        await self.listen_for_disconnect(receive)
+        left.append(True)
+        task.cancel()
 
 
 def event(payload: dict[str, Any]) -> bytes:
