@@ -29,6 +29,7 @@ setup(
         "orjson>=3.9",
         "pyzmq>=25",
         "fastapi>=0.110",
+        "starlette>=0.36",  # fastapi's ASGI toolkit; api/sse.py's EventStream builds on it
         "pydantic>=2",
         "uvicorn>=0.29",
         "httptools>=0.6",  # uvicorn's C HTTP parser, used when installed (h11 otherwise)
