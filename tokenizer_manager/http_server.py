@@ -6,6 +6,7 @@ cancellation of a request whose client went away."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,7 @@ from tokenizer_manager.api.body import parse_body, validation_error
 from tokenizer_manager.api.chat import ChatServing
 from tokenizer_manager.api.completions import CompletionServing
 from tokenizer_manager.api.generate import GenerateServing
+from tokenizer_manager.api.outputs import cancel_when
 from tokenizer_manager.api.tokenize import DetokenizeServing, TokenizeServing
 from tokenizer_manager.api.usage import ApiCounters, UsageRecorder
 from tokenizer_manager.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -184,34 +186,19 @@ def add_api_route(app: FastAPI, path: str, model: type, serving: Handler) -> Non
 
 
 async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Run a route's work; when the client goes away first, cancel it, which aborts the request
-    (TokenizerManager.generate sends the abort as its generator closes). Logged, not an error.
-
-    The work runs in the route's own task and a watcher task polls the connection: a task for
-    the work would start it behind every task that became ready meanwhile (with four image
-    chats arriving together, the first reached its template 2.5 ms after its body was parsed,
-    while the loop read the others' bodies)."""
-    route = asyncio.current_task()
-    left: list[bool] = []
-    watcher = asyncio.ensure_future(_watch_connection(request, route, left))
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not left or route is None or route.cancelling() > 1:
-            raise  # cancelled from outside as well: the route ends
-        route.uncancel()
+    """Run a route's work in the route's own task (`cancel_when`); when the client goes away
+    first, cancel it, which aborts the request (TokenizerManager.generate sends the abort as its
+    generator closes). Logged, not an error."""
+    left, response = await cancel_when(functools.partial(_client_gone, request), work)
+    if left:
         logger.info("client disconnected from %s; request aborted", request.url.path)
         return Response(status_code=499)
-    finally:
-        watcher.cancel()
+    return response
 
 
-async def _watch_connection(request: Request, route: asyncio.Task | None, left: list) -> None:
-    """Every DISCONNECT_POLL seconds: when the client is gone, note it and cancel the route."""
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has gone (checked every DISCONNECT_POLL seconds)."""
     while True:
         await asyncio.sleep(DISCONNECT_POLL)
         if await request.is_disconnected():
-            left.append(True)
-            if route is not None:
-                route.cancel()
             return

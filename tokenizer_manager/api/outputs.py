@@ -4,7 +4,7 @@ starts), all of them, and what an error finish means to the client."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from runtime.io_struct import StrOutput
@@ -58,6 +58,34 @@ def finish_reason(out: StrOutput) -> str | None:
     if out.finish_reason is None:
         return None
     return out.finish_reason.kind.value  # errors never get here: see finish_error
+
+
+async def cancel_when(
+    watch: Callable[[], Awaitable[object]], work: Awaitable[T]
+) -> tuple[bool, T | None]:
+    """Run `work` in this task while `watch()` runs in a task of its own; when the watch ends
+    first, the work is cancelled and (True, None) comes back, else (False, its result). A cancel
+    from outside still propagates. The work stays in this task because a new task starts behind
+    every task that became ready meanwhile (other requests' body reads and parses)."""
+    task = asyncio.current_task()
+    assert task is not None  # a coroutine run by asyncio
+    fired: list[bool] = []
+
+    async def watcher() -> None:
+        await watch()
+        fired.append(True)
+        task.cancel()
+
+    watching = asyncio.ensure_future(watcher())
+    try:
+        return False, await work
+    except asyncio.CancelledError:
+        if not fired or task.cancelling() > 1:
+            raise  # cancelled from outside as well
+        task.uncancel()
+        return True, None
+    finally:
+        watching.cancel()
 
 
 async def closing_one(stream: AsyncIterator[StrOutput], work: Awaitable[T]) -> T:

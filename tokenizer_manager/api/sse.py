@@ -3,7 +3,7 @@ outputs into payloads; the writer adds the framing, the error event, usage and `
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -12,7 +12,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtime.io_struct import StrOutput
-from tokenizer_manager.api.outputs import finish_error, merged
+from tokenizer_manager.api.outputs import cancel_when, finish_error, merged
 from tokenizer_manager.api.usage import UsageRecorder
 from tokenizer_manager.protocol import APIError
 
@@ -40,27 +40,13 @@ class EventStream(StreamingResponse):
         super().__init__(content, media_type="text/event-stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        if scope["type"] != "http" or task is None:
+        if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        left: list[bool] = []
-        listener = asyncio.ensure_future(self._listen(receive, task, left))
-        try:
-            await self.stream_response(send)
-        except asyncio.CancelledError:
-            if not left or task.cancelling() > 1:
-                raise  # cancelled from outside as well
-            task.uncancel()  # the client left: the stream is closed, nothing more to send
-        finally:
-            listener.cancel()
+        listen = functools.partial(self.listen_for_disconnect, receive)
+        await cancel_when(listen, self.stream_response(send))  # a client that left: no more
         if self.background is not None:
             await self.background()
-
-    async def _listen(self, receive: Receive, task: asyncio.Task, left: list[bool]) -> None:
-        await self.listen_for_disconnect(receive)
-        left.append(True)
-        task.cancel()
 
 
 def event(payload: dict[str, Any]) -> bytes:
