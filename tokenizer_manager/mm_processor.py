@@ -60,7 +60,7 @@ from tokenizer_manager.media_worker import (
     process_video_bytes,
 )
 from tokenizer_manager.multimodal_inputs import PreparedMedia, new_digest
-from tokenizer_manager.processed_cache import ProcessedCache
+from tokenizer_manager.processed_cache import ProcessedCache, cache_words
 from tokenizer_manager.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 
 logger = get_logger(__name__)
@@ -242,12 +242,12 @@ class AsyncMMDataProcessor:
         self._in_flight = InFlight()  # items being decoded, by digest, for requests that miss
         logger.info(
             "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes, "
-            "processed-item cache of %d MiB",
+            "%s",
             io_workers,
             net_workers,
             fetches_per_request,
             cpu_workers,
-            self.cache.max_bytes >> 20 if self.cache else 0,
+            cache_words(self.cache),
         )
 
     # ------------------------------------------------------------------ lifecycle
