@@ -32,3 +32,15 @@ def rank_cpus(rank: int, world_size: int, cpus: list[int] | None = None) -> list
     if share == 0:
         return None
     return cpus[rank * share : (rank + 1) * share]
+
+
+MAX_AUTO_MEDIA_WORKERS = 16  # each worker is a process with its own image processor
+
+
+def auto_media_workers(cpus: int, node_ranks: int, use_cuda: bool) -> int:
+    """Media worker processes for --media-workers auto: the `cpus` this node's `node_ranks` TP
+    ranks leave, at least 1, at most MAX_AUTO_MEDIA_WORKERS. A CUDA rank keeps one CPU busy
+    driving its GPU, and the front end's event loop one more; CPU ranks' threads take every
+    CPU (`threads_per_rank`), so the workers then get the least."""
+    busy = node_ranks + 1 if use_cuda else cpus
+    return max(1, min(MAX_AUTO_MEDIA_WORKERS, cpus - busy))
