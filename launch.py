@@ -173,27 +173,12 @@ def fail_everything(loop: asyncio.AbstractEventLoop, tm: object, mm: object, rea
 async def serve_http(args: ServerArgs, supervisor: Supervisor, sock: socket.socket) -> None:
     import uvicorn
 
-    from runtime.cpus import usable_cpus
-    from runtime.transport.shm import local_shm_dir
     from tokenizer_manager.connection_limits import ConnectionLimits, uvicorn_config
     from tokenizer_manager.http_server import create_app
-    from tokenizer_manager.media import MediaLimits
     from tokenizer_manager.mm_processor import AsyncMMDataProcessor
     from tokenizer_manager.tokenizer_manager import TokenizerManager
 
-    limits = MediaLimits.from_server_args(args)
-    mm = AsyncMMDataProcessor(
-        args.model_path,
-        limits,
-        io_workers=8,
-        cpu_workers=min(4, len(usable_cpus())),
-        max_concurrent_calls=args.mm_max_concurrent_calls,
-        per_request_timeout=args.mm_per_request_timeout,
-        fetches_per_request=args.mm_max_fetches_per_request,
-        max_inflight_bytes=args.mm_max_inflight_mb << 20,
-        shm_dir=local_shm_dir(args.nnodes),
-        cache_bytes=int(args.mm_processor_cache_gb * (1 << 30)),
-    )
+    mm = AsyncMMDataProcessor.from_server_args(args)
     await mm.warmup()
     first_rank = supervisor.ready_info.get("scheduler-TP0")
     kv_total = first_rank.kv_total if first_rank else None

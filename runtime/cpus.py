@@ -32,3 +32,18 @@ def rank_cpus(rank: int, world_size: int, cpus: list[int] | None = None) -> list
     if share == 0:
         return None
     return cpus[rank * share : (rank + 1) * share]
+
+
+MAX_AUTO_MEDIA_WORKERS = 16  # each worker is a process with its own image processor
+CPU_MEDIA_WORKERS = 4  # a CPU server's workers share the ranks' cores
+
+
+def auto_media_workers(cpus: int, node_ranks: int, use_cuda: bool) -> int:
+    """Media worker processes for --media-workers auto. On CUDA: the `cpus` this node's
+    `node_ranks` TP ranks leave (a CUDA rank keeps one CPU busy driving its GPU, the front end's
+    event loop one more), at least 1, at most MAX_AUTO_MEDIA_WORKERS. On CPU the ranks' threads
+    take every CPU (`threads_per_rank`) and a burst of media is short next to a prefill, so the
+    workers share them: up to CPU_MEDIA_WORKERS."""
+    if not use_cuda:
+        return max(1, min(CPU_MEDIA_WORKERS, cpus))
+    return max(1, min(MAX_AUTO_MEDIA_WORKERS, cpus - node_ranks - 1))

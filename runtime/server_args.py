@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.cpus import auto_media_workers, usable_cpus
 from runtime.logging_utils import get_logger
 
 logger = get_logger(__name__)
@@ -23,6 +24,11 @@ CPU_LINEAR_PATHS = ("onednn", "aten")  # runtime/layers/linear.py
 
 def _opt(help: str, **kw) -> dataclasses.Field:  # noqa: A002 - mirrors argparse
     return field(default=kw.pop("default", None), metadata={"help": help, **kw})
+
+
+def _count_or_auto(text: str) -> int | str:
+    """A flag's value: a count, or "auto" (resolved by `ServerArgs.resolve`)."""
+    return text if text == "auto" else int(text)
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,14 @@ class ServerArgs:
     max_content_parts: int = _opt(
         "messages plus content parts of one chat request (400 beyond, before validation)",
         default=2048,
+    )
+    media_workers: int | str = _opt(
+        "media worker processes (decode, resize, patchify); auto: on CUDA the CPUs this "
+        "process may run on (its affinity mask) less one per TP rank on this node and one for "
+        "the front end, at least 1 and at most 16; on CPU up to 4, sharing the ranks' cores",
+        default="auto",
+        type=_count_or_auto,
+        metavar="N|auto",
     )
     mm_max_concurrent_calls: int = _opt("concurrent media preprocessing calls", default=32)
     mm_per_request_timeout: float = _opt(
@@ -310,11 +324,18 @@ class ServerArgs:
             device=device,
             attention_backend=backend,
             ipc_dir=ipc_dir,
+            media_workers=self._media_workers(device),
             api_key=self._read_api_key(),
             api_key_file=None,
         )
         out.check()
         return out
+
+    def _media_workers(self, device: str) -> int | str:
+        if self.media_workers != "auto":
+            return self.media_workers
+        node_ranks = max(1, self.tp_size // self.nnodes)
+        return auto_media_workers(len(usable_cpus()), node_ranks, device == "cuda")
 
     def _read_api_key(self) -> tuple[str, ...]:
         if self.api_key_file is None:
@@ -365,6 +386,8 @@ class ServerArgs:
             raise ValueError("--cuda-graph-max-bs must be at least 1 (--disable-cuda-graph: none)")
         if self.cpu_decode_threads < 0:
             raise ValueError("--cpu-decode-threads must be 0 (by step size) or positive")
+        if not isinstance(self.media_workers, int) or self.media_workers < 1:
+            raise ValueError(f"--media-workers {self.media_workers!r}: auto or at least 1")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
         self.check_http()

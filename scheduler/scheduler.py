@@ -66,10 +66,12 @@ class SchedulerConfig:
     max_prefill_tokens: int
     chunked_prefill_size: int
     context_length: int
+    # running decodes ride along each prefill step; no default here: ServerArgs holds it, and
+    # build_scheduler passes the flag
+    enable_mixed_chunk: bool
     schedule_policy: str = "fcfs"
     eos_token_ids: tuple[int, ...] = ()
     check_integrity_when_idle: bool = True
-    enable_mixed_chunk: bool = False  # running decodes ride along each prefill step
     # vision patches one prefill step may encode past its first media request; 0: no bound
     max_encoder_patches_per_step: int = 0
     enable_jump_forward: bool = True  # tokens a grammar forces are computed as one extend

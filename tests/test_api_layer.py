@@ -17,8 +17,9 @@ from runtime.grammar import GrammarSpec
 from runtime.io_struct import Finish, FinishKind, StrOutput, TokenizedGenerateReq
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import save_generation_config
+from tokenizer_manager.api.chat import ChatStream
 from tokenizer_manager.api.fields import sampler_has
-from tokenizer_manager.api.openai_common import ENGINE_FIELDS
+from tokenizer_manager.api.openai_common import ENGINE_FIELDS, Envelope
 from tokenizer_manager.http_server import create_app
 from tokenizer_manager.metrics import ServingMetrics
 from tokenizer_manager.protocol import CHAT_REFUSED, COMPLETION_REFUSED
@@ -247,11 +248,33 @@ def test_max_completion_tokens_wins_over_max_tokens(fake: FakeManager, http: Tes
     assert fake.params[0].max_new_tokens == 4 and fake.seen[0].max_tokens == 4
 
 
-def test_continuous_usage_stats_puts_usage_in_every_chunk(http: TestClient) -> None:
-    body = {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}}
-    events = sse_events(http.post("/v1/chat/completions", json=body))
-    assert "usage" not in events[0]  # the role
-    assert [e["usage"]["completion_tokens"] for e in events[1:]] == [1, 2]
+CONTINUOUS = {
+    "stream": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi", "echo": True})],
+)
+def test_continuous_usage_stats_puts_usage_in_every_chunk(
+    http: TestClient, path: str, body: dict
+) -> None:
+    """The opening chunk (chat's role, completions' echo) included: the prompt, no tokens yet."""
+    events = sse_events(http.post(path, json={**body, **CONTINUOUS}))
+    assert [e["usage"]["completion_tokens"] for e in events] == [0, 1, 2, 2]  # last: the total
+    assert {e["usage"]["prompt_tokens"] for e in events} == {3}
+    assert events[0]["usage"]["total_tokens"] == 3
+
+
+def test_continuous_usage_counts_the_prompt_for_every_choice() -> None:
+    stream = ChatStream(Envelope("r", "m", "chat.completion", "chunk"), (False, True), n=2)
+    first = StrOutput("r", "a", [7], 3, 1, 1, index=1)
+    opening = [e["usage"] for e in stream.opening([first])]
+    assert [(u["prompt_tokens"], u["completion_tokens"]) for u in opening] == [(3, 0), (3, 0)]
+    (chunk,) = stream.chunks(first, 1)
+    assert (chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"]) == (3, 1)
 
 
 def test_native_sampling_names(fake: FakeManager, http: TestClient) -> None:

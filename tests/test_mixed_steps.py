@@ -104,6 +104,15 @@ def assert_leak_free(sched: Scheduler) -> None:
     assert sched.runner.req_pool.available_size == sched.runner.req_pool.size
 
 
+def test_the_setting_has_one_default_the_server_args_one() -> None:
+    """A scheduler config states the setting (build_scheduler passes the flag): a second
+    default here disagreed with ServerArgs' (off here, on in the server)."""
+    with pytest.raises(TypeError, match="enable_mixed_chunk"):
+        SchedulerConfig(  # type: ignore[call-arg]
+            max_running_requests=2, max_prefill_tokens=8, chunked_prefill_size=8, context_length=16
+        )
+
+
 def test_a_step_carries_the_chunked_prefill_and_the_decodes() -> None:
     sched = make_scheduler(1000, mixed=True)
     outputs = run(sched, workload())

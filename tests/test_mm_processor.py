@@ -27,6 +27,7 @@ from video_reference import preprocess_video, read_frames
 from waits import wait_until_async
 
 from runtime.multimodal import Modality
+from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.transport.frames import from_frames, to_frames
 from tokenizer_manager.media import MediaError, MediaLimits
@@ -574,3 +575,17 @@ def test_large_data_urls_are_decoded_off_the_event_loop(checkpoint: str) -> None
 
     on_loop = asyncio.run(run())
     assert on_loop == {small: True, large: False}
+
+
+def test_the_media_workers_setting_reaches_the_pool(checkpoint: str) -> None:
+    """launch.py builds the media processor with this factory: --media-workers N, N workers."""
+    args = ServerArgs(model_path=checkpoint, device="cpu", media_workers=3).resolve()
+
+    async def run() -> list[int]:
+        async with AsyncMMDataProcessor.from_server_args(args) as mm:
+            await mm.warmup()
+            return mm.worker_pids()
+
+    assert len(set(asyncio.run(run()))) == 3
+    with pytest.raises(ValueError, match="media-workers"):
+        AsyncMMDataProcessor.from_server_args(ServerArgs(model_path=checkpoint))  # not resolved

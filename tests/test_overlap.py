@@ -49,6 +49,7 @@ def make_scheduler(model: nn.Module, overlap: bool, tp: TPGroup | None = None) -
         max_prefill_tokens=256,
         chunked_prefill_size=256,
         context_length=90,
+        enable_mixed_chunk=False,
         enable_overlap=overlap,
     )
     radix = RadixCache(runner.kv_pool)

@@ -21,7 +21,7 @@ from tokenizer_manager.media import MediaLimits
 from tokenizer_manager.media_types import MediaError, MediaRef, ProcessedMedia
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.multimodal_inputs import PreparedMedia
-from tokenizer_manager.processed_cache import ProcessedCache
+from tokenizer_manager.processed_cache import ProcessedCache, cache_words
 
 IMAGE, VIDEO = Modality.IMAGE, Modality.VIDEO
 ITEM_BYTES = 4 * 1000  # the items of the bound test: 1000 float32 each
@@ -323,3 +323,9 @@ def test_a_cancelled_decode_lets_its_waiters_decode(checkpoint: str, tmp_path: P
     assert info["waited_for_other_requests"] == 0  # nothing came from the leader (it never ended)
     assert info["processed_cache"]["items"] == 1  # the waiter decoded and cached it
     assert media_files(tmp_path) == []
+
+
+def test_the_start_up_log_names_an_empty_cache_by_its_bound() -> None:
+    """An empty cache is falsy (`len` 0): the log said "0 MiB" for the default 1 GiB."""
+    assert cache_words(ProcessedCache(1 << 30, None)) == "processed-item cache of 1024 MiB"
+    assert cache_words(None) == "no processed-item cache"

@@ -85,6 +85,12 @@ def run(scheduler: Scheduler) -> tuple[dict[str, list[int]], list[str]]:
         retracted += sorted(gone)
 
 
+def test_the_factory_takes_the_mixed_steps_setting_from_server_args(model) -> None:
+    default = ServerArgs(device="cpu", max_total_tokens=500, context_length=200)
+    assert build_scheduler(default, TPGroup(), model).cfg.enable_mixed_chunk is True
+    assert make_scheduler(model, 500, mixed=False).cfg.enable_mixed_chunk is False
+
+
 def test_retracts_newest_first_and_outputs_do_not_change(model) -> None:
     roomy, _ = run(make_scheduler(model, 1000))
     tight = make_scheduler(model, 130)  # 3 x (20 prompt + 40 output) does not fit

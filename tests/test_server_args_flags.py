@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from runtime.cpus import MAX_AUTO_MEDIA_WORKERS, auto_media_workers, usable_cpus
 from runtime.server_args import ServerArgs, _opt
 
 
@@ -32,3 +33,31 @@ def test_a_setting_on_by_default_without_an_off_flag_is_refused():
 
     with pytest.raises(TypeError, match="always_on .*off_flag"):
         Args.add_cli_args(argparse.ArgumentParser())
+
+
+@pytest.mark.parametrize(
+    ("cpus", "ranks", "cuda", "workers"),
+    [
+        (16, 1, True, 14),  # a GPU node: the front end and one rank keep a CPU each
+        (16, 8, True, 7),
+        (64, 1, True, MAX_AUTO_MEDIA_WORKERS),
+        (2, 1, True, 1),
+        (2, 1, False, 2),  # on CPU the workers share the ranks' cores, up to 4
+        (16, 2, False, 4),
+        (1, 1, False, 1),
+    ],
+)
+def test_auto_media_workers_are_the_cpus_the_ranks_leave(
+    cpus: int, ranks: int, cuda: bool, workers: int
+) -> None:
+    assert auto_media_workers(cpus, ranks, cuda) == workers
+
+
+def test_media_workers_are_resolved_at_parse_time() -> None:
+    auto = ServerArgs.from_cli(["--device", "cpu"]).media_workers
+    assert auto == auto_media_workers(len(usable_cpus()), 1, use_cuda=False)
+    assert ServerArgs.from_cli(["--device", "cpu", "--media-workers", "6"]).media_workers == 6
+    with pytest.raises(ValueError, match="media-workers"):
+        ServerArgs(device="cpu", media_workers=0).resolve()
+    with pytest.raises(SystemExit):
+        ServerArgs.from_cli(["--media-workers", "many"])

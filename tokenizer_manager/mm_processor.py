@@ -41,7 +41,13 @@ from typing import Any
 
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality, item_tokens
-from runtime.transport.shm import new_media_path, remove_file, sweep_media_files
+from runtime.server_args import ServerArgs
+from runtime.transport.shm import (
+    local_shm_dir,
+    new_media_path,
+    remove_file,
+    sweep_media_files,
+)
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
 from tokenizer_manager.media import MediaLimits, load_media_bytes, open_image
 from tokenizer_manager.media_fetch import MediaFetcher
@@ -60,7 +66,7 @@ from tokenizer_manager.media_worker import (
     process_video_bytes,
 )
 from tokenizer_manager.multimodal_inputs import PreparedMedia, new_digest
-from tokenizer_manager.processed_cache import ProcessedCache
+from tokenizer_manager.processed_cache import ProcessedCache, cache_words
 from tokenizer_manager.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 
 logger = get_logger(__name__)
@@ -242,12 +248,30 @@ class AsyncMMDataProcessor:
         self._in_flight = InFlight()  # items being decoded, by digest, for requests that miss
         logger.info(
             "media: %d I/O threads, %d fetch threads (%d per request), %d CPU worker processes, "
-            "processed-item cache of %d MiB",
+            "%s",
             io_workers,
             net_workers,
             fetches_per_request,
             cpu_workers,
-            self.cache.max_bytes >> 20 if self.cache else 0,
+            cache_words(self.cache),
+        )
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs) -> AsyncMMDataProcessor:
+        """The front end's media processor, from resolved flags (launch.py serves with it)."""
+        if not isinstance(args.media_workers, int):
+            raise ValueError("--media-workers auto is resolved by ServerArgs.resolve()")
+        return cls(
+            args.model_path,
+            MediaLimits.from_server_args(args),
+            io_workers=8,
+            cpu_workers=args.media_workers,
+            max_concurrent_calls=args.mm_max_concurrent_calls,
+            per_request_timeout=args.mm_per_request_timeout,
+            fetches_per_request=args.mm_max_fetches_per_request,
+            max_inflight_bytes=args.mm_max_inflight_mb << 20,
+            shm_dir=local_shm_dir(args.nnodes),
+            cache_bytes=int(args.mm_processor_cache_gb * (1 << 30)),
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -53,6 +53,13 @@ class CacheStats:
     evictions: int = 0
 
 
+def cache_words(cache: ProcessedCache | None) -> str:
+    """The cache as the start-up log names it (an empty cache is a cache: `len` is 0)."""
+    if cache is None:
+        return "no processed-item cache"
+    return f"processed-item cache of {cache.max_bytes >> 20} MiB"
+
+
 class ProcessedCache:
     """An LRU of `ProcessedMedia` by digest, bounded in bytes (see the module docstring)."""
 

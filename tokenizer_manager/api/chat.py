@@ -17,6 +17,7 @@ from tokenizer_manager.api.logprobs import chat_logprobs
 from tokenizer_manager.api.openai_common import (
     Envelope,
     OpenAIServing,
+    OpenAIStream,
     engine_values,
     openai_sampling,
     stream_usage,
@@ -186,7 +187,7 @@ def pair_sum(got: tuple[str, str], stream: ReasoningStream, last: bool) -> tuple
     return got[0] + rest[0], got[1] + rest[1]
 
 
-class ChatStream:
+class ChatStream(OpenAIStream):
     """A chat request's chunks: the role first, then content, reasoning and tool-call deltas,
     then usage if asked. Each tool call goes out whole in one delta once its block closes."""
 
@@ -197,16 +198,15 @@ class ChatStream:
         shape: ReplyShape = ReplyShape(),
         n: int = 1,
     ) -> None:
-        self.envelope = envelope
-        self.include_usage, self.continuous_usage = usage
+        super().__init__(envelope, usage)
         self.shape = shape
         self.n = n
         self.splitters: dict[int, ReplySplitter] = {}  # one per choice
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self, firsts: list[StrOutput]) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
         choices = [{"index": i, "delta": delta, "finish_reason": None} for i in range(self.n)]
-        return [self.envelope.wrap([choice], None, chunk=True) for choice in choices]
+        return [self.chunk(choice, firsts[0], completion_tokens=0) for choice in choices]
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
         reason = finish_reason(out)
@@ -219,11 +219,7 @@ class ChatStream:
         choice = {"index": index, "delta": delta, "finish_reason": reason}
         if out.logprobs is not None:
             choice["logprobs"] = chat_logprobs([out])
-        usage = [out] if self.continuous_usage else None
-        return [self.envelope.wrap([choice], usage, chunk=True)]
-
-    def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
-        return [self.envelope.wrap([], lasts, chunk=True)] if self.include_usage else []
+        return [self.chunk(choice, out)]
 
 
 def chat_message(shape: ReplyShape, text: str) -> tuple[dict[str, Any], bool]:
@@ -343,4 +339,4 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
         self, rid: str, req: ChatCompletionRequest, choices: list[list[StrOutput]]
     ) -> dict[str, Any]:
         built = [chat_choice(i, outputs, self.shape(req)) for i, outputs in enumerate(choices)]
-        return self.envelope(rid).wrap(built, [c[-1] for c in choices], chunk=False)
+        return self.envelope(rid).whole(built, [c[-1] for c in choices])

@@ -12,6 +12,7 @@ from tokenizer_manager.api.logprobs import CompletionLogprobs
 from tokenizer_manager.api.openai_common import (
     Envelope,
     OpenAIServing,
+    OpenAIStream,
     engine_values,
     openai_sampling,
     stream_usage,
@@ -48,7 +49,7 @@ def echo_of(echoes: list[str], index: int, n: int) -> str:
     return echoes[index // n] if echoes else ""
 
 
-class CompletionStream:
+class CompletionStream(OpenAIStream):
     """A completions request's chunks: each prompt first when echoed, then text deltas (each
     choice's `index` is its prompt's), then usage if asked."""
 
@@ -59,19 +60,20 @@ class CompletionStream:
         echoes: list[str] | None = None,
         n: int = 1,
     ) -> None:
-        self.envelope = envelope
-        self.include_usage, self.continuous_usage = usage
+        super().__init__(envelope, usage)
         self.echoes = echoes or []
         self.n = n
         self.logprobs: dict[int, CompletionLogprobs] = {}  # per choice: text_offset runs on
 
-    def opening(self) -> list[dict[str, Any]]:
-        choices = range(len(self.echoes) * self.n)
+    def opening(self, firsts: list[StrOutput]) -> list[dict[str, Any]]:
+        """Each choice's echoed prompt (none without echo); choice i's prompt is i // n."""
         return [
-            self.envelope.wrap(
-                [completion_choice(i, echo_of(self.echoes, i, self.n), None)], None, chunk=True
+            self.chunk(
+                completion_choice(i, echo_of(self.echoes, i, self.n), None),
+                firsts[i // self.n],
+                completion_tokens=0,
             )
-            for i in choices
+            for i in range(len(self.echoes) * self.n)
         ]
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:
@@ -81,11 +83,7 @@ class CompletionStream:
         offsets = len(echo_of(self.echoes, index, self.n))
         logprobs = self.logprobs.setdefault(index, CompletionLogprobs(offsets)).build([out])
         choice = completion_choice(index, out.text, reason, logprobs)
-        usage = [out] if self.continuous_usage else None
-        return [self.envelope.wrap([choice], usage, chunk=True)]
-
-    def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
-        return [self.envelope.wrap([], lasts, chunk=True)] if self.include_usage else []
+        return [self.chunk(choice, out)]
 
 
 class CompletionServing(OpenAIServing[CompletionRequest]):
@@ -142,4 +140,4 @@ class CompletionServing(OpenAIServing[CompletionRequest]):
             text = echo + "".join(o.text for o in outputs)
             logprobs = CompletionLogprobs(len(echo)).build(outputs)
             built.append(completion_choice(i, text, finish_reason(outputs[-1]), logprobs))
-        return self.envelope(rid).wrap(built, [c[-1] for c in choices], chunk=False)
+        return self.envelope(rid).whole(built, [c[-1] for c in choices])

@@ -122,7 +122,7 @@ class NativeStream:
         self.text_in_logprobs = text_in_logprobs
         self.outputs: list[StrOutput] = []
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self, firsts: list[StrOutput]) -> list[dict[str, Any]]:
         return []
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from runtime.sampler import SamplingParams
 from tokenizer_manager.api.base import R, Serving, checked, model_name
 from tokenizer_manager.api.fields import engine_value, sampler_has
 from tokenizer_manager.api.structured import openai_constraint
-from tokenizer_manager.api.usage import usage_json
+from tokenizer_manager.api.usage import running_usage, usage_json
 from tokenizer_manager.protocol import APIError, SamplingFields, new_id, now
 
 # request field -> (SamplingParams attribute, the value that asks for nothing)
@@ -36,7 +36,7 @@ class Envelope:
         self.created = now()
 
     def wrap(
-        self, choices: list[dict[str, Any]], lasts: list[StrOutput] | None, chunk: bool
+        self, choices: list[dict[str, Any]], usage: dict[str, Any] | None, chunk: bool
     ) -> dict[str, Any]:
         body = {
             "id": self.rid,
@@ -45,9 +45,35 @@ class Envelope:
             "model": self.model,
             "choices": choices,
         }
-        if lasts is not None:
-            body["usage"] = usage_json(lasts)
+        if usage is not None:
+            body["usage"] = usage
         return body
+
+    def whole(self, choices: list[dict[str, Any]], lasts: list[StrOutput]) -> dict[str, Any]:
+        """The response object: the choices and the request's usage."""
+        return self.wrap(choices, usage_json(lasts), chunk=False)
+
+
+class OpenAIStream:
+    """What the chat and completions streams share: usage in each chunk when asked
+    (continuous_usage_stats: the opening chunks too, with no tokens yet) and at the end."""
+
+    def __init__(self, envelope: Envelope, usage: tuple[bool, bool]) -> None:
+        self.envelope = envelope
+        self.include_usage, self.continuous_usage = usage
+
+    def chunk(
+        self, choice: dict[str, Any], out: StrOutput, completion_tokens: int | None = None
+    ) -> dict[str, Any]:
+        """One choice's chunk; `out`: that choice's latest output, or its prompt's first
+        output for an opening chunk (`completion_tokens` 0)."""
+        usage = running_usage(out, completion_tokens) if self.continuous_usage else None
+        return self.envelope.wrap([choice], usage, chunk=True)
+
+    def closing(self, lasts: list[StrOutput]) -> list[dict[str, Any]]:
+        if not self.include_usage:
+            return []
+        return [self.envelope.wrap([], usage_json(lasts), chunk=True)]
 
 
 class OpenAIServing(Serving[R]):

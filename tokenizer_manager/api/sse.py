@@ -20,9 +20,10 @@ DONE = b"data: [DONE]\n\n"
 
 
 class StreamWriter(Protocol):
-    """An API's stream shape: payloads to send first, per output of choice `index`, and last."""
+    """An API's stream shape: payloads to send first (given each stream's first output), per
+    output of choice `index`, and last."""
 
-    def opening(self) -> list[dict[str, Any]]: ...
+    def opening(self, firsts: list[StrOutput]) -> list[dict[str, Any]]: ...
 
     def chunks(self, out: StrOutput, index: int = 0) -> list[dict[str, Any]]: ...
 
@@ -70,7 +71,7 @@ async def sse(
     however it ends."""
     lasts: dict[int, StrOutput] = {}  # each choice's latest output
     try:
-        for payload in writer.opening():
+        for payload in writer.opening(firsts):
             yield event(payload)
         for stream_index, first in enumerate(firsts):
             lasts[stream_index * n + first.index] = first

@@ -44,3 +44,10 @@ def usage_json(lasts: list[StrOutput]) -> dict[str, Any]:
         sum(last.completion_tokens for last in lasts),
         sum(last.cached_tokens for last in lasts if not last.index),
     )
+
+
+def running_usage(out: StrOutput, completion_tokens: int | None = None) -> dict[str, Any]:
+    """One choice's usage so far, as a continuous-usage chunk carries it: every choice counts
+    its prompt; `completion_tokens` overrides the output's (0 for an opening chunk)."""
+    done = out.completion_tokens if completion_tokens is None else completion_tokens
+    return usage(out.prompt_tokens, done, out.cached_tokens)
