@@ -161,7 +161,7 @@ def test_a_job_that_kills_its_worker_while_running_fails_once(
     pool: WorkerPool, tmp_path: Path
 ) -> None:
     marks = tmp_path / "marks"
-    with pytest.raises(WorkerDied, match="while preprocessing"):
+    with pytest.raises(WorkerDied, match="died during a job"):
         pool.submit(mark_and_exit, str(marks)).result(60)
     assert calls(marks) == 1  # its own error, not retried
     assert pool.submit(divmod, 5, 5).result(60) == (1, 0)
@@ -231,3 +231,22 @@ def test_workers_are_forked_with_the_media_code_already_imported(pool: WorkerPoo
     parents = {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
                for pid in pool.pids()}
     assert len(parents) == 1 and os.getpid() not in parents
+
+
+def allocate(size: int) -> int:
+    return len(bytearray(size))
+
+
+def test_memory_bytes_caps_what_a_job_may_allocate() -> None:
+    """With `memory_bytes`, a job that allocates past the cap fails with MemoryError (the
+    address-space limit holds it) and the worker lives on to serve the next job."""
+    pool = WorkerPool(1, job_timeout=60.0, memory_bytes=64 << 20, name="capped")
+    try:
+        assert pool.submit(allocate, 16 << 20).result(60) == 16 << 20
+        before = pool.pids()
+        with pytest.raises(MemoryError):
+            pool.submit(allocate, 512 << 20).result(60)
+        assert pool.submit(allocate, 16 << 20).result(60) == 16 << 20
+        assert pool.pids() == before
+    finally:
+        pool.shutdown()

@@ -29,6 +29,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import queue
+import resource
 import signal
 import threading
 import time
@@ -48,10 +49,13 @@ JOB_ATTEMPTS = 3  # workers a job may find dead before it fails
 STARTED = "started"  # a worker's word that it has read a job and runs it now
 FORK_SERVER_ENV = "TESSERA_MEDIA_FORK_SERVER"  # set in the fork server's environment only
 # what a media worker imports before its first job (transformers' image processing is most of
-# a worker's start-up): the fork server's preload, frozen for the collector once imported
+# a worker's start-up), and a grammar worker's engine: the fork server's preload, frozen for the
+# collector once imported
 MEDIA_WORKER_PRELOAD = (
     "tokenizer_manager.media_worker",
     "transformers.image_processing_utils",
+    "tokenizer_manager.grammar_worker",
+    "runtime.grammar.llguidance_backend",
     "tokenizer_manager.media_fork_server",
 )
 
@@ -74,9 +78,12 @@ def _worker_main(
     initializer: Callable[..., Any] | None,
     args: tuple,
     cpu_seconds: float | None = None,
+    memory_bytes: int | None = None,
 ) -> None:
     if initializer is not None:
         initializer(*args)
+    if memory_bytes is not None:
+        limit_address_space(memory_bytes)
     signal.signal(signal.SIGPROF, signal.SIG_DFL)  # the CPU deadline ends the process
     conn.send("ready")
     while True:
@@ -107,6 +114,17 @@ def cpu_deadline(seconds: float | None) -> None:
     signal.setitimer(signal.ITIMER_PROF, seconds or 0.0)
 
 
+def limit_address_space(headroom: int) -> None:
+    """Cap this process's address space at its size now plus `headroom` bytes (RLIMIT_AS): a
+    job that allocates past it gets MemoryError, or dies of the allocator's abort in native
+    code, and only that job fails."""
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        size = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = size + headroom
+    resource.setrlimit(resource.RLIMIT_AS, (soft if hard < 0 else min(soft, hard), hard))
+
+
 def _send_reply(conn: Connection, reply: tuple[bool, Any]) -> None:
     try:
         conn.send(reply)
@@ -134,16 +152,22 @@ class _Worker:
         parent, child = self.pool.ctx.Pipe()
         self.process = self.pool.ctx.Process(
             target=_worker_main,
-            args=(child, self.pool.initializer, self.pool.initargs, self.pool.cpu_seconds),
+            args=(
+                child,
+                self.pool.initializer,
+                self.pool.initargs,
+                self.pool.cpu_seconds,
+                self.pool.memory_bytes,
+            ),
             daemon=True,
-            name="tessera-media-cpu",
+            name=f"tessera-{self.pool.name}-cpu",
         )
         self.process.start()
         child.close()
         self.conn = parent
         if not parent.poll(START_TIMEOUT):
             self.kill()
-            raise RuntimeError("a media worker process did not start")
+            raise RuntimeError(f"a {self.pool.name} worker process did not start")
         parent.recv()
         self.ready.set()
 
@@ -198,7 +222,8 @@ class _Worker:
         deadline = time.monotonic() + self.pool.job_timeout
         taken = self._hand_over(job, deadline)
         if taken is False:
-            logger.warning("media worker %s died before taking a job", self.pids_text())
+            name = self.pool.name
+            logger.warning("%s worker %s died before taking a job", name, self.pids_text())
             self.kill()
             return False
         self._settle(job, deadline if taken else None)
@@ -207,7 +232,10 @@ class _Worker:
     def _give_up(self, job: _Job, attempts: int) -> None:
         """Fail a job that no worker lived to take; the pool keeps its size."""
         job.future.set_exception(
-            WorkerDied(f"media worker processes died before taking the job ({attempts} tried)")
+            WorkerDied(
+                f"{self.pool.name} worker processes died before taking the job "
+                f"({attempts} tried)"
+            )
         )
         if not self.pool.closed:
             self.start()
@@ -243,17 +271,21 @@ class _Worker:
         self.process.join(STOP_TIMEOUT)
         if self.process.exitcode == -signal.SIGPROF:
             return CpuTimeExceeded(f"took more than {self.pool.cpu_seconds:g} s of CPU time")
-        return WorkerDied("a media worker process died while preprocessing")
+        return WorkerDied(f"a {self.pool.name} worker process died during a job")
 
     def _replace(self, job: _Job, died: Exception | None) -> None:
         if died is None:
-            logger.warning("a media job ran past %g s; killing its worker", self.pool.job_timeout)
+            logger.warning(
+                "a %s job ran past %g s; killing its worker", self.pool.name, self.pool.job_timeout
+            )
             error: Exception = JobTimeout(f"took longer than {self.pool.job_timeout:g} s")
         elif isinstance(died, CpuTimeExceeded):
-            logger.warning("a media job %s; replacing its worker", died)
+            logger.warning("a %s job %s; replacing its worker", self.pool.name, died)
             error = died
         else:
-            logger.error("media worker %s died during a job; replacing it", self.process.pid)
+            logger.error(
+                "%s worker %s died during a job; replacing it", self.pool.name, self.process.pid
+            )
             error = died
         self.kill()
         job.future.set_exception(error)
@@ -279,7 +311,8 @@ def start_fork_server() -> multiprocessing.context.BaseContext:
 
 class WorkerPool:
     """`size` worker processes (forked from the fork server), fed from one queue; see the module
-    docstring."""
+    docstring. `name` (media, grammar) names the processes and the log lines; `memory_bytes`
+    caps each worker's address space that far above its size after the initializer."""
 
     def __init__(
         self,
@@ -289,8 +322,11 @@ class WorkerPool:
         cpu_seconds: float | None = None,
         initializer: Callable[..., Any] | None = None,
         initargs: tuple = (),
+        name: str = "media",
+        memory_bytes: int | None = None,
     ):
         self.ctx = start_fork_server()
+        self.name, self.memory_bytes = name, memory_bytes
         self.job_timeout = job_timeout
         self.cpu_seconds = cpu_seconds
         self.initializer, self.initargs = initializer, initargs
@@ -298,7 +334,9 @@ class WorkerPool:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._workers = [_Worker(self) for _ in range(size)]
         self._feeders = [
-            threading.Thread(target=self._feed, args=(w,), daemon=True, name="tessera-media-feed")
+            threading.Thread(
+                target=self._feed, args=(w,), daemon=True, name=f"tessera-{name}-feed"
+            )
             for w in self._workers
         ]
         for feeder in self._feeders:
@@ -306,7 +344,7 @@ class WorkerPool:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         if self.closed:
-            raise RuntimeError("the media worker pool is closed")
+            raise RuntimeError(f"the {self.name} worker pool is closed")
         job = _Job(fn, args)
         self._jobs.put(job)
         return job.future
@@ -316,14 +354,15 @@ class WorkerPool:
         return all(w.ready.wait(timeout) for w in self._workers)
 
     def pids(self) -> list[int]:
-        return [w.process.pid for w in self._workers if w.process is not None]
+        processes = [w.process for w in self._workers if w.process is not None]
+        return [p.pid for p in processes if p.pid is not None]
 
     def _feed(self, worker: _Worker) -> None:
         try:
             worker.start()
         except Exception:  # noqa: BLE001 - retried on the first job
             if not self.closed:
-                logger.exception("a media worker failed to start")
+                logger.exception("a %s worker failed to start", self.name)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -353,6 +392,6 @@ class WorkerPool:
             feeder.join(STOP_TIMEOUT)
         for worker, feeder in zip(self._workers, self._feeders):
             if feeder.is_alive():  # still in a job: end it now
-                logger.warning("terminating busy media worker %s", worker.pids_text())
+                logger.warning("terminating busy %s worker %s", self.name, worker.pids_text())
                 worker.terminate()
             feeder.join(STOP_TIMEOUT)

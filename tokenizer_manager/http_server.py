@@ -150,6 +150,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
             "mm_encoder_mode": tm.args.mm_encoder_mode,
             **asdict(info),
             "media": tm.media_info(),
+            "grammar": tm.grammar.info(),
             "api": vars(app.state.counters) | {"in_flight": len(tm.states)},
             "main_gc_frozen": frozen_startup_objects(),
         }

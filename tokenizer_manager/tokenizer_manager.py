@@ -225,7 +225,7 @@ class TokenizerManager:
             await self.mm.close()
         self._cpu.shutdown(wait=False, cancel_futures=True)
         self._long.shutdown(wait=False, cancel_futures=True)
-        self.grammar.close()
+        await self.grammar.close()
         self._ctx.destroy(linger=0)
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:

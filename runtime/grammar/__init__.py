@@ -6,6 +6,7 @@ Floor 2: imports nothing from scheduler/ or tokenizer_manager/. `make_backend` p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.grammar.base import (
@@ -18,12 +19,14 @@ from runtime.grammar.base import (
     ThinkSection,
 )
 from runtime.grammar.bitmask import BatchMask, apply_bitmask, fill_batch
-from runtime.grammar.compiler import CompileLimits, GrammarCompiler
+from runtime.grammar.compiler import CompileLimits, GrammarCompiler, check_limits
+from runtime.grammar.limits import StructureLimits
 from runtime.grammar.reasoning import ReasoningMatcher
 
 __all__ = [
     "KINDS",
     "BatchMask",
+    "CheckpointGrammar",
     "CompileLimits",
     "GrammarBackend",
     "GrammarCompiler",
@@ -32,8 +35,10 @@ __all__ = [
     "GrammarSpec",
     "JumpForward",
     "ReasoningMatcher",
+    "StructureLimits",
     "ThinkSection",
     "apply_bitmask",
+    "check_limits",
     "checkpoint_compiler",
     "fill_batch",
     "make_backend",
@@ -51,10 +56,26 @@ def make_backend(
     raise ValueError(f"unknown grammar engine {engine!r} (available: llguidance)")
 
 
+@dataclass(frozen=True)
+class CheckpointGrammar:
+    """What a checkpoint's grammar backend is built from (small and picklable: the front end
+    sends it to its compile workers)."""
+
+    model_path: str
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    engine: str = "llguidance"
+
+    def backend(self) -> GrammarBackend:
+        """The backend over the checkpoint's `tokenizer.json`."""
+        tokenizer_json = (Path(self.model_path) / "tokenizer.json").read_text(encoding="utf-8")
+        return make_backend(self.engine, tokenizer_json, self.vocab_size, list(self.stop_token_ids))
+
+
 def checkpoint_compiler(
     model_path: str, vocab_size: int, stop_token_ids: list[int], engine: str = "llguidance"
 ) -> GrammarCompiler:
     """A compiler for the checkpoint at `model_path` (its `tokenizer.json`), with the default
-    limits: what the front end validates with and the entry rank compiles with."""
-    tokenizer_json = (Path(model_path) / "tokenizer.json").read_text(encoding="utf-8")
-    return GrammarCompiler(make_backend(engine, tokenizer_json, vocab_size, stop_token_ids))
+    limits: what the entry rank compiles with."""
+    source = CheckpointGrammar(model_path, vocab_size, tuple(stop_token_ids), engine)
+    return GrammarCompiler(source.backend())

@@ -2,7 +2,9 @@
 
 A compiled grammar is a template `LLMatcher` that never advances; each request's matcher is a
 deep copy of it (cheap: the lexer and token trie are shared). llguidance never raises for a
-grammar error: the matcher enters an error state, which compile turns into a GrammarError.
+grammar error: the matcher enters an error state, which compile turns into a GrammarError, as
+it does the ValueErrors the engine raises while reading a grammar (JSON nested past its parser's
+recursion limit, a GBNF grammar its converter cannot read).
 """
 
 from __future__ import annotations
@@ -119,10 +121,16 @@ class LLGuidanceBackend(GrammarBackend):
         self._json_options = {"whitespace_flexible": any_whitespace, "lenient": False}
 
     def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
-        grammar = self._grammar_text(spec)
-        matcher = llguidance.LLMatcher(
-            self._tok, grammar, log_level=0, limits=self._limits.to_llguidance()
-        )
+        try:
+            grammar = self._grammar_text(spec)
+            matcher = llguidance.LLMatcher(
+                self._tok, grammar, log_level=0, limits=self._limits.to_llguidance()
+            )
+        except GrammarError:
+            raise
+        except ValueError as exc:  # the engine's own refusals: "recursion limit exceeded", ...
+            message = short_message(str(exc))
+            raise GrammarError(f"invalid {spec.kind}: {message}", spec.param) from None
         matcher.compute_bitmask()  # builds the first lexer states: a limit hit now is a 400
         if matcher.is_error():
             message = short_message(matcher.get_error())
