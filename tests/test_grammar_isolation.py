@@ -184,6 +184,38 @@ def test_fast_lane_overrun_moves_to_the_slow_lane_and_the_deadline_kills(folder:
 
 
 # --------------------------------------------------------------------------- a live tp-1 server
+def test_the_scheduler_compiles_the_gbnf_the_front_end_converted(
+    folder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GBNF is converted to the engine's grammar once, in the front end's worker (seconds of
+    Python holding the GIL for a long chain): the checked spec carries the converted form, and a
+    compile of it does no conversion, so the scheduler loop never pays for it."""
+    import llguidance
+
+    spec = GrammarSpec("ebnf", slow_gbnf(200, 3), "guided_grammar")
+    checked: list[GrammarSpec] = []
+
+    async def body(check: GrammarCheck) -> None:
+        checked.append(await check.check(spec))
+        regex = GrammarSpec("regex", "[0-9]+", "regex")
+        assert await check.check(regex) == regex and (await check.check(regex)).prepared is None
+
+    run_check(CheckLimits(), folder, body)
+    (prepared,) = checked
+    assert prepared == spec and prepared.prepared and prepared.prepared != spec.text
+    tok = build_tokenizer()
+    backend = make_backend("llguidance", tok.to_str(), VOCAB, [tok.token_to_id("<|im_end|>")])
+
+    def no_conversion(*args: object) -> str:
+        raise AssertionError("GBNF converted again")
+
+    monkeypatch.setattr(llguidance, "grammar_from", no_conversion)
+    matcher = backend.new_matcher(backend.compile(prepared))
+    assert matcher.error() is None and not matcher.is_terminated()
+    with pytest.raises(AssertionError, match="converted again"):
+        backend.compile(spec)  # the raw spec would convert
+
+
 @pytest.fixture(scope="module")
 def server(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("log") / "server.log"

@@ -20,6 +20,7 @@ bookkeeping (invariant 18).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,7 +41,15 @@ from tokenizer_manager.protocol import APIError
 logger = get_logger(__name__)
 
 NOUNS = {"json_schema": "schema", "json_object": "schema", "ebnf": "grammar"}
-Verdict = str | None  # None: compiles; else why not, as the client reads it
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A constraint's answer: `reason` why it does not compile (as the client reads it), or
+    None when it compiles, with the engine's `prepared` form of it when it has one."""
+
+    reason: str | None = None
+    prepared: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,20 +76,22 @@ class GrammarCheck:
         self._slow: WorkerPool | None = None
         self._verdicts: OrderedDict[tuple[str, str], asyncio.Future[Verdict]] = OrderedDict()
 
-    async def check(self, spec: GrammarSpec) -> None:
-        """A 400 naming `spec.param` when the constraint does not compile within the limits."""
+    async def check(self, spec: GrammarSpec) -> GrammarSpec:
+        """`spec` as the scheduler compiles it (its prepared form, when it has one); a 400
+        naming `spec.param` when the constraint does not compile within the limits."""
         try:
             check_limits(spec, self.limits.compile)
         except GrammarError as exc:
             raise refusal(spec, str(exc)) from None
         verdict = self._verdict(spec)
         try:
-            reason = await asyncio.wait_for(asyncio.shield(verdict), self.limits.wait_s)
+            answer = await asyncio.wait_for(asyncio.shield(verdict), self.limits.wait_s)
         except TimeoutError:  # still queued: the verdict, once in, is kept for the next request
             message = "constraint compiles are backed up; try again"
             raise APIError(message, 503, spec.param, "grammar_busy", retry_after=5) from None
-        if reason is not None:
-            raise refusal(spec, reason)
+        if answer.reason is not None:
+            raise refusal(spec, answer.reason)
+        return dataclasses.replace(spec, prepared=answer.prepared) if answer.prepared else spec
 
     def _verdict(self, spec: GrammarSpec) -> asyncio.Future[Verdict]:
         """The cached verdict for `spec`, or one now on its way (LRU of `cache_size`)."""
@@ -110,21 +121,21 @@ class GrammarCheck:
             return await self._try(self._lanes()[1], spec)
         except JobTimeout as exc:
             logger.warning("a %s compile was stopped: %s", spec.kind, exc)
-            return f"the {noun(spec)} is too complex to compile ({exc})"
+            return Verdict(f"the {noun(spec)} is too complex to compile ({exc})")
 
     async def _try(self, lane: WorkerPool, spec: GrammarSpec) -> Verdict:
-        """None when `spec` compiles in one of `lane`'s workers, else why not; JobTimeout when
+        """The verdict on `spec` from one of `lane`'s workers; JobTimeout when
         it ran past the lane's deadline (its worker is killed and replaced)."""
         try:
-            await asyncio.wrap_future(
+            prepared = await asyncio.wrap_future(
                 lane.submit(check_compiles, spec, self.source, self.limits.compile)
             )
         except GrammarError as exc:
-            return str(exc)
+            return Verdict(str(exc))
         except (WorkerDied, MemoryError) as exc:
             logger.warning("a %s compile ended its worker: %s", spec.kind, exc)
-            return f"the {noun(spec)} is too complex to compile"
-        return None
+            return Verdict(f"the {noun(spec)} is too complex to compile")
+        return Verdict(prepared=prepared)
 
     def _lanes(self) -> tuple[WorkerPool, WorkerPool]:
         if self._fast is None or self._slow is None:

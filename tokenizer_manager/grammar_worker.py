@@ -39,7 +39,13 @@ def init_grammar_worker(source: CheckpointGrammar, limits: CompileLimits) -> Non
     worker_compiler(source, limits)
 
 
-def check_compiles(spec: GrammarSpec, source: CheckpointGrammar, limits: CompileLimits) -> None:
-    """Returns when `spec` compiles; raises GrammarError when the engine refuses it (a crash
-    or a runaway compile ends the process instead, which the pool reports)."""
-    worker_compiler(source, limits).compile(spec)
+def check_compiles(
+    spec: GrammarSpec, source: CheckpointGrammar, limits: CompileLimits
+) -> str | None:
+    """Returns when `spec` compiles, with the engine's prepared form of it (None when it needs
+    none: `GrammarBackend.prepare`); raises GrammarError when the engine refuses it (a crash or
+    a runaway compile ends the process instead, which the pool reports)."""
+    compiler = worker_compiler(source, limits)
+    prepared = compiler.backend.prepare(spec)
+    compiler.compile(prepared)
+    return prepared.prepared

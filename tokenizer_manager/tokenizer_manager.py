@@ -296,8 +296,8 @@ class TokenizerManager:
         media count and budgets, media preparation, placeholder expansion, the context check."""
         ids, media = await self.prompt_ids(inp)
         params = inp.sampling(max(1, self.budget.room(len(ids))))
-        if params.grammar is not None:
-            await self.grammar.check(params.grammar)
+        if params.grammar is not None:  # the scheduler compiles the checked, prepared form
+            params.grammar = await self.grammar.check(params.grammar)
         with self.metrics.timed("build"):
             if len(ids) <= INLINE_BUILD_IDS and all(m.modality == Modality.IMAGE for m in media):
                 return self.build_request(inp.rid, ids, media, params, inp.stream)

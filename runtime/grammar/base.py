@@ -50,12 +50,16 @@ class ThinkSection:
 class GrammarSpec:
     """One request's constraint. `text` is canonical (JSON for schemas and choices), so equal
     constraints share one compiled grammar; `param` names the request field it came from;
-    `think` (not part of the key) makes the constraint start after a thinking section."""
+    `think` (not part of the key) makes the constraint start after a thinking section;
+    `prepared` (not part of the key) is the engine's own form of `text` when making it costs
+    time (GBNF converted to the engine's grammar): made once, by the front end's grammar worker,
+    so the scheduler compiles without that work (`GrammarBackend.prepare`)."""
 
     kind: GrammarKind
     text: str
     param: str | None = field(default=None, compare=False)
     think: ThinkSection | None = field(default=None, compare=False)
+    prepared: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -149,3 +153,8 @@ class GrammarBackend(ABC):
     @abstractmethod
     def new_matcher(self, compiled: object) -> GrammarMatcher:
         """A fresh matcher at the grammar's start."""
+
+    def prepare(self, spec: GrammarSpec) -> GrammarSpec:
+        """`spec` with `prepared` set where this engine's form of it costs time to make (it
+        compiles the same); as it is otherwise. Raises GrammarError."""
+        return spec
