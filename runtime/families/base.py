@@ -1,0 +1,39 @@
+"""What one model family declares: everything tessera needs to know about a checkpoint that the
+shared code must not decide itself (design invariant 19).
+
+A family is a plain value: data and pure functions, no torch modules. Its classes (vision tower,
+decoder, composite model) are named as "module:Class" strings and resolved where the model is
+built, so this floor (runtime/) never imports the floors above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Fields = dict[str, Any]
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config cannot be served by tessera."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's entry in the registry (runtime/families/__init__.py).
+
+    name: the family's key, also the config.json `model_type` it answers to.
+    architectures: the config.json `architectures` names it serves.
+    text_fields(text, top): `TextConfig` fields from the text part of config.json (`text_config`,
+        or the whole config when flat) and the whole config.
+    vision_fields(vision, text_hidden): `VisionConfig` fields from `vision_config`.
+    timestamped_video: every temporal patch of a video is its own `<t seconds>`-stamped run of
+        placeholders in the prompt, with its own position grid (t = 1).
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    text_fields: Callable[[dict, dict], Fields]
+    vision_fields: Callable[[dict, int], Fields]
+    timestamped_video: bool = False

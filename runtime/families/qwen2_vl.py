@@ -1,0 +1,78 @@
+"""Qwen2-VL: flat or nested config, MRoPE in blocks, LayerNorm ViT with quick_gelu MLPs.
+
+Its config readers are the base the other Qwen families build on (`text_fields` with the Qwen3
+switches, `vision_common`).
+"""
+
+from __future__ import annotations
+
+from runtime.families.base import Family, Fields, ModelConfigError
+
+
+def rope_fields(text: dict) -> tuple[float, tuple[int, ...], bool]:
+    """(theta, mrope_section, interleaved) from `rope_scaling` or `rope_parameters`."""
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+    section = rope.get("mrope_section")
+    if not section:
+        raise ModelConfigError("config has no mrope_section (rope_scaling / rope_parameters)")
+    return float(theta), tuple(int(s) for s in section), bool(rope.get("mrope_interleaved"))
+
+
+def text_fields(text: dict, top: dict, qk_norm: bool = False) -> Fields:
+    """`text`: the text fields (text_config, or the whole config when flat); `top`: the config.
+    `qk_norm` (Qwen3's decoder) also turns the q/k/v bias off unless the config says otherwise."""
+    theta, section, interleaved = rope_fields(text)
+    tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+    if 2 * sum(section) != head_dim:
+        raise ModelConfigError(f"mrope_section {section} does not cover head_dim {head_dim}")
+    return dict(
+        hidden_size=int(text["hidden_size"]),
+        num_hidden_layers=int(text["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+        intermediate_size=int(text["intermediate_size"]),
+        vocab_size=int(text["vocab_size"]),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        mrope_section=section,
+        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(tie),
+        head_dim=head_dim,
+        mrope_interleaved=interleaved,
+        qk_norm=qk_norm,
+        attention_bias=bool(text.get("attention_bias", not qk_norm)),
+    )
+
+
+def vision_common(v: dict) -> Fields:
+    """The vision fields every Qwen tower reads alike."""
+    return dict(
+        depth=int(v["depth"]),
+        num_heads=int(v["num_heads"]),
+        patch_size=int(v.get("patch_size", 14)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        in_channels=int(v.get("in_chans", v.get("in_channels", 3))),
+    )
+
+
+def vision_fields(v: dict, text_hidden: int) -> Fields:
+    embed = int(v["embed_dim"])
+    return dict(
+        embed_dim=embed,
+        intermediate_size=int(embed * float(v.get("mlp_ratio", 4))),
+        out_hidden_size=int(v.get("hidden_size", text_hidden)),
+        hidden_act=str(v.get("hidden_act", "quick_gelu")),
+        **vision_common(v),
+    )
+
+
+FAMILY = Family(
+    name="qwen2_vl",
+    architectures=("Qwen2VLForConditionalGeneration",),
+    text_fields=text_fields,
+    vision_fields=vision_fields,
+)

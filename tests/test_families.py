@@ -1,0 +1,103 @@
+"""The model-family registry: each family registered once, found from either config layout,
+an unknown architecture refused by name, and a new family picked up without shared code."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+
+import pytest
+
+import runtime.families as families
+from runtime.families import FAMILIES, Family, family_for, get_family, register
+from runtime.model_config import ModelConfig, ModelConfigError
+from runtime.tiny_checkpoint import build_tokenizer, checkpoint_config, special_ids
+
+FAMILY_MODULES = sorted(
+    m.name for m in pkgutil.iter_modules(families.__path__) if m.name != "base"
+)
+
+
+@pytest.fixture(scope="module")
+def ids() -> dict[str, int]:
+    return special_ids(build_tokenizer())
+
+
+def config_of(name: str, ids: dict[str, int]) -> dict:
+    return checkpoint_config(name, "tiny", ids, "float32")
+
+
+def nested_layout(flat: dict) -> dict:
+    """A flat config rewritten as transformers 5 writes it: text fields under text_config."""
+    text_keys = {"hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                 "num_key_value_heads", "intermediate_size", "rms_norm_eps", "rope_scaling",
+                 "max_position_embeddings", "rope_theta"}  # fmt: skip
+    nested = {k: v for k, v in flat.items() if k not in text_keys}
+    nested["text_config"] = {k: flat[k] for k in text_keys if k in flat}
+    return nested
+
+
+def test_every_family_module_is_registered_once() -> None:
+    declared = [importlib.import_module(f"runtime.families.{m}").FAMILY for m in FAMILY_MODULES]
+    assert sorted(f.name for f in declared) == sorted(FAMILIES) == FAMILY_MODULES
+    assert all(FAMILIES[f.name] is f for f in declared)
+    architectures = [a for f in FAMILIES.values() for a in f.architectures]
+    assert len(architectures) == len(set(architectures))
+
+
+def test_a_name_or_architecture_is_registered_only_once() -> None:
+    qwen = get_family("qwen2_vl")
+    with pytest.raises(ValueError, match="registered already"):
+        register(qwen)
+    with pytest.raises(ValueError, match="Qwen2VLForConditionalGeneration"):
+        register(dataclasses.replace(qwen, name="another"))
+    assert FAMILIES["qwen2_vl"] is qwen and "another" not in FAMILIES
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_config_finds_its_family_in_both_layouts(name: str, ids: dict[str, int]) -> None:
+    published = config_of(name, ids)
+    nested = published if "text_config" in published else nested_layout(published)
+    for cfg in (published, nested):
+        assert family_for(cfg) is FAMILIES[name]
+        assert ModelConfig.from_dict(cfg).arch == name
+        by_type = {k: v for k, v in cfg.items() if k != "architectures"}
+        assert family_for(by_type) is FAMILIES[name]
+    assert ModelConfig.from_dict(nested) == ModelConfig.from_dict(published)
+
+
+def test_unknown_architecture_names_the_supported_ones() -> None:
+    with pytest.raises(ModelConfigError, match="unsupported architecture") as info:
+        ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    for family in FAMILIES.values():
+        for architecture in family.architectures:
+            assert architecture in str(info.value)
+    with pytest.raises(ModelConfigError, match="qwen2_vl"):
+        get_family("llama")
+
+
+def test_a_fourth_family_is_picked_up_by_config_parsing(
+    monkeypatch: pytest.MonkeyPatch, ids: dict[str, int]
+) -> None:
+    monkeypatch.setattr(families, "FAMILIES", dict(FAMILIES))
+    seen: list[dict] = []
+
+    def vision_fields(v: dict, text_hidden: int) -> dict:
+        seen.append(v)
+        return get_family("qwen2_vl").vision_fields(v, text_hidden)
+
+    fake = register(
+        Family(
+            name="fake_vl",
+            architectures=("FakeVLForConditionalGeneration",),
+            text_fields=get_family("qwen2_vl").text_fields,
+            vision_fields=vision_fields,
+            timestamped_video=True,
+        )
+    )
+    cfg = {**config_of("qwen2_vl", ids), "architectures": ["FakeVLForConditionalGeneration"]}
+    config = ModelConfig.from_dict(cfg)
+    assert config.arch == "fake_vl" and config.family is fake and config.timestamped_video
+    assert seen == [cfg["vision_config"]]
+    assert "FakeVLForConditionalGeneration" in families.supported_architectures()
