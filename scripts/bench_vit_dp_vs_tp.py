@@ -55,7 +55,7 @@ from vision.encoder_plan import (  # noqa: E402
     TowerShape,
     frame_units,
 )
-from vision.vlm import VISION_TOWERS, normalize_checkpoint_name  # noqa: E402
+from vision.vlm import vision_tower_class  # noqa: E402
 
 
 class CountingGroup(TPGroup):
@@ -178,10 +178,10 @@ def build_tower(
     cfg: ModelConfig, model_path: str, tp: TPGroup, device: str, dtype: torch.dtype, backend: str
 ):
     with torch.device(device):
-        tower = VISION_TOWERS[cfg.arch](cfg.vision, tp, get_kernel_ops(backend)).to(dtype)
+        tower = vision_tower_class(cfg)(cfg.vision, tp, get_kernel_ops(backend)).to(dtype)
     weights = []
     for name, w in iterate_weights(model_path):
-        name = normalize_checkpoint_name(name)
+        name = cfg.family.checkpoint_name(name)
         if name.startswith("visual."):
             weights.append((name[len("visual.") :], w))
     tower.load_weights(weights)

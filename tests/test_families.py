@@ -10,7 +10,7 @@ import pkgutil
 import pytest
 
 import runtime.families as families
-from runtime.families import FAMILIES, Family, family_for, get_family, register
+from runtime.families import FAMILIES, family_for, get_family, register
 from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.tiny_checkpoint import build_tokenizer, checkpoint_config, special_ids
 
@@ -88,10 +88,10 @@ def test_a_fourth_family_is_picked_up_by_config_parsing(
         return get_family("qwen2_vl").vision_fields(v, text_hidden)
 
     fake = register(
-        Family(
+        dataclasses.replace(
+            get_family("qwen2_vl"),
             name="fake_vl",
             architectures=("FakeVLForConditionalGeneration",),
-            text_fields=get_family("qwen2_vl").text_fields,
             vision_fields=vision_fields,
             timestamped_video=True,
         )
@@ -101,3 +101,26 @@ def test_a_fourth_family_is_picked_up_by_config_parsing(
     assert config.arch == "fake_vl" and config.family is fake and config.timestamped_video
     assert seen == [cfg["vision_config"]]
     assert "FakeVLForConditionalGeneration" in families.supported_architectures()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_classes_resolve_where_the_model_is_built(name: str) -> None:
+    from torch import nn
+
+    from vision.vlm import resolve_class
+
+    family = FAMILIES[name]
+    for path in (family.tower_class, family.decoder_class, family.model_class):
+        assert issubclass(resolve_class(path), nn.Module), path
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_checkpoint_names_of_every_published_layout_meet(name: str) -> None:
+    rename = FAMILIES[name].checkpoint_name
+    pairs = {
+        "model.language_model.layers.0.mlp.up_proj.weight": "model.layers.0.mlp.up_proj.weight",
+        "model.visual.blocks.0.attn.qkv.weight": "visual.blocks.0.attn.qkv.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    for transformers_name, published in pairs.items():
+        assert rename(transformers_name) == rename(published) == published

@@ -28,6 +28,12 @@ class Family:
     text_fields(text, top): `TextConfig` fields from the text part of config.json (`text_config`,
         or the whole config when flat) and the whole config.
     vision_fields(vision, text_hidden): `VisionConfig` fields from `vision_config`.
+    tower_class / decoder_class / model_class: "module:Class" of its vision tower (floor 3,
+        vision/), its decoder (floor 2, runtime/models/) and the composite that joins them
+        (vision/vlm.py's by default), resolved where the model is built.
+    checkpoint_name(name): a checkpoint tensor's name in the composite's layout (`visual.*` for
+        the tower, the decoder's own names for the rest), from every layout the family's
+        checkpoints are published in.
     timestamped_video: every temporal patch of a video is its own `<t seconds>`-stamped run of
         placeholders in the prompt, with its own position grid (t = 1).
     """
@@ -36,4 +42,8 @@ class Family:
     architectures: tuple[str, ...]
     text_fields: Callable[[dict, dict], Fields]
     vision_fields: Callable[[dict, int], Fields]
+    tower_class: str
+    decoder_class: str
+    checkpoint_name: Callable[[str], str]
+    model_class: str = "vision.vlm:VisionLanguageModel"
     timestamped_video: bool = False

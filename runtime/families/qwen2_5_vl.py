@@ -27,4 +27,5 @@ FAMILY = dataclasses.replace(
     name="qwen2_5_vl",
     architectures=("Qwen2_5_VLForConditionalGeneration",),
     vision_fields=vision_fields,
+    tower_class="vision.qwen2_5_vl_vit:Qwen2_5_VisionTransformer",
 )

@@ -70,9 +70,22 @@ def vision_fields(v: dict, text_hidden: int) -> Fields:
     )
 
 
+def checkpoint_name(name: str) -> str:
+    """transformers 5.x's saved names (`model.language_model.*`, `model.visual.*`) onto the
+    older published layout (`model.*`, `visual.*`), which passes unchanged."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    if name.startswith("model.visual."):
+        return name[len("model.") :]
+    return name
+
+
 FAMILY = Family(
     name="qwen2_vl",
     architectures=("Qwen2VLForConditionalGeneration",),
     text_fields=text_fields,
     vision_fields=vision_fields,
+    tower_class="vision.qwen2_vl_vit:Qwen2VisionTransformer",
+    decoder_class="runtime.models.qwen2:Qwen2ForCausalLM",
+    checkpoint_name=checkpoint_name,
 )

@@ -33,5 +33,6 @@ FAMILY = dataclasses.replace(
     architectures=("Qwen3VLForConditionalGeneration",),
     text_fields=functools.partial(qwen2_vl.text_fields, qk_norm=True),
     vision_fields=vision_fields,
+    tower_class="vision.qwen3_vl_vit:Qwen3VisionTransformer",
     timestamped_video=True,
 )
