@@ -120,15 +120,15 @@ class ModelConfig:
         family = family_for(cfg)
         text = TextConfig(**family.text_fields(cfg.get("text_config") or cfg, cfg))
         vision = VisionConfig(**family.vision_fields(cfg["vision_config"], text.hidden_size))
-        token = _token_ids(cfg)
+        token, keys = _token_ids(cfg), family.tokens
         return cls(
             arch=family.name,
             text=text,
             vision=vision,
-            image_token_id=token("image_token_id"),
-            video_token_id=token("video_token_id"),
-            vision_start_token_id=token("vision_start_token_id"),
-            vision_end_token_id=token("vision_end_token_id"),
+            image_token_id=token(keys.image_id_key),
+            video_token_id=token(keys.video_id_key),
+            vision_start_token_id=token(keys.start_id_key),
+            vision_end_token_id=token(keys.end_id_key),
             eos_token_ids=_eos_ids(cfg),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             raw=cfg,

@@ -80,26 +80,15 @@ def test_unknown_architecture_names_the_supported_ones() -> None:
 def test_a_fourth_family_is_picked_up_by_config_parsing(
     monkeypatch: pytest.MonkeyPatch, ids: dict[str, int]
 ) -> None:
-    monkeypatch.setattr(families, "FAMILIES", dict(FAMILIES))
     seen: list[dict] = []
 
     def vision_fields(v: dict, text_hidden: int) -> dict:
         seen.append(v)
         return get_family("qwen2_vl").vision_fields(v, text_hidden)
 
-    fake = register(
-        dataclasses.replace(
-            get_family("qwen2_vl"),
-            name="fake_vl",
-            architectures=("FakeVLForConditionalGeneration",),
-            vision_fields=vision_fields,
-            timestamped_video=True,
-        )
-    )
-    cfg = {**config_of("qwen2_vl", ids), "architectures": ["FakeVLForConditionalGeneration"]}
-    config = ModelConfig.from_dict(cfg)
-    assert config.arch == "fake_vl" and config.family is fake and config.timestamped_video
-    assert seen == [cfg["vision_config"]]
+    config = with_fake_family(monkeypatch, ids, vision_fields=vision_fields, timestamped_video=True)
+    assert config.arch == "fake_vl" and config.family is families.FAMILIES["fake_vl"]
+    assert config.timestamped_video and seen == [config.raw["vision_config"]]
     assert "FakeVLForConditionalGeneration" in families.supported_architectures()
 
 
@@ -124,3 +113,86 @@ def test_checkpoint_names_of_every_published_layout_meet(name: str) -> None:
     }
     for transformers_name, published in pairs.items():
         assert rename(transformers_name) == rename(published) == published
+
+
+def with_fake_family(
+    monkeypatch: pytest.MonkeyPatch, ids: dict[str, int], **changes: object
+) -> ModelConfig:
+    """A config of a fake family registered for this test: Qwen2-VL's entry with `changes`."""
+    monkeypatch.setattr(families, "FAMILIES", dict(FAMILIES))
+    register(
+        dataclasses.replace(
+            get_family("qwen2_vl"),
+            name="fake_vl",
+            architectures=("FakeVLForConditionalGeneration",),
+            **changes,
+        )
+    )
+    cfg = {**config_of("qwen2_vl", ids), "architectures": ["FakeVLForConditionalGeneration"]}
+    return ModelConfig.from_dict(cfg)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_media_tokens_are_the_tokenizers_and_the_configs(name: str, ids: dict[str, int]) -> None:
+    config = ModelConfig.from_dict(config_of(name, ids))
+    tokens = config.family.tokens
+    assert ids[tokens.image_pad] == config.image_token_id
+    assert ids[tokens.video_pad] == config.video_token_id
+    assert ids[tokens.start] == config.vision_start_token_id
+    assert ids[tokens.end] == config.vision_end_token_id
+
+
+def test_shared_prompt_code_uses_the_familys_tokens(
+    monkeypatch: pytest.MonkeyPatch, ids: dict[str, int]
+) -> None:
+    import torch
+
+    from runtime.families.base import MediaTokens
+    from runtime.multimodal import Modality
+    from tokenizer_manager.multimodal_inputs import (
+        PreparedMedia,
+        check_rendered_chat,
+        expand_placeholders,
+    )
+
+    tokens = MediaTokens(image_pad="<img>", video_pad="<vid>", start="<m>", end="</m>")
+    config = with_fake_family(monkeypatch, ids, tokens=tokens)
+    image = PreparedMedia(Modality.IMAGE, torch.zeros(0), (1, 4, 4))
+    assert expand_placeholders("a<m><img></m>b", [image], config) == "a<m>" + "<img>" * 4 + "</m>b"
+    assert expand_placeholders("a<|image_pad|>", [], config) == "a<|image_pad|>"
+    check_rendered_chat("x<m><img></m>", [Modality.IMAGE], tokens)
+    with pytest.raises(ValueError, match="</m> may only be placed"):
+        check_rendered_chat("x<m><img></m></m>", [Modality.IMAGE], tokens)
+
+
+def test_plain_positions_count_up_through_media(
+    monkeypatch: pytest.MonkeyPatch, ids: dict[str, int]
+) -> None:
+    import torch
+
+    from runtime.families.base import PositionKind
+    from runtime.multimodal import Modality
+    from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_inputs
+
+    config = with_fake_family(monkeypatch, ids, positions=PositionKind("1d"))
+    image = PreparedMedia(Modality.IMAGE, torch.zeros(16, 8), (1, 4, 4))
+    prompt = [7, config.vision_start_token_id, *[config.image_token_id] * 4, 9]
+    _, mm = build_multimodal_inputs(prompt, [image], config)
+    assert mm.mrope_positions.tolist() == [list(range(len(prompt)))] * 3
+    assert mm.mrope_position_delta == 0
+    with pytest.raises(ValueError, match="position kind"):
+        PositionKind("2d")
+
+
+def test_an_image_attention_rule_the_model_lacks_is_refused(
+    monkeypatch: pytest.MonkeyPatch, ids: dict[str, int]
+) -> None:
+    from kernels.attention import create_attention_backend
+    from runtime.distributed import TPGroup
+    from vision.vlm import VisionLanguageModel
+
+    config = with_fake_family(monkeypatch, ids, image_attention="bidirectional_item")
+    with pytest.raises(ModelConfigError, match="image attention 'bidirectional_item'"):
+        VisionLanguageModel(config, TPGroup(), create_attention_backend("torch"))
+    with pytest.raises(ValueError, match="image attention 'sideways'"):
+        dataclasses.replace(get_family("qwen2_vl"), image_attention="sideways")

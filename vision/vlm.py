@@ -27,7 +27,7 @@ from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.linear import prepare_shard_weights, use_onednn_linears
 from runtime.layers.weights import LazyWeight
-from runtime.model_config import ModelConfig
+from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.model_loader import load_checkpoint, resolve_dtype
 from runtime.multimodal import ItemEncoder, MultimodalDataItem
 from runtime.server_args import CPU_LINEAR_PATHS
@@ -55,6 +55,11 @@ def vision_tower_class(config: ModelConfig) -> type:
 
 
 class VisionLanguageModel(nn.Module):
+    """Vision tower + fusion + decoder. Media tokens attend causally, like text: a family whose
+    image attention rule is another is refused here (`IMAGE_ATTENTION`)."""
+
+    IMAGE_ATTENTION = ("causal",)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -64,6 +69,11 @@ class VisionLanguageModel(nn.Module):
         ops: KernelOps = TORCH_OPS,
     ):
         super().__init__()
+        if config.family.image_attention not in self.IMAGE_ATTENTION:
+            raise ModelConfigError(
+                f"image attention {config.family.image_attention!r} of family "
+                f"{config.family.name!r} is not supported (supported: {self.IMAGE_ATTENTION})"
+            )
         if encoder_mode not in ENCODER_MODES:
             raise ValueError(f"encoder mode {encoder_mode!r} is not one of {ENCODER_MODES}")
         self.config = config

@@ -8,15 +8,73 @@ built, so this floor (runtime/) never imports the floors above it.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.multimodal import Modality
+
 Fields = dict[str, Any]
+IMAGE_ATTENTION_RULES = ("causal", "bidirectional_item")
+POSITION_KINDS = ("mrope", "1d")
 
 
 class ModelConfigError(ValueError):
     """The checkpoint's config cannot be served by tessera."""
+
+
+@dataclass(frozen=True)
+class MediaTokens:
+    """A family's placeholder and boundary tokens: the strings its chat template writes (one pad
+    per item, between start and end) and the config.json keys that hold their ids."""
+
+    image_pad: str
+    video_pad: str
+    start: str
+    end: str
+    image_id_key: str = "image_token_id"
+    video_id_key: str = "video_token_id"
+    start_id_key: str = "vision_start_token_id"
+    end_id_key: str = "vision_end_token_id"
+
+    def pad(self, modality: Modality) -> str:
+        return self.image_pad if modality == Modality.IMAGE else self.video_pad
+
+    def wrapped(self, modality: Modality) -> str:
+        """One item's run as the chat template writes it: start, the pad, end."""
+        return self.start + self.pad(modality) + self.end
+
+    @property
+    def pads(self) -> tuple[str, str]:
+        return self.image_pad, self.video_pad
+
+    @property
+    def processor_tokens(self) -> tuple[str, ...]:
+        """Tokens only the media processor places: one wrapped run per item, which it expands."""
+        return self.start, self.end, *self.pads
+
+    @functools.cached_property
+    def pad_re(self) -> re.Pattern[str]:
+        """Splits a prompt at its pads, keeping them."""
+        return re.compile("(" + "|".join(re.escape(p) for p in self.pads) + ")")
+
+
+@dataclass(frozen=True)
+class PositionKind:
+    """How a family numbers positions. "mrope": a 3-D (temporal, height, width) grid per item,
+    the sections (and whether they interleave) read from the config; with `time_scaled_video`
+    a video's temporal ids are its seconds times the config's `tokens_per_second`. "1d": one
+    id per token, counting up through media as through text (three equal rows, which the
+    rotary reads as plain RoPE)."""
+
+    kind: str = "mrope"
+    time_scaled_video: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in POSITION_KINDS:
+            raise ValueError(f"position kind {self.kind!r} is not one of {POSITION_KINDS}")
 
 
 @dataclass(frozen=True)
@@ -34,6 +92,10 @@ class Family:
     checkpoint_name(name): a checkpoint tensor's name in the composite's layout (`visual.*` for
         the tower, the decoder's own names for the rest), from every layout the family's
         checkpoints are published in.
+    tokens: its placeholder and boundary tokens (`MediaTokens`).
+    positions: its position kind (`PositionKind`).
+    image_attention: how media tokens attend: "causal" (like text), or "bidirectional_item"
+        (every token of an item sees the whole item); a composite refuses a rule it lacks.
     timestamped_video: every temporal patch of a video is its own `<t seconds>`-stamped run of
         placeholders in the prompt, with its own position grid (t = 1).
     """
@@ -45,5 +107,13 @@ class Family:
     tower_class: str
     decoder_class: str
     checkpoint_name: Callable[[str], str]
+    tokens: MediaTokens
+    positions: PositionKind = PositionKind()
+    image_attention: str = "causal"
     model_class: str = "vision.vlm:VisionLanguageModel"
     timestamped_video: bool = False
+
+    def __post_init__(self) -> None:
+        if self.image_attention not in IMAGE_ATTENTION_RULES:
+            rules = IMAGE_ATTENTION_RULES
+            raise ValueError(f"image attention {self.image_attention!r} is not one of {rules}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from runtime.families import qwen2_vl
-from runtime.families.base import Fields
+from runtime.families.base import Fields, PositionKind
 
 
 def vision_fields(v: dict, text_hidden: int) -> Fields:
@@ -28,4 +28,5 @@ FAMILY = dataclasses.replace(
     architectures=("Qwen2_5_VLForConditionalGeneration",),
     vision_fields=vision_fields,
     tower_class="vision.qwen2_5_vl_vit:Qwen2_5_VisionTransformer",
+    positions=PositionKind("mrope", time_scaled_video=True),
 )

@@ -6,7 +6,7 @@ switches, `vision_common`).
 
 from __future__ import annotations
 
-from runtime.families.base import Family, Fields, ModelConfigError
+from runtime.families.base import Family, Fields, MediaTokens, ModelConfigError
 
 
 def rope_fields(text: dict) -> tuple[float, tuple[int, ...], bool]:
@@ -88,4 +88,10 @@ FAMILY = Family(
     tower_class="vision.qwen2_vl_vit:Qwen2VisionTransformer",
     decoder_class="runtime.models.qwen2:Qwen2ForCausalLM",
     checkpoint_name=checkpoint_name,
+    tokens=MediaTokens(
+        image_pad="<|image_pad|>",
+        video_pad="<|video_pad|>",
+        start="<|vision_start|>",
+        end="<|vision_end|>",
+    ),
 )
