@@ -45,7 +45,6 @@ from runtime.cpus import rank_cpus, threads_per_rank  # noqa: E402
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group  # noqa: E402
 from runtime.model_config import ModelConfig  # noqa: E402
 from runtime.model_loader import iterate_weights  # noqa: E402
-from tokenizer_manager.video_processor import smart_resize  # noqa: E402
 from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
 from vision.encoder_calibration import calibrate_encoder_costs  # noqa: E402
 from vision.encoder_plan import (  # noqa: E402
@@ -166,7 +165,7 @@ def make_batch(cfg: ModelConfig, items: list[tuple[int, int, int]], seed: int):
     factor = v.patch_size * v.spatial_merge_size
     grids = []
     for frames, h, w in items:
-        rh, rw = smart_resize(h, w, factor=factor, min_pixels=factor**2, max_pixels=16384 * 28 * 28)
+        rh, rw = cfg.family.resize(h, w, factor, factor**2, 16384 * 28 * 28)
         t = max(1, frames // v.temporal_patch_size)
         grids.append([t, rh // v.patch_size, rw // v.patch_size])
     total = sum(t * h * w for t, h, w in grids)

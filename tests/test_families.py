@@ -196,3 +196,40 @@ def test_an_image_attention_rule_the_model_lacks_is_refused(
         VisionLanguageModel(config, TPGroup(), create_attention_backend("torch"))
     with pytest.raises(ValueError, match="image attention 'sideways'"):
         dataclasses.replace(get_family("qwen2_vl"), image_attention="sideways")
+
+
+def test_media_costs_follow_the_familys_resize_rule_and_token_count(
+    monkeypatch: pytest.MonkeyPatch, ids: dict[str, int]
+) -> None:
+    import torch
+
+    from runtime.multimodal import Modality
+    from tokenizer_manager.media_types import ProcessorSpec
+    from tokenizer_manager.multimodal_inputs import PreparedMedia, placeholder_text
+    from tokenizer_manager.video_processor import VideoProcessingConfig
+
+    asked: list[tuple[int, int]] = []
+
+    def resize(height: int, width: int, *bounds: int) -> tuple[int, int]:
+        asked.append((height, width))
+        return 56, 84
+
+    config = with_fake_family(monkeypatch, ids, resize=resize, item_tokens=lambda grid, m: 5)
+    settings = VideoProcessingConfig()
+    spec = ProcessorSpec("model", settings, settings, "fake_vl")
+    assert spec.image_cost(100, 200) == (5, 100 * 200 * 4 + 56 * 84 * 3 * 2 * 4)
+    assert asked == [(100, 200)]
+    image = PreparedMedia(Modality.IMAGE, torch.zeros(0), (1, 4, 4))
+    assert placeholder_text(image, config) == "<|image_pad|>" * 5
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_processor_spec_knows_the_checkpoints_family(name: str, tmp_path, ids) -> None:
+    import json
+
+    from tokenizer_manager.media import MediaLimits
+    from tokenizer_manager.media_types import ProcessorSpec
+
+    (tmp_path / "config.json").write_text(json.dumps(config_of(name, ids)))
+    spec = ProcessorSpec.from_checkpoint(str(tmp_path), MediaLimits())
+    assert spec.model_family is FAMILIES[name]

@@ -31,7 +31,7 @@ from runtime.mrope import (
     find_mrope_items,
     text_positions,
 )
-from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs, item_tokens
+from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
 from runtime.transport.shm import SharedTensor
 
 
@@ -98,16 +98,16 @@ class PreparedMedia:
 def placeholder_text(media: PreparedMedia, config: ModelConfig) -> str:
     """The prompt text that stands for one item (its placeholder token repeated per token;
     per temporal patch with a timestamp for a family's timestamped videos)."""
-    merge = config.vision.spatial_merge_size
+    merge, count = config.vision.spatial_merge_size, config.family.item_tokens
     tokens = config.family.tokens
     pad = tokens.pad(media.modality)
     if media.modality != Modality.VIDEO or not config.timestamped_video:
-        return pad * item_tokens(media.grid_thw, merge)
+        return pad * count(media.grid_thw, merge)
     t, h, w = media.grid_thw
     times = media.frame_times or tuple(float(i) for i in range(t))
     if len(times) != t:
         raise ValueError(f"video has {t} temporal patches and {len(times)} timestamps")
-    frame = tokens.start + pad * item_tokens((1, h, w), merge) + tokens.end
+    frame = tokens.start + pad * count((1, h, w), merge) + tokens.end
     return "".join(f"<{time:.1f} seconds>" + frame for time in times)
 
 
@@ -154,7 +154,7 @@ def expand_placeholder_ids(
         if kinds[ids[at]] != item.modality:
             raise ValueError("media placeholders out of order")
         out += ids[start:at]
-        out += [ids[at]] * item_tokens(item.grid_thw, merge)
+        out += [ids[at]] * config.family.item_tokens(item.grid_thw, merge)
         start = at + 1
     return out + ids[start:]
 

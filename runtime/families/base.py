@@ -17,12 +17,21 @@ from typing import Any
 from runtime.multimodal import Modality
 
 Fields = dict[str, Any]
+GridTHW = tuple[int, int, int]
+MAX_ASPECT_RATIO = 200
 IMAGE_ATTENTION_RULES = ("causal", "bidirectional_item")
 POSITION_KINDS = ("mrope", "1d")
 
 
 class ModelConfigError(ValueError):
     """The checkpoint's config cannot be served by tessera."""
+
+
+def check_aspect_ratio(height: int, width: int) -> None:
+    """The one aspect-ratio rule of images and video frames (ValueError beyond it)."""
+    ratio = max(height, width) / max(1, min(height, width))
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(f"the aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio:g}")
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,12 @@ class Family:
     positions: its position kind (`PositionKind`).
     image_attention: how media tokens attend: "causal" (like text), or "bidirectional_item"
         (every token of an item sees the whole item); a composite refuses a rule it lacks.
+    resize(height, width, factor, min_pixels, max_pixels, num_frames=1, temporal_factor=1):
+        an image's or video frame's target (height, width) for the processor settings (with
+        `num_frames` and `temporal_factor` the bounds hold for a whole clip).
+    item_tokens(grid_thw, merge): how many prompt tokens an item of that patch grid takes.
+    clip_budget_video_processors: `video_processor_type`s of video_preprocessor_config.json
+        whose settings (pixel bounds per clip, frame counts) are read from that file alone.
     timestamped_video: every temporal patch of a video is its own `<t seconds>`-stamped run of
         placeholders in the prompt, with its own position grid (t = 1).
     """
@@ -108,6 +123,9 @@ class Family:
     decoder_class: str
     checkpoint_name: Callable[[str], str]
     tokens: MediaTokens
+    resize: Callable[..., tuple[int, int]]
+    item_tokens: Callable[[GridTHW, int], int]
+    clip_budget_video_processors: tuple[str, ...] = ()
     positions: PositionKind = PositionKind()
     image_attention: str = "causal"
     model_class: str = "vision.vlm:VisionLanguageModel"

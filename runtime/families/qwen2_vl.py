@@ -6,7 +6,10 @@ switches, `vision_common`).
 
 from __future__ import annotations
 
-from runtime.families.base import Family, Fields, MediaTokens, ModelConfigError
+import math
+
+from runtime.families.base import Family, Fields, MediaTokens, ModelConfigError, check_aspect_ratio
+from runtime.multimodal import item_tokens
 
 
 def rope_fields(text: dict) -> tuple[float, tuple[int, ...], bool]:
@@ -80,6 +83,41 @@ def checkpoint_name(name: str) -> str:
     return name
 
 
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 14 * 14 * 4 * 1280,
+    num_frames: int = 1,
+    temporal_factor: int = 1,
+) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, pixel count within bounds, aspect kept.
+
+    With `num_frames` and `temporal_factor` (Qwen3-VL videos) the bounds hold for the clip: the
+    frame count rounded to whole temporal patches times the frame's pixels; a frame side shorter
+    than `factor` is first scaled up to it (aspect kept)."""
+    if height < 1 or width < 1:
+        raise ValueError(f"image is too small to resize: {height}x{width}")
+    if temporal_factor > 1 and min(height, width) < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    check_aspect_ratio(height, width)
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = max(temporal_factor, round(num_frames / temporal_factor) * temporal_factor)
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    if h_bar == 0 or w_bar == 0:
+        raise ValueError(f"image is too small to resize: {height}x{width} -> {h_bar}x{w_bar}")
+    return h_bar, w_bar
+
+
 FAMILY = Family(
     name="qwen2_vl",
     architectures=("Qwen2VLForConditionalGeneration",),
@@ -94,4 +132,6 @@ FAMILY = Family(
         start="<|vision_start|>",
         end="<|vision_end|>",
     ),
+    resize=smart_resize,
+    item_tokens=item_tokens,
 )

@@ -34,5 +34,6 @@ FAMILY = dataclasses.replace(
     text_fields=functools.partial(qwen2_vl.text_fields, qk_norm=True),
     vision_fields=vision_fields,
     tower_class="vision.qwen3_vl_vit:Qwen3VisionTransformer",
+    clip_budget_video_processors=("Qwen3VLVideoProcessor",),
     timestamped_video=True,
 )
