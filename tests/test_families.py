@@ -14,8 +14,9 @@ from runtime.families import FAMILIES, family_for, get_family, register
 from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.tiny_checkpoint import build_tokenizer, checkpoint_config, special_ids
 
+SHARED_MODULES = {"base", "tiny"}  # what every family builds on; each other module is a family
 FAMILY_MODULES = sorted(
-    m.name for m in pkgutil.iter_modules(families.__path__) if m.name != "base"
+    m.name for m in pkgutil.iter_modules(families.__path__) if m.name not in SHARED_MODULES
 )
 
 
@@ -233,3 +234,24 @@ def test_processor_spec_knows_the_checkpoints_family(name: str, tmp_path, ids) -
     (tmp_path / "config.json").write_text(json.dumps(config_of(name, ids)))
     spec = ProcessorSpec.from_checkpoint(str(tmp_path), MediaLimits())
     assert spec.model_family is FAMILIES[name]
+
+
+def test_tiny_checkpoints_follow_the_registry(
+    monkeypatch: pytest.MonkeyPatch, ids: dict[str, int]
+) -> None:
+    import runtime.tiny_checkpoint as mtc
+    from runtime.families.tiny import TinyCheckpoint
+
+    assert set(mtc.ARCHS) == set(FAMILIES)
+    assert all("tiny" in family.tiny.presets for family in FAMILIES.values())
+    base = get_family("qwen2_vl").tiny
+    tiny = TinyCheckpoint(
+        presets=("tiny",),
+        config=lambda preset, ids, dtype: {**base.config(preset, ids, dtype), "model_type": "fake"},
+        preprocessor=base.preprocessor,
+        hf_config_class=base.hf_config_class,
+        published_name=base.published_name,
+    )
+    with_fake_family(monkeypatch, ids, tiny=tiny)
+    assert mtc.supported("fake_vl", "tiny") and not mtc.supported("fake_vl", "7b")
+    assert mtc.checkpoint_config("fake_vl", "tiny", ids, "float32")["model_type"] == "fake"

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.families.tiny import TinyCheckpoint
 from runtime.multimodal import Modality
 
 Fields = dict[str, Any]
@@ -47,6 +48,15 @@ class MediaTokens:
     video_id_key: str = "video_token_id"
     start_id_key: str = "vision_start_token_id"
     end_id_key: str = "vision_end_token_id"
+
+    def config_ids(self, ids: dict[str, int]) -> dict[str, int]:
+        """The config.json id fields of these tokens, given the tokenizer's ids by string."""
+        return {
+            self.image_id_key: ids[self.image_pad],
+            self.video_id_key: ids[self.video_pad],
+            self.start_id_key: ids[self.start],
+            self.end_id_key: ids[self.end],
+        }
 
     def pad(self, modality: Modality) -> str:
         return self.image_pad if modality == Modality.IMAGE else self.video_pad
@@ -109,6 +119,7 @@ class Family:
         an image's or video frame's target (height, width) for the processor settings (with
         `num_frames` and `temporal_factor` the bounds hold for a whole clip).
     item_tokens(grid_thw, merge): how many prompt tokens an item of that patch grid takes.
+    tiny: its tiny random checkpoints (`TinyCheckpoint`: presets, config files, tensor names).
     clip_budget_video_processors: `video_processor_type`s of video_preprocessor_config.json
         whose settings (pixel bounds per clip, frame counts) are read from that file alone.
     timestamped_video: every temporal patch of a video is its own `<t seconds>`-stamped run of
@@ -125,6 +136,7 @@ class Family:
     tokens: MediaTokens
     resize: Callable[..., tuple[int, int]]
     item_tokens: Callable[[GridTHW, int], int]
+    tiny: TinyCheckpoint
     clip_budget_video_processors: tuple[str, ...] = ()
     positions: PositionKind = PositionKind()
     image_attention: str = "causal"

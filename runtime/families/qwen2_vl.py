@@ -7,8 +7,10 @@ switches, `vision_common`).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from runtime.families.base import Family, Fields, MediaTokens, ModelConfigError, check_aspect_ratio
+from runtime.families.tiny import SMALL_PRESETS, TinyCheckpoint
 from runtime.multimodal import item_tokens
 
 
@@ -118,9 +120,155 @@ def smart_resize(
     return h_bar, w_bar
 
 
+# ----------------------------------------------------------------------------- tiny checkpoints
+
+ARCHITECTURE = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+TEXT_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        mrope_section=[2, 3, 3],
+    ),
+    "7b": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        mrope_section=[16, 24, 24],
+    ),
+}
+
+TEXT_SHAPES["vit-heavy"] = TEXT_SHAPES["tiny"]
+TEXT_SHAPES["hd64"] = dict(
+    hidden_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=1536,
+    vocab_size=512,
+    max_position_embeddings=8192,
+    mrope_section=[8, 12, 12],
+)
+TEXT_SHAPES["vit-hd64"] = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=768,
+    vocab_size=512,
+    max_position_embeddings=8192,
+    mrope_section=[8, 12, 12],
+)
+TEXT_SHAPES["100m"] = dict(
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    intermediate_size=2048,
+    vocab_size=512,
+    max_position_embeddings=8192,
+    mrope_section=[8, 12, 12],
+)
+
+VISION_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2, hidden_size=64),
+    "vit-heavy": dict(depth=4, embed_dim=320, num_heads=4, mlp_ratio=4, hidden_size=64),
+    "hd64": dict(depth=4, embed_dim=256, num_heads=4, mlp_ratio=4, hidden_size=512),
+    "100m": dict(depth=8, embed_dim=512, num_heads=8, mlp_ratio=4, hidden_size=768),
+    "7b": dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584),
+}
+
+
+def flat_config(
+    family: str, vision: dict[str, Any], preset: str, ids: dict[str, int], dtype: str
+) -> dict[str, Any]:
+    """The config.json of a published Qwen2-VL / Qwen2.5-VL checkpoint: text fields at the top
+    level; `vision`: the preset's vision tower shape."""
+    text = dict(TEXT_SHAPES[preset])
+    mrope_section = text.pop("mrope_section")
+    return {
+        "architectures": [ARCHITECTURE[family]],
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "hidden_act": "silu",
+        **text,
+        "initializer_range": 0.02,
+        "max_window_layers": text["num_hidden_layers"],
+        "model_type": family,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vision_config": vision_config(vision),
+        "rope_scaling": {"type": "mrope", "mrope_section": mrope_section},
+    }
+
+
+def vision_config(vision: dict[str, Any]) -> dict[str, Any]:
+    common = dict(
+        in_chans=3,
+        patch_size=14,
+        spatial_merge_size=2,
+        spatial_patch_size=14,
+        temporal_patch_size=2,
+    )
+    return {**vision, **common}
+
+
+def preprocessor_config(family: str, preset: str) -> dict[str, Any]:
+    return {
+        "min_pixels": 3136,
+        "max_pixels": 200704 if preset in SMALL_PRESETS else 12845056,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": PROCESSOR_CLASS[family],
+    }
+
+
+def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
+    return flat_config("qwen2_vl", VISION_SHAPES[preset], preset, ids, dtype)
+
+
+TINY = TinyCheckpoint(
+    presets=tuple(VISION_SHAPES),
+    config=tiny_config,
+    preprocessor=lambda preset: preprocessor_config("qwen2_vl", preset),
+    hf_config_class="Qwen2VLConfig",
+    published_name=checkpoint_name,
+)
+
+
 FAMILY = Family(
     name="qwen2_vl",
-    architectures=("Qwen2VLForConditionalGeneration",),
+    architectures=(ARCHITECTURE["qwen2_vl"],),
     text_fields=text_fields,
     vision_fields=vision_fields,
     tower_class="vision.qwen2_vl_vit:Qwen2VisionTransformer",
@@ -134,4 +282,5 @@ FAMILY = Family(
     ),
     resize=smart_resize,
     item_tokens=item_tokens,
+    tiny=TINY,
 )
