@@ -34,7 +34,9 @@ class ForwardMode(enum.Enum):
 class ForwardBatch:
     """Tokens of all requests, concatenated in request order.
 
-    positions: [3, tokens] MRoPE positions. out_cache_loc: the KV slot of every new token.
+    positions: [3, tokens] positions: MRoPE rows (temporal, height, width), or three equal rows
+    for a family whose position kind is plain 1-D (runtime/families/ `PositionKind`).
+    out_cache_loc: the KV slot of every new token.
     prefix_lens / extend_lens / seq_lens are per request; seq_len = prefix_len + extend_len.
     mm_inputs[i] is request i's multimodal inputs (None for text-only requests).
     decode_tables: set for a static decode (see DecodeTables); its host lists are then only

@@ -4,7 +4,8 @@ Two layouts exist in the wild: the flat one of the published Qwen2-VL / Qwen2.5-
 (text fields at the top level, `rope_scaling: {"type": "mrope", ...}`, `in_chans`), and the nested
 one that transformers 5.x writes (`text_config`, `rope_parameters`) and that the published Qwen3-VL
 repositories use (`text_config` with `rope_scaling: {"mrope_interleaved": true, ...}`). Every
-architecture parses from either layout to the same object.
+family parses from either layout to the same object; what each family reads is declared in its
+module under runtime/families/ (`Family.text_fields`, `Family.vision_fields`).
 """
 
 from __future__ import annotations
@@ -14,15 +15,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = {
-    "Qwen2VLForConditionalGeneration": "qwen2_vl",
-    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-    "Qwen3VLForConditionalGeneration": "qwen3_vl",
-}
+from runtime.families import Family, family_for, get_family
+from runtime.families.base import ModelConfigError
 
-
-class ModelConfigError(ValueError):
-    """The checkpoint's config cannot be served by tessera."""
+__all__ = ["GenerationDefaults", "ModelConfig", "ModelConfigError", "TextConfig", "VisionConfig"]
 
 
 @dataclass(frozen=True)
@@ -99,10 +95,15 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
+    def family(self) -> Family:
+        """The model family this config belongs to (runtime/families/)."""
+        return get_family(self.arch)
+
+    @property
     def timestamped_video(self) -> bool:
-        """Qwen3-VL: every temporal patch of a video is its own `<t seconds>`-stamped run of
-        placeholders in the prompt, with its own MRoPE grid (t = 1)."""
-        return self.arch == "qwen3_vl"
+        """Every temporal patch of a video is its own `<t seconds>`-stamped run of placeholders
+        in the prompt, with its own position grid (t = 1): the family decides."""
+        return self.family.timestamped_video
 
     @classmethod
     def from_dir(cls, model_path: str | Path) -> ModelConfig:
@@ -116,122 +117,22 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
-        arch = _architecture(cfg)
-        text = _parse_text(arch, cfg.get("text_config") or cfg, cfg)
-        vision = _parse_vision(arch, cfg["vision_config"], text.hidden_size)
-        token = _token_ids(cfg)
+        family = family_for(cfg)
+        text = TextConfig(**family.text_fields(cfg.get("text_config") or cfg, cfg))
+        vision = VisionConfig(**family.vision_fields(cfg["vision_config"], text.hidden_size))
+        token, keys = _token_ids(cfg), family.tokens
         return cls(
-            arch=arch,
+            arch=family.name,
             text=text,
             vision=vision,
-            image_token_id=token("image_token_id"),
-            video_token_id=token("video_token_id"),
-            vision_start_token_id=token("vision_start_token_id"),
-            vision_end_token_id=token("vision_end_token_id"),
+            image_token_id=token(keys.image_id_key),
+            video_token_id=token(keys.video_id_key),
+            vision_start_token_id=token(keys.start_id_key),
+            vision_end_token_id=token(keys.end_id_key),
             eos_token_ids=_eos_ids(cfg),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             raw=cfg,
         )
-
-
-def _architecture(cfg: dict) -> str:
-    for name in cfg.get("architectures") or []:
-        if name in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[name]
-    model_type = cfg.get("model_type")
-    if model_type in SUPPORTED_ARCHITECTURES.values():
-        return model_type
-    known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-    raise ModelConfigError(
-        f"unsupported architecture {cfg.get('architectures')} (model_type {model_type!r}); "
-        f"tessera serves: {known}"
-    )
-
-
-def _rope(text: dict) -> tuple[float, tuple[int, ...], bool]:
-    """(theta, mrope_section, interleaved) from `rope_scaling` or `rope_parameters`."""
-    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
-    section = rope.get("mrope_section")
-    if not section:
-        raise ModelConfigError("config has no mrope_section (rope_scaling / rope_parameters)")
-    return float(theta), tuple(int(s) for s in section), bool(rope.get("mrope_interleaved"))
-
-
-def _parse_text(arch: str, text: dict, top: dict) -> TextConfig:
-    """`text`: the text fields (text_config, or the whole config when flat); `top`: the config."""
-    theta, section, interleaved = _rope(text)
-    qwen3 = arch == "qwen3_vl"
-    tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
-    heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
-    if 2 * sum(section) != head_dim:
-        raise ModelConfigError(f"mrope_section {section} does not cover head_dim {head_dim}")
-    return TextConfig(
-        hidden_size=int(text["hidden_size"]),
-        num_hidden_layers=int(text["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-        intermediate_size=int(text["intermediate_size"]),
-        vocab_size=int(text["vocab_size"]),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        mrope_section=section,
-        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(tie),
-        head_dim=head_dim,
-        mrope_interleaved=interleaved,
-        qk_norm=qwen3,
-        attention_bias=bool(text.get("attention_bias", not qwen3)),
-    )
-
-
-def _parse_vision(arch: str, v: dict, text_hidden: int) -> VisionConfig:
-    common = dict(
-        depth=int(v["depth"]),
-        num_heads=int(v["num_heads"]),
-        patch_size=int(v.get("patch_size", 14)),
-        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-        in_channels=int(v.get("in_chans", v.get("in_channels", 3))),
-    )
-    if arch == "qwen2_vl":
-        embed = int(v["embed_dim"])
-        return VisionConfig(
-            embed_dim=embed,
-            intermediate_size=int(embed * float(v.get("mlp_ratio", 4))),
-            out_hidden_size=int(v.get("hidden_size", text_hidden)),
-            hidden_act=str(v.get("hidden_act", "quick_gelu")),
-            **common,
-        )
-    if arch == "qwen3_vl":
-        return _parse_qwen3_vision(v, text_hidden, common)
-    return VisionConfig(
-        embed_dim=int(v["hidden_size"]),
-        intermediate_size=int(v["intermediate_size"]),
-        out_hidden_size=int(v.get("out_hidden_size", text_hidden)),
-        hidden_act=str(v.get("hidden_act", "silu")),
-        window_size=int(v.get("window_size", 112)),
-        fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
-        tokens_per_second=float(v.get("tokens_per_second", 2)),
-        **common,
-    )
-
-
-def _parse_qwen3_vision(v: dict, text_hidden: int, common: dict) -> VisionConfig:
-    positions = int(v.get("num_position_embeddings", 2304))
-    if round(positions**0.5) ** 2 != positions:
-        raise ModelConfigError(f"num_position_embeddings {positions} is not a square grid")
-    return VisionConfig(
-        embed_dim=int(v["hidden_size"]),
-        intermediate_size=int(v["intermediate_size"]),
-        out_hidden_size=int(v.get("out_hidden_size", text_hidden)),
-        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
-        num_position_embeddings=positions,
-        deepstack_visual_indexes=tuple(int(i) for i in v.get("deepstack_visual_indexes", ())),
-        patch_bias=True,
-        **common,
-    )
 
 
 def _token_ids(cfg: dict):

@@ -39,9 +39,16 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m", "7b")
-# Presets built in float32 from a transformers model in memory; 7b is streamed in bfloat16.
+from runtime import families
+from runtime.families import FAMILIES, Family, family_for, get_family
+from runtime.families.tiny import SMALL_PRESETS
+
+# Every registered family with tiny presets, and every preset any of them has (each family
+# declares its own: runtime/families/, `Family.tiny`).
+ARCHS = tuple(FAMILIES)
+PRESETS = tuple(dict.fromkeys(p for family in FAMILIES.values() for p in family.tiny.presets))
+# Presets built in float32 from a transformers model in memory (SMALL_PRESETS); 7b is streamed in
+# bfloat16.
 # vit-heavy (Qwen2-VL only) pairs a larger vision tower (depth 4, width 320, 4 heads of 80 as in
 # the published towers, so it shards at tp 2 and 4) with the tiny text model: a prefill-bound
 # checkpoint whose time goes to the vision tower, as with real checkpoints and large images, for
@@ -54,7 +61,6 @@ PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m", "7b")
 # whose CPU attention needs it can run the ViT DP-vs-TP comparison: a 2-layer 256-wide decoder
 # (4 heads of 64, 2 KV heads) behind a depth-6 vision tower of width 320 (4 heads of 80, windowed
 # attention with full attention in blocks 2 and 5), so the time goes to the vision tower.
-SMALL_PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m")
 
 # Number of byte-level BPE tokens (256 byte symbols plus learned merges); the special tokens follow.
 BPE_VOCAB_SIZE = 368
@@ -125,166 +131,6 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-HALF = [0.5, 0.5, 0.5]  # Qwen3-VL normalises with mean 0.5 and std 0.5
-
-TEXT_SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        mrope_section=[2, 3, 3],
-    ),
-    "7b": dict(
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        intermediate_size=18944,
-        vocab_size=152064,
-        max_position_embeddings=32768,
-        mrope_section=[16, 24, 24],
-    ),
-}
-
-TEXT_SHAPES["vit-heavy"] = TEXT_SHAPES["tiny"]
-TEXT_SHAPES["hd64"] = dict(
-    hidden_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    intermediate_size=1536,
-    vocab_size=512,
-    max_position_embeddings=8192,
-    mrope_section=[8, 12, 12],
-)
-TEXT_SHAPES["vit-hd64"] = dict(
-    hidden_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=768,
-    vocab_size=512,
-    max_position_embeddings=8192,
-    mrope_section=[8, 12, 12],
-)
-TEXT_SHAPES["100m"] = dict(
-    hidden_size=768,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    intermediate_size=2048,
-    vocab_size=512,
-    max_position_embeddings=8192,
-    mrope_section=[8, 12, 12],
-)
-
-VISION_SHAPES: dict[tuple[str, str], dict[str, Any]] = {
-    ("qwen2_vl", "tiny"): dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2, hidden_size=64),
-    ("qwen2_vl", "vit-heavy"): dict(
-        depth=4, embed_dim=320, num_heads=4, mlp_ratio=4, hidden_size=64
-    ),
-    ("qwen2_vl", "hd64"): dict(depth=4, embed_dim=256, num_heads=4, mlp_ratio=4, hidden_size=512),
-    ("qwen2_vl", "100m"): dict(depth=8, embed_dim=512, num_heads=8, mlp_ratio=4, hidden_size=768),
-    ("qwen2_vl", "7b"): dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=3584),
-    ("qwen2_5_vl", "tiny"): dict(
-        depth=2,
-        hidden_size=64,
-        num_heads=4,
-        intermediate_size=128,
-        out_hidden_size=64,
-        window_size=56,
-        fullatt_block_indexes=[1],
-        tokens_per_second=2,
-        hidden_act="silu",
-    ),
-    ("qwen2_5_vl", "vit-hd64"): dict(
-        depth=6,
-        hidden_size=320,
-        num_heads=4,
-        intermediate_size=1280,
-        out_hidden_size=256,
-        window_size=112,
-        fullatt_block_indexes=[2, 5],
-        tokens_per_second=2,
-        hidden_act="silu",
-    ),
-    ("qwen2_5_vl", "7b"): dict(
-        depth=32,
-        hidden_size=1280,
-        num_heads=16,
-        intermediate_size=3420,
-        out_hidden_size=3584,
-        window_size=112,
-        fullatt_block_indexes=[7, 15, 23, 31],
-        tokens_per_second=2,
-        hidden_act="silu",
-    ),
-}
-
-# Qwen3-VL: head_dim is its own setting (not hidden / heads), MRoPE sections are interleaved, and
-# the vision blocks listed in deepstack_visual_indexes feed the first decoder layers. The tiny
-# decoder has more layers than DeepStack levels, so one layer runs after the last injection.
-QWEN3_TEXT_SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        intermediate_size=128,
-        vocab_size=512,
-        max_position_embeddings=4096,
-        mrope_section=[4, 4, 4],
-    ),
-    "7b": dict(
-        hidden_size=4096,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=12288,
-        vocab_size=151936,
-        max_position_embeddings=262144,
-        mrope_section=[24, 20, 20],
-    ),
-}
-QWEN3_VISION_SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        depth=3,
-        hidden_size=64,
-        num_heads=4,
-        intermediate_size=128,
-        out_hidden_size=64,
-        num_position_embeddings=36,
-        deepstack_visual_indexes=[0, 1],
-    ),
-    "7b": dict(
-        depth=27,
-        hidden_size=1152,
-        num_heads=16,
-        intermediate_size=4304,
-        out_hidden_size=4096,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=[8, 16, 24],
-    ),
-}
-
-ARCHITECTURES = {
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    "qwen3_vl": "Qwen3VLForConditionalGeneration",
-}
-PROCESSOR_CLASSES = {
-    "qwen2_vl": "Qwen2VLProcessor",
-    "qwen2_5_vl": "Qwen2_5_VLProcessor",
-    "qwen3_vl": "Qwen3VLProcessor",
-}
 MAX_SHARD_BYTES = 4 * 1024**3
 
 
@@ -362,153 +208,9 @@ def tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
 
 
 def checkpoint_config(arch: str, preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
-    """config.json in the layout the published checkpoints of `arch` use."""
-    if arch == "qwen3_vl":
-        return qwen3_config(preset, ids, dtype)
-    return flat_config(arch, preset, ids, dtype)
+    """config.json in the layout the published checkpoints of family `arch` use."""
+    return get_family(arch).tiny.config(preset, ids, dtype)
 
-
-def token_fields(ids: dict[str, int]) -> dict[str, int]:
-    return {
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-    }
-
-
-def qwen3_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
-    """A Qwen3-VL config.json: nested text_config with `rope_scaling` (interleaved MRoPE)."""
-    text = dict(QWEN3_TEXT_SHAPES[preset])
-    section = text.pop("mrope_section")
-    rope = {"mrope_interleaved": True, "mrope_section": section, "rope_type": "default"}
-    text_config = {
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": ids["<|endoftext|>"],
-        "dtype": dtype,
-        "eos_token_id": ids["<|im_end|>"],
-        "hidden_act": "silu",
-        **text,
-        "initializer_range": 0.02,
-        "model_type": "qwen3_vl_text",
-        "rms_norm_eps": 1e-06,
-        "rope_scaling": rope,
-        "rope_theta": 5000000,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-    }
-    vision = {
-        **QWEN3_VISION_SHAPES[preset],
-        "hidden_act": "gelu_pytorch_tanh",
-        "in_channels": 3,
-        "initializer_range": 0.02,
-        "model_type": "qwen3_vl",
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-    }
-    return {
-        "architectures": [ARCHITECTURES["qwen3_vl"]],
-        **token_fields(ids),
-        "model_type": "qwen3_vl",
-        "text_config": text_config,
-        "tie_word_embeddings": False,
-        "dtype": dtype,
-        "vision_config": vision,
-    }
-
-
-def flat_config(arch: str, preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
-    """The config.json of a published checkpoint: text fields at the top level."""
-    text = dict(TEXT_SHAPES[preset])
-    mrope_section = text.pop("mrope_section")
-    if (arch, preset) == ("qwen2_5_vl", "7b"):
-        text["max_position_embeddings"] = 128000
-    return {
-        "architectures": [ARCHITECTURES[arch]],
-        "attention_dropout": 0.0,
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": ids["<|im_end|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "vision_token_id": ids["<|vision_pad|>"],
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "hidden_act": "silu",
-        **text,
-        "initializer_range": 0.02,
-        "max_window_layers": text["num_hidden_layers"],
-        "model_type": arch,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "sliding_window": 32768,
-        "tie_word_embeddings": preset == "tiny" and arch == "qwen2_5_vl",
-        "torch_dtype": dtype,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vision_config": vision_config(arch, preset),
-        "rope_scaling": {"type": "mrope", "mrope_section": mrope_section},
-    }
-
-
-def vision_config(arch: str, preset: str) -> dict[str, Any]:
-    common = dict(
-        in_chans=3,
-        patch_size=14,
-        spatial_merge_size=2,
-        spatial_patch_size=14,
-        temporal_patch_size=2,
-    )
-    return {**VISION_SHAPES[(arch, preset)], **common}
-
-
-def preprocessor_config(arch: str, preset: str) -> dict[str, Any]:
-    if arch == "qwen3_vl":
-        return qwen3_preprocessor_config(preset)
-    return {
-        "min_pixels": 3136,
-        "max_pixels": 200704 if preset in SMALL_PRESETS else 12845056,
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": CLIP_MEAN,
-        "image_std": CLIP_STD,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": PROCESSOR_CLASSES[arch],
-    }
-
-
-def qwen3_preprocessor_config(preset: str) -> dict[str, Any]:
-    """Qwen3-VL: 16-pixel patches, mean/std 0.5, pixel bounds as `size`."""
-    longest = 200704 if preset == "tiny" else 16777216
-    return {
-        "size": {"shortest_edge": 4096 if preset == "tiny" else 65536, "longest_edge": longest},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": HALF,
-        "image_std": HALF,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": PROCESSOR_CLASSES["qwen3_vl"],
-    }
-
-
-def video_preprocessor_config(preset: str) -> dict[str, Any]:
-    """Qwen3-VL's separate video processor settings (frames sampled at `fps`, timestamped)."""
-    return {
-        "size": {"shortest_edge": 4096, "longest_edge": 200704 if preset == "tiny" else 25165824},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": HALF,
-        "image_std": HALF,
-        "fps": 2,
-        "min_frames": 4,
-        "max_frames": 768,
-        "video_processor_type": "Qwen3VLVideoProcessor",
-        "processor_class": PROCESSOR_CLASSES["qwen3_vl"],
-    }
 
 
 def generation_config(preset: str, ids: dict[str, int]) -> dict[str, Any]:
@@ -525,34 +227,22 @@ def hf_config(flat: dict[str, Any]) -> Any:
     """transformers' config object for a config.json dict (flat, or nested for Qwen3-VL)."""
     import transformers
 
-    names = {
-        "qwen2_vl": "Qwen2VLConfig",
-        "qwen2_5_vl": "Qwen2_5_VLConfig",
-        "qwen3_vl": "Qwen3VLConfig",
-    }
-    cls_name = names[flat["model_type"]]
-    return getattr(transformers, cls_name)(**flat)
+    return getattr(transformers, family_for(flat).tiny.hf_config_class)(**flat)
 
 
 def hf_model_class(arch: str) -> type:
     import transformers
 
-    return getattr(transformers, ARCHITECTURES[arch])
+    return getattr(transformers, get_family(arch).architectures[0])
 
 
 # ----------------------------------------------------------------------------- weights
 
 
-def published_name(name: str, arch: str = "qwen2_vl") -> str:
-    """Map transformers' in-memory parameter names to the published checkpoint names (Qwen3-VL
-    publishes transformers' own names: `model.language_model.*`, `model.visual.*`)."""
-    if arch == "qwen3_vl":
-        return name
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model.") :]
-    if name.startswith("model.visual."):
-        return name[len("model.") :]
-    return name
+def published_name(name: str, arch: str) -> str:
+    """Map transformers' in-memory parameter names to the published checkpoint names of family
+    `arch` (`TinyCheckpoint.published_name`)."""
+    return get_family(arch).tiny.published_name(name)
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -734,10 +424,17 @@ def remove_old_weights(out: Path) -> None:
         path.unlink()
 
 
+def write_processor_configs(family: Family, preset: str, out: Path) -> None:
+    """preprocessor_config.json, and video_preprocessor_config.json for a family with one."""
+    write_json(out / "preprocessor_config.json", family.tiny.preprocessor(preset))
+    if family.tiny.video_preprocessor is not None:
+        video = family.tiny.video_preprocessor(preset)
+        write_json(out / "video_preprocessor_config.json", video)
+
+
 def supported(arch: str, preset: str) -> bool:
-    if arch == "qwen3_vl":
-        return preset in QWEN3_VISION_SHAPES
-    return (arch, preset) in VISION_SHAPES
+    registered = families.FAMILIES
+    return arch in registered and preset in registered[arch].tiny.presets
 
 
 def make_checkpoint(
@@ -766,10 +463,8 @@ def make_checkpoint(
     save_tokenizer(tok, out)
     write_json(out / "config.json", flat)
     write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
-    write_json(out / "preprocessor_config.json", preprocessor_config(arch, preset))
+    write_processor_configs(get_family(arch), preset, out)
     save_generation_config(out, {**generation_config(preset, ids), **(generation or {})})
-    if arch == "qwen3_vl":
-        write_json(out / "video_preprocessor_config.json", video_preprocessor_config(preset))
     if preset in SMALL_PRESETS:
         model = build_model(arch, flat, seed)
         weights = published_state(model, arch, flat["tie_word_embeddings"])

@@ -45,7 +45,6 @@ from runtime.cpus import rank_cpus, threads_per_rank  # noqa: E402
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group  # noqa: E402
 from runtime.model_config import ModelConfig  # noqa: E402
 from runtime.model_loader import iterate_weights  # noqa: E402
-from tokenizer_manager.video_processor import smart_resize  # noqa: E402
 from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
 from vision.encoder_calibration import calibrate_encoder_costs  # noqa: E402
 from vision.encoder_plan import (  # noqa: E402
@@ -55,7 +54,7 @@ from vision.encoder_plan import (  # noqa: E402
     TowerShape,
     frame_units,
 )
-from vision.vlm import VISION_TOWERS, normalize_checkpoint_name  # noqa: E402
+from vision.vlm import vision_tower_class  # noqa: E402
 
 
 class CountingGroup(TPGroup):
@@ -166,7 +165,7 @@ def make_batch(cfg: ModelConfig, items: list[tuple[int, int, int]], seed: int):
     factor = v.patch_size * v.spatial_merge_size
     grids = []
     for frames, h, w in items:
-        rh, rw = smart_resize(h, w, factor=factor, min_pixels=factor**2, max_pixels=16384 * 28 * 28)
+        rh, rw = cfg.family.resize(h, w, factor, factor**2, 16384 * 28 * 28)
         t = max(1, frames // v.temporal_patch_size)
         grids.append([t, rh // v.patch_size, rw // v.patch_size])
     total = sum(t * h * w for t, h, w in grids)
@@ -178,10 +177,10 @@ def build_tower(
     cfg: ModelConfig, model_path: str, tp: TPGroup, device: str, dtype: torch.dtype, backend: str
 ):
     with torch.device(device):
-        tower = VISION_TOWERS[cfg.arch](cfg.vision, tp, get_kernel_ops(backend)).to(dtype)
+        tower = vision_tower_class(cfg)(cfg.vision, tp, get_kernel_ops(backend)).to(dtype)
     weights = []
     for name, w in iterate_weights(model_path):
-        name = normalize_checkpoint_name(name)
+        name = cfg.family.checkpoint_name(name)
         if name.startswith("visual."):
             weights.append((name[len("visual.") :], w))
     tower.load_weights(weights)

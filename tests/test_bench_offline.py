@@ -84,11 +84,11 @@ def test_vision_flops_match_a_flop_counter(tmp_path: Path, arch: str) -> None:
     from kernels.ops import TORCH_OPS
     from runtime.distributed import TPGroup
     from runtime.model_config import ModelConfig
-    from vision.vlm import VISION_TOWERS
+    from vision.vlm import vision_tower_class
 
     config = ModelConfig.from_dir(make_checkpoint(arch, tmp_path / "ck"))
     ops = dataclasses.replace(TORCH_OPS, varlen_attention=matmul_varlen_attention)
-    tower = VISION_TOWERS[arch](config.vision, TPGroup(), ops)
+    tower = vision_tower_class(config)(config.vision, TPGroup(), ops)
     grids = [(1, 8, 12), (2, 8, 8), (1, 20, 4)]  # images, a two-frame video, edge windows
     patches = sum(t * h * w for t, h, w in grids)
     with FlopCounterMode(display=False) as counter, torch.inference_mode():

@@ -39,7 +39,7 @@ def test_pad_value_keeps_62_bits_and_fits_int64() -> None:
 
 
 def test_media_digest_is_128_bits_of_xxh3() -> None:
-    spec = ProcessorSpec("model", VideoProcessingConfig(), VideoProcessingConfig())
+    spec = ProcessorSpec("model", VideoProcessingConfig(), VideoProcessingConfig(), "qwen2_vl")
     digests = [media_digest(Modality.IMAGE, bytes([i]) * 9, spec) for i in range(8)]
     assert len(set(digests)) == 8
     assert max(d.bit_length() for d in digests) > 64

@@ -24,6 +24,7 @@ from vlm_cases import Checkpoint, noise_image, video_frames
 import runtime.tiny_checkpoint as mtc
 from kernels.rotary import mrope_cos_sin
 from runtime.distributed import TPGroup
+from runtime.families.qwen2_vl import smart_resize
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
 from scheduler.model_runner import ModelRunner
@@ -33,7 +34,6 @@ from tokenizer_manager.video_processor import (
     checkpoint_video_config,
     frame_timestamps,
     sample_frame_indices,
-    smart_resize,
 )
 from vision.vlm import build_model
 

@@ -36,7 +36,6 @@ from tokenizer_manager.media import MediaLimits
 from tokenizer_manager.media_types import MediaRef, ProcessorSpec
 from tokenizer_manager.metrics import ServingMetrics
 from tokenizer_manager.multimodal_inputs import (
-    PLACEHOLDER_RE,
     PreparedMedia,
     expand_placeholder_ids,
 )
@@ -144,7 +143,7 @@ def test_spliced_placeholder_ids_equal_tokenizing_the_expanded_text(
     grids = [(1, 4, 6), (2, 8, 4), (1, 2, 2)]
     media = [
         PreparedMedia(kinds[pad], torch.zeros(0), grid)
-        for pad, grid in zip(PLACEHOLDER_RE.findall(prompt), grids)
+        for pad, grid in zip(tm.config.family.tokens.pad_re.findall(prompt), grids)
     ]
     spliced = expand_placeholder_ids(tm.encode(prompt), media, tm.config)
     assert spliced == tm.tokenize(prompt, media)

@@ -7,6 +7,7 @@ Qwen2.5-VL checkpoint, and its greedy outputs must depend on the image and on th
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from PIL import Image
 
 import runtime.tiny_checkpoint as mtc
+from runtime.families import get_family, qwen2_vl
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl")
 
@@ -117,7 +119,7 @@ def test_config_is_flat_published_layout(folders: dict[str, Path], arch: str) ->
     config = read_json(folders[arch] / "config.json")
     assert "text_config" not in config
     assert config["model_type"] == arch
-    assert config["architectures"] == [mtc.ARCHITECTURES[arch]]
+    assert config["architectures"] == list(get_family(arch).architectures)
     assert config["rope_scaling"] == {"type": "mrope", "mrope_section": [2, 3, 3]}
     text_shape = (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"])
     assert text_shape == (64, 2, 512)
@@ -279,7 +281,7 @@ def test_streamed_sharded_path_matches(
 @pytest.mark.parametrize("arch", ARCHS)
 def test_7b_preset_shapes(arch: str) -> None:
     tok = mtc.build_tokenizer()
-    flat = mtc.flat_config(arch, "7b", mtc.special_ids(tok), "bfloat16")
+    flat = mtc.checkpoint_config(arch, "7b", mtc.special_ids(tok), "bfloat16")
     params = dict(mtc.meta_model(arch, flat).named_parameters())
     total = sum(p.numel() for p in params.values())
     assert 8.2e9 < total < 8.4e9
@@ -294,8 +296,9 @@ def test_7b_code_path_on_tiny_shapes(
     arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """make_checkpoint(preset="7b") end to end, with the shapes shrunk: bf16, shards, HF loads."""
-    monkeypatch.setitem(mtc.TEXT_SHAPES, "7b", mtc.TEXT_SHAPES["tiny"])
-    monkeypatch.setitem(mtc.VISION_SHAPES, (arch, "7b"), mtc.VISION_SHAPES[(arch, "tiny")])
+    monkeypatch.setitem(qwen2_vl.TEXT_SHAPES, "7b", qwen2_vl.TEXT_SHAPES["tiny"])
+    shapes = importlib.import_module(f"runtime.families.{arch}").VISION_SHAPES
+    monkeypatch.setitem(shapes, "7b", shapes["tiny"])
     monkeypatch.setattr(mtc, "MAX_SHARD_BYTES", 100_000)
     folder = mtc.make_checkpoint(arch, tmp_path, preset="7b")
     config = read_json(folder / "config.json")
@@ -313,7 +316,8 @@ def test_7b_code_path_on_tiny_shapes(
 @pytest.mark.parametrize(("preset", "low", "high"), [("hd64", 15e6, 25e6), ("100m", 95e6, 115e6)])
 def test_peer_presets_have_head_dim_64(preset: str, low: float, high: float) -> None:
     """The side-by-side presets: head_dim 64 in both towers, and the advertised size."""
-    flat = mtc.flat_config("qwen2_vl", preset, mtc.special_ids(mtc.build_tokenizer()), "float32")
+    ids = mtc.special_ids(mtc.build_tokenizer())
+    flat = mtc.checkpoint_config("qwen2_vl", preset, ids, "float32")
     vision = flat["vision_config"]
     assert flat["hidden_size"] // flat["num_attention_heads"] == 64
     assert vision["embed_dim"] // vision["num_heads"] == 64
@@ -325,7 +329,7 @@ def test_peer_presets_have_head_dim_64(preset: str, low: float, high: float) -> 
 def test_encoder_heavy_peer_preset() -> None:
     """vit-hd64: head_dim 64 in the decoder (what a peer's CPU attention needs), 80 in the vision
     tower as published, and most of the weights in the vision tower."""
-    flat = mtc.flat_config(
+    flat = mtc.checkpoint_config(
         "qwen2_5_vl", "vit-hd64", mtc.special_ids(mtc.build_tokenizer()), "float32"
     )
     vision = flat["vision_config"]

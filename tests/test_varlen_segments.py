@@ -19,7 +19,7 @@ from kernels.ops import TORCH_OPS, triton_ops_with_varlen
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig
 from runtime.tiny_checkpoint import make_checkpoint
-from vision.vlm import VISION_TOWERS
+from vision.vlm import vision_tower_class
 
 CASES = [[16, 16, 16], [16, 40, 7], [16, 16, 0, 4, 16, 9], [33]]
 
@@ -76,13 +76,14 @@ def recording_ops(seen: list[object], rebuild: dict[str, bool]) -> object:
 def test_towers_build_segments_once_per_call(tmp_path: Path, arch: str, distinct: int) -> None:
     """Every block of one call gets the same prepared Segments (frames; Qwen2.5-VL also
     windows), and the output equals a run where each block rebuilds them from the tensor."""
-    config = ModelConfig.from_dir(make_checkpoint(arch, tmp_path / "ck")).vision
+    model_config = ModelConfig.from_dir(make_checkpoint(arch, tmp_path / "ck"))
+    config = model_config.vision
     grids = torch.tensor([(1, 8, 12), (2, 8, 8), (1, 20, 4)])  # images, a video, edge windows
     gen = torch.Generator().manual_seed(0)
     pixels = torch.randn(int(grids.prod(-1).sum()), config.patch_dim, generator=gen)
     seen: list[object] = []
     rebuild = {"on": False}
-    tower = VISION_TOWERS[arch](config, TPGroup(), recording_ops(seen, rebuild))
+    tower = vision_tower_class(model_config)(config, TPGroup(), recording_ops(seen, rebuild))
     with torch.inference_mode():
         for p in tower.parameters():
             p.copy_(0.05 * torch.randn(p.shape, generator=gen))

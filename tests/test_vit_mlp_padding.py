@@ -18,6 +18,7 @@ from torch import nn
 
 import runtime.tiny_checkpoint as mtc
 from runtime.distributed import TPGroup
+from runtime.families import qwen2_5_vl
 from runtime.layers.linear import RowParallelLinear, aligned_hidden_size, pad_hidden_features
 from runtime.model_config import VisionConfig
 from runtime.server_args import ServerArgs
@@ -202,10 +203,10 @@ def test_pad_vision_mlps_pads_bf16_blocks_not_the_merger() -> None:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2.5-VL checkpoint whose tower MLP has 108 hidden features."""
-    key = ("qwen2_5_vl", "tiny")
-    shape = dict(mtc.VISION_SHAPES[key], intermediate_size=HIDDEN)
+    key = "tiny"
+    shape = dict(qwen2_5_vl.VISION_SHAPES[key], intermediate_size=HIDDEN)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(mtc.VISION_SHAPES, key, shape)
+        mp.setitem(qwen2_5_vl.VISION_SHAPES, key, shape)
         return mtc.make_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("pad") / "ck")
 
 

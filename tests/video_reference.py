@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.families.qwen2_vl import smart_resize
 from tokenizer_manager.video_processor import (
     VideoProcessingConfig,
     clip_frames,
     frames_to_patches,
     resize_frame,
     sample_frame_indices,
-    smart_resize,
 )
 
 

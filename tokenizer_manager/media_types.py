@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from runtime.multimodal import Modality, item_tokens
+from runtime.families import Family, family_for, get_family
+from runtime.families.base import check_aspect_ratio
+from runtime.multimodal import Modality
 from runtime.transport.shm import SharedTensor
 from tokenizer_manager.multimodal_inputs import PreparedMedia
 from tokenizer_manager.protocol import APIError
@@ -25,10 +27,8 @@ from tokenizer_manager.video_processor import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
     VideoProcessingConfig,
-    check_aspect_ratio,
     checkpoint_video_config,
     read_json,
-    smart_resize,
 )
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def bad_video(message: str, code: str = "invalid_video") -> MediaError:
 
 
 def check_media_shape(height: int, width: int, param: str) -> None:
-    """The aspect-ratio rule (`video_processor.check_aspect_ratio`) as the client's error."""
+    """The aspect-ratio rule (`families.base.check_aspect_ratio`) as the client's error."""
     try:
         check_aspect_ratio(height, width)
     except ValueError as exc:
@@ -104,24 +104,29 @@ class ProcessorSpec:
     model_path: str
     video: VideoProcessingConfig
     image: VideoProcessingConfig  # the image geometry: patch, merge and pixel bounds
+    family: str  # the checkpoint's model family: its resize rule and token count
 
     @property
     def factor(self) -> int:
         return self.image.patch_size * self.image.merge_size
 
+    @property
+    def model_family(self) -> Family:
+        return get_family(self.family)
+
     def image_cost(self, height: int, width: int) -> tuple[int, int]:
         """(tokens, decoded bytes bound) of an image of this size, from its header alone.
 
-        Tokens follow the image processor's resize rule; the bytes count the decoded RGBA image
-        and the float32 patches (two temporal copies of each pixel).
+        Tokens follow the family's resize rule and token count; the bytes count the decoded RGBA
+        image and the float32 patches (two temporal copies of each pixel).
         """
-        image = self.image
+        image, family = self.image, self.model_family
         try:
-            h, w = smart_resize(height, width, self.factor, image.min_pixels, image.max_pixels)
+            h, w = family.resize(height, width, self.factor, image.min_pixels, image.max_pixels)
         except ValueError as exc:
             raise MediaError(str(exc), param="image_url", code="invalid_media_size") from exc
         grid = (1, h // image.patch_size, w // image.patch_size)
-        return item_tokens(grid, image.merge_size), height * width * 4 + h * w * 3 * 2 * 4
+        return family.item_tokens(grid, image.merge_size), height * width * 4 + h * w * 3 * 2 * 4
 
     def video_bytes_bound(self) -> int:
         """Decoded bytes a video may take at most: its sampled frames as float32, twice."""
@@ -148,7 +153,8 @@ class ProcessorSpec:
         defaults = {} if "size" in config else {"min_pixels": IMAGE_MIN_PIXELS}
         defaults |= {} if "size" in config else {"max_pixels": IMAGE_MAX_PIXELS}
         image = VideoProcessingConfig.from_preprocessor_config({**defaults, **config})
-        return cls(str(model_path), video, image)
+        family = family_for(read_json(Path(model_path) / "config.json"))
+        return cls(str(model_path), video, image, family.name)
 
 
 @dataclass(frozen=True)

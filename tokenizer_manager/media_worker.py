@@ -49,7 +49,6 @@ from tokenizer_manager.video_processor import (
     resize_frame,
     sample_frame_indices,
     second_per_grid_t,
-    smart_resize,
 )
 
 logger = get_logger(__name__)
@@ -129,7 +128,7 @@ def process_video_bytes(
     chunk by chunk (full-size frames never pile up in memory) and patchify."""
     data = input_bytes(data)
     cfg = spec.video
-    frames, sampled_fps, times = read_resized_frames(data, cfg, limits)
+    frames, sampled_fps, times = read_resized_frames(data, spec, limits)
     patches, grid = frames_to_patches(frames, cfg)
     seconds = second_per_grid_t(sampled_fps, cfg.temporal_patch_size)
     digest = media_digest(Modality.VIDEO, data, spec)
@@ -138,13 +137,15 @@ def process_video_bytes(
 
 
 def read_resized_frames(
-    data: bytes, cfg: VideoProcessingConfig, limits: MediaLimits
+    data: bytes, spec: ProcessorSpec, limits: MediaLimits
 ) -> tuple[np.ndarray, float, tuple[float, ...]]:
-    """Sampled frames, already resized to the video's target size, their frame rate, and the
+    """Sampled frames, already resized to the video's target size (the family's resize rule
+    over `spec.video`), their frame rate, and the
     timestamp of each temporal patch. The container is opened once, through the allowlist
     (`video_container.open_container`), and its header checked before any frame is decoded."""
     if not data:
         raise bad_video("the video data is empty")
+    cfg = spec.video
     with open_container(data, video_container(data)) as container:
         check_video_header(read_header(container), limits)
         stream = container.streams.video[0]
@@ -154,7 +155,7 @@ def read_resized_frames(
         check_video_length(total, total / max(video_fps, 1e-3), limits)
         indices = _sample(total, video_fps, cfg)
         frames = _wanted_frames(container, stream, indices)
-        chunks = _resized_chunks(frames, len(indices), cfg, limits)
+        chunks = _resized_chunks(frames, len(indices), spec, limits)
     times = frame_timestamps(indices, video_fps, cfg.temporal_patch_size)
     return np.concatenate(chunks), len(indices) / total * video_fps, times
 
@@ -194,11 +195,11 @@ def _wanted_frames(container: Any, stream: Any, indices: list[int]) -> Iterator[
 
 
 def _resized_chunks(
-    frames: Iterator[np.ndarray], count: int, cfg: VideoProcessingConfig, limits: MediaLimits
+    frames: Iterator[np.ndarray], count: int, spec: ProcessorSpec, limits: MediaLimits
 ) -> list[np.ndarray]:
     """The frames resized FRAME_CHUNK at a time to the size the first frame sets."""
     first = next(frames)
-    size = _video_target_size(first.shape[0], first.shape[1], count, cfg, limits)
+    size = _video_target_size(first.shape[0], first.shape[1], count, spec, limits)
     chunks = [_resize_all([first], size)]
     while batch := list(itertools.islice(frames, FRAME_CHUNK)):
         chunks.append(_resize_all(batch, size))
@@ -206,14 +207,15 @@ def _resized_chunks(
 
 
 def _video_target_size(
-    height: int, width: int, frames: int, cfg: VideoProcessingConfig, limits: MediaLimits
+    height: int, width: int, frames: int, spec: ProcessorSpec, limits: MediaLimits
 ) -> tuple[int, int]:
     if height * width > limits.max_pixels or min(height, width) < max(1, limits.min_side):
         raise bad_video(f"video frames are {width}x{height}: outside the allowed frame size")
     check_media_shape(height, width, "video_url")
+    cfg, resize = spec.video, spec.model_family.resize
     factor = cfg.patch_size * cfg.merge_size
     clip = clip_frames(frames, cfg.temporal_patch_size, cfg.clip_budget)
-    return smart_resize(height, width, factor, cfg.min_pixels, cfg.max_pixels, *clip)
+    return resize(height, width, factor, cfg.min_pixels, cfg.max_pixels, *clip)
 
 
 def _resize_all(frames: list[np.ndarray], size: tuple[int, int]) -> np.ndarray:

@@ -6,16 +6,16 @@ worker that decoded it; never per rank). Its placeholder run in the prompt is re
 item's pad_value, so prefix-cache keys differ whenever the media differ.
 
 Prompt text per item is written here too (`expand_placeholders`), and the same expansion over
-token ids (`expand_placeholder_ids`), so a prompt is tokenized once. Qwen3-VL stamps videos: the
-chat template's `<|vision_start|><|video_pad|><|vision_end|>` becomes, for every temporal patch,
-`<{t:.1f} seconds><|vision_start|>` + its placeholders + `<|vision_end|>`. Such a video is still
-one item (one encoding, one cache entry) with one offset range per temporal patch; each range is
-its own MRoPE grid of one frame.
+token ids (`expand_placeholder_ids`), so a prompt is tokenized once. The placeholder and
+boundary tokens are the family's (`Family.tokens`, runtime/families/). A family with timestamped
+videos stamps them: the chat template's start + video pad + end becomes, for every temporal
+patch, `<{t:.1f} seconds>` + start + its placeholders + end. Such a video is still one item (one
+encoding, one cache entry) with one offset range per temporal patch; each range is its own
+position grid of one frame. Positions follow the family's position kind (`Family.positions`).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,47 +23,53 @@ import numpy as np
 import torch
 import xxhash
 
+from runtime.families.base import MediaTokens
 from runtime.model_config import ModelConfig
-from runtime.mrope import MRopeItem, compute_mrope_positions_from_items, find_mrope_items
-from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs, item_tokens
+from runtime.mrope import (
+    MRopeItem,
+    compute_mrope_positions_from_items,
+    find_mrope_items,
+    text_positions,
+)
+from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
 from runtime.transport.shm import SharedTensor
 
-PLACEHOLDERS = {Modality.IMAGE: "<|image_pad|>", Modality.VIDEO: "<|video_pad|>"}
-PLACEHOLDER_RE = re.compile("(<\\|image_pad\\|>|<\\|video_pad\\|>)")
-VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
-WRAPPED_VIDEO = VISION_START + PLACEHOLDERS[Modality.VIDEO] + VISION_END
-WRAPPED = {m: VISION_START + pad + VISION_END for m, pad in PLACEHOLDERS.items()}
-# Tokens only the media processor places: one wrapped run per media item, which it expands.
-PROCESSOR_TOKENS = (VISION_START, VISION_END, *PLACEHOLDERS.values())
 
-
-def check_rendered_chat(prompt: str, media: list[Modality]) -> None:
+def check_rendered_chat(prompt: str, media: list[Modality], tokens: MediaTokens) -> None:
     """A chat prompt as the template rendered it holds each processor token exactly as often as
     its media parts put it there; more means the client typed one (ValueError)."""
-    runs = "".join(WRAPPED[m] for m in media)
-    for token in PROCESSOR_TOKENS:
+    runs = "".join(tokens.wrapped(m) for m in media)
+    for token in tokens.processor_tokens:
         if prompt.count(token) != runs.count(token):
             raise ValueError(_typed(token))
 
 
-def check_text_prompt(text: str) -> None:
+def check_text_prompt(text: str, tokens: MediaTokens) -> None:
     """A text prompt may mark where its media go with placeholders (bare, or wrapped in
-    vision start/end: `WRAPPED`), but holds no vision start/end token of its own (ValueError)."""
+    start/end: `MediaTokens.wrapped`), but holds no start/end token of its own (ValueError)."""
     bare = text
-    for run in WRAPPED.values():
-        bare = bare.replace(run, "")
-    for token in (VISION_START, VISION_END):
+    for modality in Modality:
+        bare = bare.replace(tokens.wrapped(modality), "")
+    for token in (tokens.start, tokens.end):
         if token in bare:
             raise ValueError(_typed(token))
 
 
+def with_placeholders(text: str, modalities: list[Modality], tokens: MediaTokens) -> str:
+    """A text prompt with media but no placeholders gets one wrapped run per item in front."""
+    if not modalities or tokens.pad_re.search(text):
+        return text
+    return "".join(tokens.wrapped(m) for m in modalities) + text
+
+
 def check_prompt_ids(ids: list[int], config: ModelConfig) -> None:
     """Token-id prompts carry no media, so no processor token either (ValueError)."""
+    tokens = config.family.tokens
     reserved = {
-        config.image_token_id: PLACEHOLDERS[Modality.IMAGE],
-        config.video_token_id: PLACEHOLDERS[Modality.VIDEO],
-        config.vision_start_token_id: VISION_START,
-        config.vision_end_token_id: VISION_END,
+        config.image_token_id: tokens.image_pad,
+        config.video_token_id: tokens.video_pad,
+        config.vision_start_token_id: tokens.start,
+        config.vision_end_token_id: tokens.end,
     }
     found = next((token for token in ids if token in reserved), None)
     if found is not None:
@@ -91,16 +97,17 @@ class PreparedMedia:
 
 def placeholder_text(media: PreparedMedia, config: ModelConfig) -> str:
     """The prompt text that stands for one item (its placeholder token repeated per token;
-    per temporal patch with a timestamp for Qwen3-VL videos)."""
-    merge = config.vision.spatial_merge_size
-    pad = PLACEHOLDERS[media.modality]
+    per temporal patch with a timestamp for a family's timestamped videos)."""
+    merge, count = config.vision.spatial_merge_size, config.family.item_tokens
+    tokens = config.family.tokens
+    pad = tokens.pad(media.modality)
     if media.modality != Modality.VIDEO or not config.timestamped_video:
-        return pad * item_tokens(media.grid_thw, merge)
+        return pad * count(media.grid_thw, merge)
     t, h, w = media.grid_thw
     times = media.frame_times or tuple(float(i) for i in range(t))
     if len(times) != t:
         raise ValueError(f"video has {t} temporal patches and {len(times)} timestamps")
-    frame = VISION_START + pad * item_tokens((1, h, w), merge) + VISION_END
+    frame = tokens.start + pad * count((1, h, w), merge) + tokens.end
     return "".join(f"<{time:.1f} seconds>" + frame for time in times)
 
 
@@ -108,17 +115,18 @@ def expand_placeholders(prompt: str, media: list[PreparedMedia], config: ModelCo
     """Replace the chat template's one placeholder per item by the item's prompt text.
 
     Raises ValueError when the placeholders do not match the media in number or kind."""
+    tokens = config.family.tokens
     if config.timestamped_video:
-        prompt = prompt.replace(WRAPPED_VIDEO, PLACEHOLDERS[Modality.VIDEO])
-    pieces = PLACEHOLDER_RE.split(prompt)
-    if sum(p in PLACEHOLDERS.values() for p in pieces) != len(media):
+        prompt = prompt.replace(tokens.wrapped(Modality.VIDEO), tokens.video_pad)
+    pieces = tokens.pad_re.split(prompt)
+    if sum(p in tokens.pads for p in pieces) != len(media):
         raise ValueError(f"prompt has a media placeholder count other than {len(media)} items")
     queue = iter(media)
     out = []
     for piece in pieces:
-        if piece in PLACEHOLDERS.values():
+        if piece in tokens.pads:
             item = next(queue)
-            if piece != PLACEHOLDERS[item.modality]:
+            if piece != tokens.pad(item.modality):
                 raise ValueError("media placeholders out of order")
             piece = placeholder_text(item, config)
         out.append(piece)
@@ -131,7 +139,7 @@ def expand_placeholder_ids(
     """`ids` of the unexpanded prompt with each item's one placeholder token repeated to its
     token count: the ids of `expand_placeholders`' text without tokenizing it again (the
     placeholders are special tokens, so the text around them tokenizes alike). None where only
-    text can say it: Qwen3-VL videos, whose timestamps are text.
+    text can say it: timestamped videos, whose timestamps are text.
 
     Raises ValueError when the placeholders do not match the media in number or kind."""
     if config.timestamped_video and any(m.modality == Modality.VIDEO for m in media):
@@ -146,7 +154,7 @@ def expand_placeholder_ids(
         if kinds[ids[at]] != item.modality:
             raise ValueError("media placeholders out of order")
         out += ids[start:at]
-        out += [ids[at]] * item_tokens(item.grid_thw, merge)
+        out += [ids[at]] * config.family.item_tokens(item.grid_thw, merge)
         start = at + 1
     return out + ids[start:]
 
@@ -259,8 +267,14 @@ def _group_spans(
     return groups
 
 
-def _positions(seq_len: int, spans: list[MRopeItem], config: ModelConfig):
-    tps = config.vision.tokens_per_second if config.arch == "qwen2_5_vl" else None
+def _positions(
+    seq_len: int, spans: list[MRopeItem], config: ModelConfig
+) -> tuple[torch.Tensor, int]:
+    """The prompt's positions [3, seq_len] and decode delta, by the family's position kind."""
+    kind = config.family.positions
+    if kind.kind == "1d":
+        return text_positions(seq_len, 0), 0
+    tps = config.vision.tokens_per_second if kind.time_scaled_video else None
     return compute_mrope_positions_from_items(
         seq_len, spans, spatial_merge_size=config.vision.spatial_merge_size, tokens_per_second=tps
     )

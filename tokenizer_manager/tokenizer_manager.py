@@ -54,10 +54,6 @@ from tokenizer_manager.media_types import MediaRef, ProcessorSpec
 from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.multimodal_inputs import (
-    PLACEHOLDER_RE,
-    PLACEHOLDERS,
-    VISION_END,
-    VISION_START,
     PreparedMedia,
     build_multimodal_inputs,
     check_prompt_ids,
@@ -65,6 +61,7 @@ from tokenizer_manager.multimodal_inputs import (
     check_text_prompt,
     expand_placeholder_ids,
     expand_placeholders,
+    with_placeholders,
 )
 from tokenizer_manager.pixel_ledger import PixelLedger
 from tokenizer_manager.prompt_limits import max_prompt_chars
@@ -123,14 +120,6 @@ def _client_error(check: Callable[..., None], *args: Any, param: str = "messages
         check(*args)
     except ValueError as e:
         raise APIError(str(e), param=param, code="invalid_special_token") from e
-
-
-def with_placeholders(text: str, media: list[MediaRef]) -> str:
-    """A text prompt with media but no placeholders gets one per item in front of it."""
-    if not media or PLACEHOLDER_RE.search(text):
-        return text
-    runs = (f"{VISION_START}{PLACEHOLDERS[ref.modality]}{VISION_END}" for ref in media)
-    return "".join(runs) + text
 
 
 @dataclass
@@ -327,8 +316,10 @@ class TokenizerManager:
                     return self.render_chat(inp.messages, inp.template_kwargs)
                 return await self.in_thread(self.render_chat, inp.messages, inp.template_kwargs)
         if inp.text is not None:
-            _client_error(check_text_prompt, inp.text, param="prompt")
-            return with_placeholders(inp.text, inp.media), inp.media
+            tokens = self.config.family.tokens
+            _client_error(check_text_prompt, inp.text, tokens, param="prompt")
+            modalities = [ref.modality for ref in inp.media]
+            return with_placeholders(inp.text, modalities, tokens), inp.media
         if inp.media:
             raise APIError("media need a text prompt, not token ids", param="image_data")
         return None, []
@@ -352,7 +343,8 @@ class TokenizerManager:
         except (TemplateError, TypeError, ValueError) as e:
             message = f"the chat template cannot render these messages: {e}"
             raise APIError(message, param="messages", code="invalid_messages") from e
-        _client_error(check_rendered_chat, prompt, [ref.modality for ref in refs])
+        modalities = [ref.modality for ref in refs]
+        _client_error(check_rendered_chat, prompt, modalities, self.config.family.tokens)
         return prompt, refs
 
     def _part(self, part: dict[str, Any], refs: list[MediaRef]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Video preprocessing for Qwen2-VL / Qwen2.5-VL / Qwen3-VL: frame sampling, resizing and
-patchify.
+"""Video preprocessing: frame sampling, resizing and patchify (the target size is the family's
+resize rule, `Family.resize`).
 
 Everything here is pure: functions take frames and settings and return numpy arrays. Decoding
 lives in the media worker (`media_worker.process_video_bytes`, the one video path): a video is
@@ -27,53 +27,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from runtime.families import family_for
+
 CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
 VIDEO_MIN_PIXELS = 128 * 28 * 28
 VIDEO_MAX_PIXELS = 768 * 28 * 28
-MAX_ASPECT_RATIO = 200
-
-
-def check_aspect_ratio(height: int, width: int) -> None:
-    """The one aspect-ratio rule of images and video frames (ValueError beyond it)."""
-    ratio = max(height, width) / max(1, min(height, width))
-    if ratio > MAX_ASPECT_RATIO:
-        raise ValueError(f"the aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio:g}")
-
-
-def smart_resize(
-    height: int,
-    width: int,
-    factor: int = 28,
-    min_pixels: int = 56 * 56,
-    max_pixels: int = 14 * 14 * 4 * 1280,
-    num_frames: int = 1,
-    temporal_factor: int = 1,
-) -> tuple[int, int]:
-    """Target (height, width): multiples of `factor`, pixel count within bounds, aspect kept.
-
-    With `num_frames` and `temporal_factor` (Qwen3-VL videos) the bounds hold for the clip: the
-    frame count rounded to whole temporal patches times the frame's pixels; a frame side shorter
-    than `factor` is first scaled up to it (aspect kept)."""
-    if height < 1 or width < 1:
-        raise ValueError(f"image is too small to resize: {height}x{width}")
-    if temporal_factor > 1 and min(height, width) < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    check_aspect_ratio(height, width)
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    t_bar = max(temporal_factor, round(num_frames / temporal_factor) * temporal_factor)
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt(num_frames * height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    if h_bar == 0 or w_bar == 0:
-        raise ValueError(f"image is too small to resize: {height}x{width} -> {h_bar}x{w_bar}")
-    return h_bar, w_bar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +126,7 @@ def second_per_grid_t(sampled_fps: float, temporal_patch_size: int = 2) -> float
 
 
 def clip_frames(num_frames: int, temporal_patch_size: int, clip_budget: bool) -> tuple[int, int]:
-    """(num_frames, temporal_factor) for `smart_resize`: the clip's, or one frame's."""
+    """(num_frames, temporal_factor) for the family's resize rule: the clip's, or one frame's."""
     return (num_frames, temporal_patch_size) if clip_budget else (1, 1)
 
 
@@ -265,18 +224,17 @@ class VideoProcessingConfig:
         return {key: getattr(self, key) for key in keys} | fixed
 
 
-CLIP_BUDGET_PROCESSORS = ("Qwen3VLVideoProcessor",)
-
-
 def checkpoint_video_config(
     model_path: str | Path, image_config: Mapping[str, Any] | None = None, **fallback: Any
 ) -> VideoProcessingConfig:
     """A checkpoint's video settings: its own video_preprocessor_config.json when that names a
-    processor with Qwen3-VL's rules (pixel bounds, fps and frame counts all from the file), else
+    processor its family reads with the clip budget (`Family.clip_budget_video_processors`:
+    pixel bounds, fps and frame counts all from the file), else
     preprocessor_config.json (`image_config` when the caller has read it already) with
     `fallback` (e.g. video pixel bounds) winning over the file."""
     video = read_json(Path(model_path) / "video_preprocessor_config.json")
-    if video.get("video_processor_type") in CLIP_BUDGET_PROCESSORS:
+    family = family_for(read_json(Path(model_path) / "config.json"))
+    if video.get("video_processor_type") in family.clip_budget_video_processors:
         return VideoProcessingConfig.from_preprocessor_config(video, clip_budget=True)
     if image_config is None:
         image_config = read_json(Path(model_path) / "preprocessor_config.json")

@@ -1,9 +1,11 @@
-"""Composite Qwen2-VL / Qwen2.5-VL / Qwen3-VL models: vision tower + fusion + decoder, and
-`build_model`. The composite sits here, above the decoders of runtime/models/, because it needs
-the vision towers and the fusion of this folder (imports only go downwards).
+"""The composite model: vision tower + fusion + decoder, and `build_model`. The composite sits
+here, above the decoders of runtime/models/, because it needs the vision towers and the fusion of
+this folder (imports only go downwards).
 
-Qwen3-VL uses the same composition: its tower's rows also carry the DeepStack levels, which the
-fusion step splits off and the decoder adds after its first layers (see vision/fusion.py).
+The config's family (runtime/families/) names the tower, the decoder and the composite class
+as "module:Class" strings, resolved here; every family so far uses `VisionLanguageModel`. A tower
+whose rows also carry DeepStack levels has them split off by the fusion step and added by the
+decoder after its first layers (see vision/fusion.py).
 
 The vision tower runs in TP mode (sharded like the decoder, with per-layer all-reduce), in DP
 mode (a full replica on every rank; the batch's items are balanced over the ranks and the results
@@ -13,6 +15,7 @@ the full weights, or a hybrid, as vision/encoder_plan.py plans it).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 
 import torch
@@ -24,9 +27,8 @@ from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.layers.linear import prepare_shard_weights, use_onednn_linears
 from runtime.layers.weights import LazyWeight
-from runtime.model_config import ModelConfig
+from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.model_loader import load_checkpoint, resolve_dtype
-from runtime.models.qwen2 import Qwen2ForCausalLM
 from runtime.multimodal import ItemEncoder, MultimodalDataItem
 from runtime.server_args import CPU_LINEAR_PATHS
 from vision.dp_encoder import run_dp_sharded_mrope_vision_model
@@ -38,19 +40,26 @@ from vision.encoder_plan import (
     TowerShape,
 )
 from vision.fusion import fuse_embeddings
-from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer
-from vision.qwen2_vl_vit import Qwen2VisionTransformer
-from vision.qwen3_vl_vit import Qwen3VisionTransformer
 from vision.vit_common import pad_vision_mlps
 
-VISION_TOWERS = {
-    "qwen2_vl": Qwen2VisionTransformer,
-    "qwen2_5_vl": Qwen2_5_VisionTransformer,
-    "qwen3_vl": Qwen3VisionTransformer,
-}
+
+def resolve_class(path: str) -> type:
+    """The class a family names as "module:Class" (imported now, not at file level)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+def vision_tower_class(config: ModelConfig) -> type:
+    """The vision tower class of the config's family."""
+    return resolve_class(config.family.tower_class)
+
+
+class VisionLanguageModel(nn.Module):
+    """Vision tower + fusion + decoder. Media tokens attend causally, like text: a family whose
+    image attention rule is another is refused here (`IMAGE_ATTENTION`)."""
+
+    IMAGE_ATTENTION = ("causal",)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -60,14 +69,20 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         ops: KernelOps = TORCH_OPS,
     ):
         super().__init__()
+        if config.family.image_attention not in self.IMAGE_ATTENTION:
+            raise ModelConfigError(
+                f"image attention {config.family.image_attention!r} of family "
+                f"{config.family.name!r} is not supported (supported: {self.IMAGE_ATTENTION})"
+            )
         if encoder_mode not in ENCODER_MODES:
             raise ValueError(f"encoder mode {encoder_mode!r} is not one of {ENCODER_MODES}")
         self.config = config
         self.tp = tp
         self.encoder_mode = encoder_mode if tp.size > 1 else "tp"
         vision_tp = tp if self.encoder_mode == "tp" else TPGroup()
-        self.visual = VISION_TOWERS[config.arch](config.vision, vision_tp, ops)
-        self.language_model = Qwen2ForCausalLM(config.text, tp, backend, ops)
+        self.visual = vision_tower_class(config)(config.vision, vision_tp, ops)
+        decoder = resolve_class(config.family.decoder_class)
+        self.language_model = decoder(config.text, tp, backend, ops)
         self.auto_encoder: AutoEncoder | None = None  # auto mode: set by set_encoder_costs
 
     @property
@@ -127,12 +142,13 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return self.language_model(embeds, batch, deepstack)
 
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
-        """Load checkpoint tensors (published or transformers 5.x names); returns loaded params."""
+        """Load checkpoint tensors (any layout the family publishes, `Family.checkpoint_name`);
+        returns the loaded params."""
         params = dict(self.language_model.named_parameters())
         loaded: set[str] = set()
         vision: list[tuple[str, LazyWeight]] = []
         for name, weight in weights:
-            name = normalize_checkpoint_name(name)
+            name = self.config.family.checkpoint_name(name)
             if name.startswith("visual."):
                 vision.append((name[len("visual.") :], weight))
                 continue
@@ -151,31 +167,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return loaded
 
 
-class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
-    """Same composition; the vision tower is chosen from the config's architecture."""
-
-
-class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
-    """Same composition: Qwen3 decoder switches come from the text config, DeepStack levels
-    from the vision config."""
-
-
-def normalize_checkpoint_name(name: str) -> str:
-    """Map transformers 5.x saved names onto the published layout."""
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model.") :]
-    if name.startswith("model.visual."):
-        return name[len("model.") :]
-    return name
-
-
-MODEL_CLASSES = {
-    "qwen2_vl": Qwen2VLForConditionalGeneration,
-    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-    "qwen3_vl": Qwen3VLForConditionalGeneration,
-}
-
-
 def build_model(
     model_path: str,
     tp: TPGroup,
@@ -188,7 +179,7 @@ def build_model(
     show_progress: bool = False,
     cpu_linear: str = "onednn",
     pad_vit_mlp: bool = True,
-) -> Qwen2VLForConditionalGeneration:
+) -> VisionLanguageModel:
     """Build this rank's shard of the model and load its slice of the checkpoint.
 
     Auto encoder mode with tp > 1 uses `encoder_costs`, or calibrates them here (every rank).
@@ -205,7 +196,7 @@ def build_model(
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device(device):
-            model = MODEL_CLASSES[config.arch](
+            model = resolve_class(config.family.model_class)(
                 config,
                 tp,
                 create_attention_backend(attention_backend),

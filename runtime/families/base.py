@@ -1,0 +1,149 @@
+"""What one model family declares: everything tessera needs to know about a checkpoint that the
+shared code must not decide itself (design invariant 19).
+
+A family is a plain value: data and pure functions, no torch modules. Its classes (vision tower,
+decoder, composite model) are named as "module:Class" strings and resolved where the model is
+built, so this floor (runtime/) never imports the floors above it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.families.tiny import TinyCheckpoint
+from runtime.multimodal import Modality
+
+Fields = dict[str, Any]
+GridTHW = tuple[int, int, int]
+MAX_ASPECT_RATIO = 200
+IMAGE_ATTENTION_RULES = ("causal", "bidirectional_item")
+POSITION_KINDS = ("mrope", "1d")
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config cannot be served by tessera."""
+
+
+def check_aspect_ratio(height: int, width: int) -> None:
+    """The one aspect-ratio rule of images and video frames (ValueError beyond it)."""
+    ratio = max(height, width) / max(1, min(height, width))
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(f"the aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio:g}")
+
+
+@dataclass(frozen=True)
+class MediaTokens:
+    """A family's placeholder and boundary tokens: the strings its chat template writes (one pad
+    per item, between start and end) and the config.json keys that hold their ids."""
+
+    image_pad: str
+    video_pad: str
+    start: str
+    end: str
+    image_id_key: str = "image_token_id"
+    video_id_key: str = "video_token_id"
+    start_id_key: str = "vision_start_token_id"
+    end_id_key: str = "vision_end_token_id"
+
+    def config_ids(self, ids: dict[str, int]) -> dict[str, int]:
+        """The config.json id fields of these tokens, given the tokenizer's ids by string."""
+        return {
+            self.image_id_key: ids[self.image_pad],
+            self.video_id_key: ids[self.video_pad],
+            self.start_id_key: ids[self.start],
+            self.end_id_key: ids[self.end],
+        }
+
+    def pad(self, modality: Modality) -> str:
+        return self.image_pad if modality == Modality.IMAGE else self.video_pad
+
+    def wrapped(self, modality: Modality) -> str:
+        """One item's run as the chat template writes it: start, the pad, end."""
+        return self.start + self.pad(modality) + self.end
+
+    @property
+    def pads(self) -> tuple[str, str]:
+        return self.image_pad, self.video_pad
+
+    @property
+    def processor_tokens(self) -> tuple[str, ...]:
+        """Tokens only the media processor places: one wrapped run per item, which it expands."""
+        return self.start, self.end, *self.pads
+
+    @functools.cached_property
+    def pad_re(self) -> re.Pattern[str]:
+        """Splits a prompt at its pads, keeping them."""
+        return re.compile("(" + "|".join(re.escape(p) for p in self.pads) + ")")
+
+
+@dataclass(frozen=True)
+class PositionKind:
+    """How a family numbers positions. "mrope": a 3-D (temporal, height, width) grid per item,
+    the sections (and whether they interleave) read from the config; with `time_scaled_video`
+    a video's temporal ids are its seconds times the config's `tokens_per_second`. "1d": one
+    id per token, counting up through media as through text (three equal rows, which the
+    rotary reads as plain RoPE)."""
+
+    kind: str = "mrope"
+    time_scaled_video: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in POSITION_KINDS:
+            raise ValueError(f"position kind {self.kind!r} is not one of {POSITION_KINDS}")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's entry in the registry (runtime/families/__init__.py).
+
+    name: the family's key, also the config.json `model_type` it answers to.
+    architectures: the config.json `architectures` names it serves.
+    text_fields(text, top): `TextConfig` fields from the text part of config.json (`text_config`,
+        or the whole config when flat) and the whole config.
+    vision_fields(vision, text_hidden): `VisionConfig` fields from `vision_config`.
+    tower_class / decoder_class / model_class: "module:Class" of its vision tower (floor 3,
+        vision/), its decoder (floor 2, runtime/models/) and the composite that joins them
+        (vision/vlm.py's by default), resolved where the model is built.
+    checkpoint_name(name): a checkpoint tensor's name in the composite's layout (`visual.*` for
+        the tower, the decoder's own names for the rest), from every layout the family's
+        checkpoints are published in.
+    tokens: its placeholder and boundary tokens (`MediaTokens`).
+    positions: its position kind (`PositionKind`).
+    image_attention: how media tokens attend: "causal" (like text), or "bidirectional_item"
+        (every token of an item sees the whole item); a composite refuses a rule it lacks.
+    resize(height, width, factor, min_pixels, max_pixels, num_frames=1, temporal_factor=1):
+        an image's or video frame's target (height, width) for the processor settings (with
+        `num_frames` and `temporal_factor` the bounds hold for a whole clip).
+    item_tokens(grid_thw, merge): how many prompt tokens an item of that patch grid takes.
+    tiny: its tiny random checkpoints (`TinyCheckpoint`: presets, config files, tensor names).
+    clip_budget_video_processors: `video_processor_type`s of video_preprocessor_config.json
+        whose settings (pixel bounds per clip, frame counts) are read from that file alone.
+    timestamped_video: every temporal patch of a video is its own `<t seconds>`-stamped run of
+        placeholders in the prompt, with its own position grid (t = 1).
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    text_fields: Callable[[dict, dict], Fields]
+    vision_fields: Callable[[dict, int], Fields]
+    tower_class: str
+    decoder_class: str
+    checkpoint_name: Callable[[str], str]
+    tokens: MediaTokens
+    resize: Callable[..., tuple[int, int]]
+    item_tokens: Callable[[GridTHW, int], int]
+    tiny: TinyCheckpoint
+    clip_budget_video_processors: tuple[str, ...] = ()
+    positions: PositionKind = PositionKind()
+    image_attention: str = "causal"
+    model_class: str = "vision.vlm:VisionLanguageModel"
+    timestamped_video: bool = False
+
+    def __post_init__(self) -> None:
+        if self.image_attention not in IMAGE_ATTENTION_RULES:
+            rules = IMAGE_ATTENTION_RULES
+            raise ValueError(f"image attention {self.image_attention!r} is not one of {rules}")

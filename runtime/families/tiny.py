@@ -1,0 +1,33 @@
+"""What a family's tiny random checkpoints look like; runtime/tiny_checkpoint.py writes them
+(tokenizer, weights, folder) for any family that declares a `TinyCheckpoint`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Presets built in float32 from a transformers model in memory; the others are streamed in
+# bfloat16 (a family's large preset, shaped like a published checkpoint).
+SMALL_PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m")
+
+
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    """A family's tiny-checkpoint presets.
+
+    config(preset, ids, dtype): config.json in the family's published layout (`ids`: the
+        tokenizer's special token ids by string).
+    preprocessor(preset): preprocessor_config.json.
+    hf_config_class: transformers' config class of the family (its model class is the family's
+        first architecture).
+    published_name(name): transformers' in-memory parameter name -> the published tensor name.
+    video_preprocessor(preset): video_preprocessor_config.json, for a family that has one.
+    """
+
+    presets: tuple[str, ...]
+    config: Callable[[str, dict[str, int], str], dict[str, Any]]
+    preprocessor: Callable[[str], dict[str, Any]]
+    hf_config_class: str
+    published_name: Callable[[str], str]
+    video_preprocessor: Callable[[str], dict[str, Any]] | None = None
