@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from runtime.logging_utils import get_logger
+from runtime.parent_watch import exit_with_parent
 
 logger = get_logger(__name__)
 
@@ -75,6 +76,7 @@ def _worker_main(
     args: tuple,
     cpu_seconds: float | None = None,
 ) -> None:
+    exit_with_parent()
     if initializer is not None:
         initializer(*args)
     signal.signal(signal.SIGPROF, signal.SIG_DFL)  # the CPU deadline ends the process
