@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         # less CPU on the 2-core machine). The children read it when torch starts; a value the
         # user set is kept.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # before the first child starts: a child started by exec (every one here) then has
+    # SIGTERM's default action, whatever this process inherited (e.g. SIGTERM ignored)
+    signal.signal(signal.SIGTERM, _interrupt)
     if args.node_rank == 0:
         from tokenizer_manager.cpu_pool import start_fork_server
 
@@ -245,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
         # the media workers' imports run now, beside the children's start-up, not after it
         start_fork_server()
     supervisor = Supervisor(args)
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
         supervisor.start()
         threading.Thread(target=supervisor.watch, daemon=True).start()

@@ -25,6 +25,7 @@ from runtime.logging_utils import configure_logging, get_logger
 from runtime.memory_plan import memory_needs
 from runtime.memory_pool import kv_pool_tokens
 from runtime.multimodal import Modality
+from runtime.parent_watch import exit_with_parent
 from runtime.sampler import Sampler
 from runtime.server_args import ServerArgs
 from runtime.token_budget import context_length
@@ -191,6 +192,7 @@ def run_scheduler_process(
     args: ServerArgs, tp_rank: int, dist_init_method: str, ready: Connection
 ) -> None:
     """Entry point of one TP rank: load the shard, report ready (or why not), then loop."""
+    exit_with_parent()
     configure_logging(args.log_level, prefix=f"TP{tp_rank}")
     keep_freed_memory()
     if not args.use_cuda:

@@ -61,6 +61,21 @@ def png_bytes(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
+def record_fetch_threads(mm: AsyncMMDataProcessor) -> dict[str, bool]:
+    """Wrap `mm._fetch`; the dict it fills says, per URL, whether it ran on the calling thread
+    (the event loop's)."""
+    loop_thread = threading.current_thread()
+    on_loop: dict[str, bool] = {}
+    fetch = mm._fetch
+
+    def recording_fetch(ref: MediaRef, *args: object) -> object:
+        on_loop[ref.url] = threading.current_thread() is loop_thread
+        return fetch(ref, *args)
+
+    mm._fetch = recording_fetch
+    return on_loop
+
+
 def mp4_bytes(frames: int = FRAMES, size: tuple[int, int] = (64, 48)) -> bytes:
     rng = np.random.default_rng(5)
     base = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
@@ -560,16 +575,8 @@ def test_large_data_urls_are_decoded_off_the_event_loop(checkpoint: str) -> None
     assert len(large) > 1 << 20  # incompressible noise: well past a megabyte of base64
 
     async def run() -> dict[str, bool]:
-        loop_thread = threading.current_thread()
-        on_loop: dict[str, bool] = {}
         async with AsyncMMDataProcessor(checkpoint, MediaLimits(), cpu_workers=1) as mm:
-            fetch = mm._fetch
-
-            def recording_fetch(ref: MediaRef, *args: object) -> object:
-                on_loop[ref.url] = threading.current_thread() is loop_thread
-                return fetch(ref, *args)
-
-            mm._fetch = recording_fetch
+            on_loop = record_fetch_threads(mm)
             await mm.process([MediaRef(IMAGE, small), MediaRef(IMAGE, large)], 100_000)
         return on_loop
 

@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from runtime.logging_utils import get_logger
+from runtime.parent_watch import exit_with_parent
 
 logger = get_logger(__name__)
 
@@ -80,6 +81,7 @@ def _worker_main(
     cpu_seconds: float | None = None,
     memory_bytes: int | None = None,
 ) -> None:
+    exit_with_parent()
     if initializer is not None:
         initializer(*args)
     if memory_bytes is not None:

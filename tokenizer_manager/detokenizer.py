@@ -42,6 +42,7 @@ from runtime.io_struct import (
     UnknownMessage,
 )
 from runtime.logging_utils import configure_logging, get_logger
+from runtime.parent_watch import exit_with_parent
 from runtime.sampler import TokenLogprobs
 from runtime.server_args import ServerArgs
 
@@ -426,6 +427,7 @@ def serve(manager: DetokenizerManager, channel: DetokenizerChannel) -> None:
 
 def run_detokenizer_process(server_args: ServerArgs, ready: Connection) -> None:
     """Entry point of the detokenizer process: load, bind, report ready (or why not), loop."""
+    exit_with_parent()
     configure_logging(server_args.log_level, prefix="detokenizer")
     keep_freed_memory()
     try:

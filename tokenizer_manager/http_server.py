@@ -24,6 +24,11 @@ from tokenizer_manager.api.base import ApiContext, model_name
 from tokenizer_manager.api.body import parse_body, validation_error
 from tokenizer_manager.api.chat import ChatServing
 from tokenizer_manager.api.completions import CompletionServing
+from tokenizer_manager.api.errors import (
+    InternalErrorGuard,
+    count_internal_error,
+    internal_error,
+)
 from tokenizer_manager.api.generate import GenerateServing
 from tokenizer_manager.api.outputs import cancel_when
 from tokenizer_manager.api.tokenize import DetokenizeServing, TokenizeServing
@@ -87,12 +92,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def on_internal(request: Request, exc: Exception) -> Response:
-        if await request.is_disconnected():  # e.g. cut off by a deadline while sending its body
-            logger.info("client gone from %s: %s", request.url.path, type(exc).__name__)
-            return Response(status_code=499)
-        app.state.counters.server_errors += 1
-        logger.exception("internal error on %s", request.url.path)
-        return error_response(APIError(f"internal error: {type(exc).__name__}", status=500))
+        """The backstop behind `InternalErrorGuard` (a failure of the guard itself). Starlette
+        calls it with a request that has no receive channel: it must not read the request."""
+        count_internal_error(app.state.counters, request.url.path, exc)
+        return error_response(internal_error(exc))
+
+    app.add_middleware(InternalErrorGuard, counters=app.state.counters)  # added last: outermost
 
 
 def api_key_check(api_keys: tuple[str, ...]) -> Callable[[Request], None]:

@@ -32,6 +32,7 @@ from PIL import Image, ImageOps
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
 from runtime.server_args import ServerArgs
+from tokenizer_manager.image_headers import MAX_HEADER_PIECES, header_pieces
 from tokenizer_manager.media_fetch import MediaFetcher, MediaUrlPolicy, parse_domains
 from tokenizer_manager.media_types import MediaError, media_param, too_large
 
@@ -272,7 +273,9 @@ def resolve_local_path(path: str, allowed: str | None, param: str) -> str:
 
 
 def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
-    """Read only the image header and check its size; the pixels are not decoded yet."""
+    """Read only the image header and check its size; the pixels are not decoded yet. A header
+    of more pieces than PIL should walk one by one is refused first (image_headers.py)."""
+    check_header_pieces(data)
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError as exc:
@@ -287,6 +290,17 @@ def open_image(data: bytes, limits: MediaLimits) -> Image.Image:
     check_decoder(image)
     check_image_size(image.size, limits)
     return image
+
+
+def check_header_pieces(data: bytes) -> None:
+    pieces = header_pieces(data, MAX_HEADER_PIECES)
+    if pieces > MAX_HEADER_PIECES:
+        raise MediaError(
+            f"the image header has more than {MAX_HEADER_PIECES} segments, chunks or blocks "
+            "before its pixel data",
+            param="image_url",
+            code="invalid_image",
+        )
 
 
 def check_decoder(image: Image.Image) -> None:

@@ -49,6 +49,7 @@ from runtime.transport.shm import (
     sweep_media_files,
 )
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
+from tokenizer_manager.image_headers import INLINE_HEADER_PIECES, header_pieces
 from tokenizer_manager.media import MediaLimits, load_media_bytes, open_image
 from tokenizer_manager.media_fetch import MediaFetcher
 from tokenizer_manager.media_types import (
@@ -497,7 +498,7 @@ class AsyncMMDataProcessor:
         async with state.fetch_slots if remote else self._slots:
             state.fetching[index] = ref.modality
             if _decodes_quickly(ref.url):  # two thread hops cost more than the work
-                fetched = self._fetch(ref, state.spec)
+                fetched = await self._fetch_small(ref, state.spec)
             else:
                 pool = self._net if remote else self._io
                 fetched = await self._run(pool, self._fetch, ref, state.spec)
@@ -505,9 +506,22 @@ class AsyncMMDataProcessor:
         state.add_bytes(len(fetched.data), ref.modality)
         return fetched
 
-    def _fetch(self, ref: MediaRef, spec: ProcessorSpec) -> _Fetched:
-        """I/O thread: the bytes, plus a header read for images (no pixels decoded yet)."""
-        data = load_media_bytes(ref.url, self.limits, modality=ref.modality, fetcher=self._fetcher)
+    async def _fetch_small(self, ref: MediaRef, spec: ProcessorSpec) -> _Fetched:
+        """A small data: URL, decoded on the event loop; its image header is read there too
+        when PIL walks few pieces of it (image_headers.py), else in an I/O thread."""
+        data = self._load(ref)
+        pieces = header_pieces(data, INLINE_HEADER_PIECES) if ref.modality == Modality.IMAGE else 0
+        if pieces > INLINE_HEADER_PIECES:
+            return await self._run(self._io, self._fetch, ref, spec, data)
+        return self._fetch(ref, spec, data)
+
+    def _load(self, ref: MediaRef) -> bytes:
+        return load_media_bytes(ref.url, self.limits, modality=ref.modality, fetcher=self._fetcher)
+
+    def _fetch(self, ref: MediaRef, spec: ProcessorSpec, data: bytes | None = None) -> _Fetched:
+        """I/O thread: the bytes (unless given), plus a header read for images (no pixels
+        decoded yet)."""
+        data = self._load(ref) if data is None else data
         if ref.modality == Modality.VIDEO:
             return _Fetched(ref.modality, data, None, spec.video_bytes_bound())
         with open_image(data, self.limits) as image:
