@@ -255,6 +255,8 @@ def test_two_ranks_take_rank_zeros_grammar_decisions(folder, tokenizer) -> None:
     ]
     reqs.append(request("tbad", GrammarSpec("regex", "(unclosed", "regex")))
     reqs.append(request("tfree", None, max_new_tokens=20, ignore_eos=True))
+    ambiguous = GrammarSpec("ebnf", AMBIGUOUS, "guided_grammar")
+    reqs.append(request("tamb", ambiguous, min_tokens=300, max_new_tokens=300))
     with SchedulerHarness(args) as harness:
         results = harness.generate(reqs)
         info = harness.info()
@@ -264,6 +266,9 @@ def test_two_ranks_take_rank_zeros_grammar_decisions(folder, tokenizer) -> None:
         text = tokenizer.decode([t for t in out["tokens"] if t not in (tokenizer.eos_token_id,)])
         jsonschema.validate(json.loads(text), SCHEMAS[i])
     assert results["tbad"]["finish"]["status"] == 400
+    amb = results["tamb"]["finish"]  # failed on rank 0's word, on both ranks alike
+    assert amb["status"] == 400 and amb["param"] == "guided_grammar", amb
+    assert len(results["tamb"]["tokens"]) < 100
     assert len(results["tfree"]["tokens"]) == 20
     assert info.kv_free + info.kv_evictable == info.kv_total
 
