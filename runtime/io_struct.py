@@ -35,10 +35,13 @@ class Finish:
     matched: str | None = None  # the stop string the detokenizer matched
     status: int = 0  # error: the client's HTTP status (400 a refusal, 500 a fault, 503 shutdown)
     code: str = ""  # error: the OpenAI error code
+    param: str | None = None  # error: the request field at fault (a 400 names it)
 
     @classmethod
-    def error(cls, detail: str, status: int = 500, code: str = "internal_error") -> Finish:
-        return cls(FinishKind.ERROR, detail, status=status, code=code)
+    def error(
+        cls, detail: str, status: int = 500, code: str = "internal_error", param: str | None = None
+    ) -> Finish:
+        return cls(FinishKind.ERROR, detail, status=status, code=code, param=param)
 
     @property
     def is_error(self) -> bool:

@@ -126,6 +126,12 @@ class ServerArgs:
         "computing each forced run as one extend",
         default=False,
     )
+    grammar_ms_per_token: float = _opt(
+        "structured outputs: the entry rank's CPU time one request's grammar may take (mask "
+        "fills and token accepts), in ms per token it produced, counted over at least 100 "
+        "tokens; a grammar over it ends its request with a 400 (0: no bound)",
+        default=10.0,
+    )
     schedule_policy: str = _opt("waiting-queue order", default="fcfs", choices=["fcfs", "lpm"])
     disable_radix_cache: bool = _opt("turn off prefix caching", default=False)
     mm_cache_size_mb: int = _opt("encoder output cache size (0 disables)", default=256)
@@ -370,6 +376,8 @@ class ServerArgs:
             raise ValueError("--max-queued-requests must be at least 1")
         if self.max_encoder_patches_per_step < 0:
             raise ValueError("--max-encoder-patches-per-step must be at least 0 (0: no bound)")
+        if self.grammar_ms_per_token < 0:
+            raise ValueError("--grammar-ms-per-token must be at least 0 (0: no bound)")
         if self.mm_cache_size_mb < 0:
             raise ValueError("--mm-cache-size-mb must be 0 (off) or positive")
         if self.mm_processor_cache_gb < 0:

@@ -9,7 +9,10 @@ sampled tokens ended their grammar. The hooks, in the order a request meets them
   blocks on a compile: invariant 18); a compile that fails or outlives the limit fails the
   request (a 400).
 - `mask` before sampling: the batch's bitmasks, applied to the logits in one operation (None, at
-  no cost, when no request in the batch is constrained).
+  no cost, when no request in the batch is constrained). A grammar that fails at its fill (the
+  engine gave up at a per-step limit, no token satisfies it, or its request's grammar work is
+  over its time budget) ends its request at that step with a `GrammarFault`: a 400 naming the
+  constraint's field, never a slow decode to max_tokens and a 500.
 - `advance` after sampling: each kept token moves its matcher (invariant 17); a grammar that
   can only end stops its request with "stop". Jump-forward: the tokens the grammar then forces
   are accepted too and appended after the sampled one; the scheduler computes them (and the
@@ -23,12 +26,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from runtime.distributed import TPGroup
 from runtime.grammar import (
     BatchMask,
     GrammarCompiler,
     GrammarError,
+    GrammarFault,
     GrammarMatcher,
     GrammarSpec,
     ReasoningMatcher,
@@ -37,21 +42,43 @@ from runtime.grammar import (
 from scheduler.req import Req
 
 CompilerFactory = Callable[[], GrammarCompiler]
+StepErrors = dict[int, "str | GrammarFault"]  # batch row -> why its request fails this step
+
+
+@dataclass(frozen=True)
+class GrammarBudget:
+    """The entry rank's CPU time one request's grammar may take (mask fills, token accepts,
+    forced runs): `ms_per_token` on average over the tokens it produced, counted over at least
+    `grace_tokens` (a slow first mask is no fault). 0: no budget. The engine's per-step limits
+    bound one fill; this bounds how long a costly grammar may keep slowing everyone's steps."""
+
+    ms_per_token: float = 10.0
+    grace_tokens: int = 100
+
+    def allows(self, spent_s: float, tokens: int) -> bool:
+        limit_s = self.ms_per_token / 1000 * max(tokens, self.grace_tokens)
+        return self.ms_per_token <= 0 or spent_s <= limit_s
 
 
 class GrammarStates:
     """The grammar state of the scheduler's requests, keyed by request identity."""
 
     def __init__(
-        self, tp: TPGroup, make_compiler: CompilerFactory | None, jump_forward: bool = True
+        self,
+        tp: TPGroup,
+        make_compiler: CompilerFactory | None,
+        jump_forward: bool = True,
+        budget: GrammarBudget = GrammarBudget(),
     ) -> None:
         self.tp = tp
         self.jump_forward = jump_forward
+        self.budget = budget
         self._make = make_compiler
         self._compiler: GrammarCompiler | None = None
         self._futures: dict[int, tuple[Future[object], float]] = {}  # entry rank: compiles
         self.matchers: dict[int, GrammarMatcher] = {}  # entry rank only
         self.ready: set[int] = set()  # every rank: constrained requests that may be admitted
+        self.spent: dict[int, float] = {}  # entry rank: CPU seconds each request's grammar took
 
     def refusal(self, req: Req) -> str:
         if req.params.grammar is None or self._make is not None:
@@ -122,14 +149,57 @@ class GrammarStates:
                 raise GrammarError(f"no grammar engine for this checkpoint: {exc}") from None
         return self._compiler
 
-    def mask(self, reqs: Sequence[Req], vocab_size: int) -> BatchMask | None:
-        """Entry rank: the bitmasks of the batch's constrained rows (None when there is none)."""
+    def mask(
+        self, reqs: Sequence[Req], vocab_size: int
+    ) -> tuple[BatchMask | None, dict[int, GrammarFault]]:
+        """Entry rank: the bitmasks of the batch's constrained rows (None when there is none),
+        and the rows whose grammar failed at this fill (their rows allow every token: the
+        token sampled there is thrown away with its request)."""
         if not self.matchers:
-            return None
-        return fill_batch([self.matchers.get(id(r)) for r in reqs], vocab_size)
+            return None, {}
+        mask = fill_batch([self.matchers.get(id(r)) for r in reqs], vocab_size)
+        if mask is None:
+            return None, {}
+        faults = {}
+        for slot, row in enumerate(mask.rows.tolist()):
+            self.charge(reqs[row], mask.fill_s[slot])
+            if (fault := self.fill_fault(reqs[row], mask, slot)) is not None:
+                faults[row] = fault
+                mask.allow_all(slot)
+        return mask, faults
+
+    def fill_fault(self, req: Req, mask: BatchMask, slot: int) -> GrammarFault | None:
+        """Why this request's grammar cannot give its next token (None when it can)."""
+        matcher, produced = self.matchers[id(req)], len(req.output_ids)
+        if problem := matcher.error():
+            return self.limit_fault(req, problem)
+        if not mask.allows_any(slot):
+            return self.fault(req, f"has no token that satisfies it after {produced} tokens")
+        if not self.budget.allows(self.spent[id(req)], produced):
+            spent_ms = self.spent[id(req)] * 1000
+            return self.fault(
+                req,
+                f"took {spent_ms:.0f} ms of engine time over {produced} tokens, more than its "
+                f"budget of {self.budget.ms_per_token:g} ms a token",
+            )
+        return None
+
+    @staticmethod
+    def fault(req: Req, what: str, engine: str = "") -> GrammarFault:
+        spec = req.params.grammar
+        assert spec is not None
+        detail = f"{spec.param or spec.kind}: the grammar {what}"
+        return GrammarFault(f"{detail} ({engine})" if engine else detail, spec.param)
+
+    def limit_fault(self, req: Req, engine: str) -> GrammarFault:
+        what = f"exceeded its per-step limit after {len(req.output_ids)} tokens"
+        return self.fault(req, what, engine)
+
+    def charge(self, req: Req, seconds: float) -> None:
+        self.spent[id(req)] = self.spent.get(id(req), 0.0) + seconds
 
     def advance(
-        self, reqs: Sequence[Req], tokens: Sequence[int], errors: dict[int, str]
+        self, reqs: Sequence[Req], tokens: Sequence[int], errors: StepErrors
     ) -> tuple[set[int], dict[int, list[int]]]:
         """Entry rank, after sampling: move each constrained request's matcher by its token,
         then by the tokens its grammar forces next (jump-forward: row -> those tokens, which
@@ -141,15 +211,23 @@ class GrammarStates:
             matcher = self.matchers.get(id(req))
             if matcher is None or i in errors:
                 continue
-            if not matcher.accept_token(int(token)):
-                errors[i] = f"the grammar refused sampled token {int(token)}"
-            elif matcher.error():
-                errors[i] = f"grammar engine error: {matcher.error()}"
+            start = time.thread_time()
+            if problem := self.accept(req, matcher, int(token)):
+                errors[i] = problem
             elif not matcher.is_terminated() and (run := self.forced_run(req, matcher)):
                 forced[i] = run
+            self.charge(req, time.thread_time() - start)
             if i not in errors and matcher.is_terminated():
                 ended.add(i)
         return ended, forced
+
+    def accept(self, req: Req, matcher: GrammarMatcher, token: int) -> str | GrammarFault:
+        """Move the matcher by a sampled token: "" when it took it, else why its request fails
+        (an engine limit hit while taking it is the grammar's fault; a refused token, ours)."""
+        accepted = matcher.accept_token(token)
+        if problem := matcher.error():
+            return self.limit_fault(req, problem)
+        return "" if accepted else f"the grammar refused sampled token {token}"
 
     def forced_run(self, req: Req, matcher: GrammarMatcher) -> list[int]:
         """The tokens the grammar forces after the one just accepted (llguidance's forced
@@ -175,10 +253,11 @@ class GrammarStates:
         self.matchers.pop(id(req), None)
         self._futures.pop(id(req), None)
         self.ready.discard(id(req))
+        self.spent.pop(id(req), None)
 
     def held(self) -> int:
         """Requests with grammar state (entry rank: matchers or compiles; any rank: ready)."""
-        return len(self.ready | self.matchers.keys() | self._futures.keys())
+        return len(self.ready | self.matchers.keys() | self._futures.keys() | self.spent.keys())
 
     def close(self) -> None:
         if self._compiler is not None:

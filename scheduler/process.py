@@ -33,6 +33,7 @@ from runtime.transport.broadcast import broadcast_frames, release_loaded
 from runtime.transport.frames import Frame, from_frames
 from runtime.transport.shm import local_shm_dir
 from scheduler.encoder_cache import EncoderCache
+from scheduler.grammar_state import GrammarBudget
 from scheduler.input_checks import load_test_faults
 from scheduler.model_runner import ModelRunner, kv_layout
 from scheduler.radix_cache import RadixCache
@@ -115,6 +116,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
         enable_mixed_chunk=args.enable_mixed_chunk,
         max_encoder_patches_per_step=args.max_encoder_patches_per_step,
         enable_jump_forward=not args.disable_jump_forward,
+        grammar_budget=GrammarBudget(args.grammar_ms_per_token),
         enable_overlap=args.overlap_schedule,
         vocab_size=model.config.text.vocab_size,
         media_token_ids={

@@ -65,6 +65,7 @@ class Req:
     retractions: int = 0
     encoder_pins: frozenset[int] = frozenset()  # items pinned in the encoder cache mid-prefill
     refused: bool = False  # its error finish is a refusal (the client's to fix), not a fault
+    refused_param: str | None = None  # the request field a refusal names
     clock: StageClock = field(default_factory=lambda: StageClock(time.perf_counter()))
     sampling: SamplingState | None = None  # what its penalties and bad words need, kept per token
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # entry rank, if it asked
@@ -190,7 +191,7 @@ class Req:
         if self.finish != FinishKind.ERROR:
             return Finish(self.finish, self.finish_detail)
         if self.refused:
-            return Finish.error(self.finish_detail, 400, "request_refused")
+            return Finish.error(self.finish_detail, 400, "request_refused", self.refused_param)
         return Finish.error(self.finish_detail)
 
     def abort(self, reason: FinishKind = FinishKind.ABORT, detail: str = "") -> None:

@@ -25,7 +25,7 @@ import torch
 
 from runtime.allocator import frozen_startup_objects
 from runtime.distributed import TPGroup
-from runtime.grammar import apply_bitmask
+from runtime.grammar import GrammarFault, apply_bitmask
 from runtime.io_struct import (
     AbortReq,
     FinishKind,
@@ -48,7 +48,7 @@ from runtime.token_budget import TokenBudget
 from scheduler.batch import PrefillBatch
 from scheduler.cache import CacheManager
 from scheduler.encoder_cache import EncoderCache
-from scheduler.grammar_state import CompilerFactory, GrammarStates
+from scheduler.grammar_state import CompilerFactory, GrammarBudget, GrammarStates, StepErrors
 from scheduler.input_checks import RequestFaults, check_inputs
 from scheduler.model_runner import ModelRunner
 from scheduler.overlap import InFlight, OverlapDecoder, continues
@@ -75,6 +75,7 @@ class SchedulerConfig:
     # vision patches one prefill step may encode past its first media request; 0: no bound
     max_encoder_patches_per_step: int = 0
     enable_jump_forward: bool = True  # tokens a grammar forces are computed as one extend
+    grammar_budget: GrammarBudget = GrammarBudget()  # what one request's grammar may cost
     vocab_size: int = 2**31  # token ids a request may name (logit_bias, allowed_token_ids)
     media_token_ids: dict[str, int] = field(default_factory=dict)  # modality -> placeholder id
     enable_overlap: bool = False  # launch a decode step before reading the last one's tokens
@@ -111,7 +112,9 @@ class Scheduler:
         # an ordered set by identity (invariant 12): a reused rid never hides another's output
         self._touched: dict[Req, None] = {}
         self._was_idle = True
-        self.grammar = GrammarStates(tp, grammar_compiler, cfg.enable_jump_forward)
+        self.grammar = GrammarStates(
+            tp, grammar_compiler, cfg.enable_jump_forward, cfg.grammar_budget
+        )
         self.faults = faults
         overlap = cfg.enable_overlap and faults is None
         self.overlap = OverlapDecoder(runner, sampler) if overlap else None
@@ -551,17 +554,20 @@ class Scheduler:
             self.counters.generated_tokens += 1
             self.counters.forced_tokens += 1
 
-    def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], dict[int, str]]:
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], StepErrors]:
+        """Each row's token; a row whose grammar failed at its mask fill, or that cannot be
+        sampled, maps to why in the errors (its token is thrown away)."""
         params = [r.params for r in reqs]
         steps = [len(r.token_ids) - r.prompt_len for r in reqs]
-        mask = self.grammar.mask(reqs, logits.shape[-1])
+        mask, faults = self.grammar.mask(reqs, logits.shape[-1])
         if mask is not None:
             logits = logits.clone()
             apply_bitmask(logits, mask)
-        if not any(p.uses_controls for p in params):
-            return self.sampler.sample_safe(logits, params, steps)
-        controls = RowControls([r.sampling for r in reqs], [r.stop_ids for r in reqs])
-        return self.sampler.sample_safe(logits, params, steps, controls)
+        controls = None
+        if any(p.uses_controls for p in params):
+            controls = RowControls([r.sampling for r in reqs], [r.stop_ids for r in reqs])
+        tokens, errors = self.sampler.sample_safe(logits, params, steps, controls)
+        return tokens, {**errors, **faults}
 
     # ------------------------------------------------------------------ fault isolation
     def isolate(self, reqs: list[Req]) -> list[Req]:
@@ -604,9 +610,12 @@ class Scheduler:
         flags = self.tp.all_reduce_cpu(flags, op="max")
         return {i: int(f) - 1 for i, f in enumerate(flags.tolist()) if f}
 
-    def fail(self, req: Req, detail: str) -> None:
-        """End the request with an error; free its slot, pins and KV without caching its KV."""
-        req.abort(FinishKind.ERROR, detail)
+    def fail(self, req: Req, why: str | GrammarFault) -> None:
+        """End the request with an error; free its slot, pins and KV without caching its KV.
+        A grammar fault is the client's: a refusal naming the constraint's field (a 400)."""
+        if isinstance(why, GrammarFault):
+            req.refused, req.refused_param, why = True, why.param, why.detail
+        req.abort(FinishKind.ERROR, why)
         self.counters.failed += 1
         self.waiting = [r for r in self.waiting if r is not req]
         self.running = [r for r in self.running if r is not req]

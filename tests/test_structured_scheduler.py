@@ -54,10 +54,16 @@ def tokenizer(folder: Path):
 
 
 def make_scheduler(
-    folder: Path, model, kv_tokens: int = 8000, jump_forward: bool = True, mixed: bool = False
+    folder: Path,
+    model,
+    kv_tokens: int = 8000,
+    jump_forward: bool = True,
+    mixed: bool = False,
+    grammar_ms_per_token: float = 10.0,
 ) -> Scheduler:
     args = ServerArgs(
         disable_jump_forward=not jump_forward,
+        grammar_ms_per_token=grammar_ms_per_token,
         enable_mixed_chunk=mixed,
         model_path=str(folder),
         device="cpu",
@@ -198,6 +204,41 @@ def test_abort_and_invalid_grammar_free_their_state(folder, model) -> None:
     assert "regex" in finish.detail
 
 
+# Every split of a run of a's and b's is a parse: the engine's rows grow with each token until
+# a per-step limit is hit (issue 57); an unconstrained neighbour must not notice.
+AMBIGUOUS = 'root ::= s\ns ::= s s | s s s | s s s s | "a" | "b"'
+
+
+def test_an_ambiguous_grammar_ends_at_the_engines_limit_as_a_400(folder, model) -> None:
+    scheduler = make_scheduler(folder, model)
+    free = request("free", None, ignore_eos=True, max_new_tokens=40)
+    alone = run(scheduler, [free])[("free", 0)][0]
+    spec = GrammarSpec("ebnf", AMBIGUOUS, "guided_grammar")
+    greedy = request("amb", spec, min_tokens=300, max_new_tokens=300)
+    sampled = request("amb-t1", spec, temperature=1.0, seed=3, min_tokens=300, max_new_tokens=300)
+    outputs = run(scheduler, [greedy, sampled, free])
+    for rid in ("amb", "amb-t1"):
+        tokens, finish = outputs[(rid, 0)]
+        assert finish.kind == FinishKind.ERROR and finish.status == 400, finish
+        assert finish.param == "guided_grammar"
+        assert f"per-step limit after {len(tokens)} tokens" in finish.detail
+        assert 0 < len(tokens) < 100  # at the step the engine gave up, not after 300
+    assert outputs[("free", 0)][0] == alone
+    assert outputs[("free", 0)][1].kind == FinishKind.LENGTH
+
+
+def test_a_grammar_over_its_time_budget_ends_alone_as_a_400(folder, model) -> None:
+    scheduler = make_scheduler(folder, model, grammar_ms_per_token=1e-6)
+    free = request("free", None, ignore_eos=True, max_new_tokens=20)
+    spec = GrammarSpec.json_schema(SCHEMAS[0], "response_format")
+    outputs = run(scheduler, [request("costly", spec), free])
+    tokens, finish = outputs[("costly", 0)]
+    assert finish.kind == FinishKind.ERROR and finish.status == 400, finish
+    assert finish.param == "response_format" and "budget" in finish.detail
+    assert tokens == []  # its first mask is already over a budget this small
+    assert len(outputs[("free", 0)][0]) == 20
+
+
 def test_two_ranks_take_rank_zeros_grammar_decisions(folder, tokenizer) -> None:
     """Only rank 0 holds matchers: the other rank admits, stops and fails as it says (its
     tokens, the compiles it reports, the grammars that ended), and both end idle and clean."""
@@ -214,6 +255,8 @@ def test_two_ranks_take_rank_zeros_grammar_decisions(folder, tokenizer) -> None:
     ]
     reqs.append(request("tbad", GrammarSpec("regex", "(unclosed", "regex")))
     reqs.append(request("tfree", None, max_new_tokens=20, ignore_eos=True))
+    ambiguous = GrammarSpec("ebnf", AMBIGUOUS, "guided_grammar")
+    reqs.append(request("tamb", ambiguous, min_tokens=300, max_new_tokens=300))
     with SchedulerHarness(args) as harness:
         results = harness.generate(reqs)
         info = harness.info()
@@ -223,6 +266,9 @@ def test_two_ranks_take_rank_zeros_grammar_decisions(folder, tokenizer) -> None:
         text = tokenizer.decode([t for t in out["tokens"] if t not in (tokenizer.eos_token_id,)])
         jsonschema.validate(json.loads(text), SCHEMAS[i])
     assert results["tbad"]["finish"]["status"] == 400
+    amb = results["tamb"]["finish"]  # failed on rank 0's word, on both ranks alike
+    assert amb["status"] == 400 and amb["param"] == "guided_grammar", amb
+    assert len(results["tamb"]["tokens"]) < 100
     assert len(results["tfree"]["tokens"]) == 20
     assert info.kv_free + info.kv_evictable == info.kv_total
 

@@ -17,6 +17,7 @@ from test_openai_sampling import OneRankServer
 from test_server import Server, client, serve_then_check_teardown
 from test_tools import TOOLS_TEMPLATE
 from think_tokens import add_think_tokens
+from waits import wait_until
 
 from runtime.tiny_checkpoint import make_checkpoint
 
@@ -166,6 +167,52 @@ def test_sglang_invalid_schema_is_a_400_and_nothing_leaks(server) -> None:
     info = httpx.get(server.url + "/server_info", timeout=30).json()
     assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
     assert info["running"] == 0 and info["waiting"] == 0
+
+
+# Every split of a run of a's and b's is a parse: the engine gives up tens of tokens in.
+AMBIGUOUS = 'root ::= s\ns ::= s s | s s s | s s s s | "a" | "b"'
+
+
+def server_idle(server: Server) -> bool:
+    info = httpx.get(server.url + "/server_info", timeout=30).json()
+    idle = info["running"] == 0 and info["waiting"] == 0
+    return idle and info["kv_free"] + info["kv_evictable"] == info["kv_total"]
+
+
+def test_a_grammar_the_engine_gives_up_on_is_a_400_naming_it(server) -> None:
+    body = {"prompt": "hi", "guided_grammar": AMBIGUOUS, "min_tokens": 300, "max_tokens": 300}
+    resp = post(server, "/v1/completions", {"temperature": 0, **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "guided_grammar", error
+    assert "per-step limit after" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert wait_until(lambda: server_idle(server))
+
+
+def test_a_streamed_grammar_the_engine_gives_up_on_ends_with_an_error_event(server) -> None:
+    body = {
+        "model": "qwen2_vl",
+        "messages": [{"role": "user", "content": "hi"}],
+        "structured_outputs": {"grammar": AMBIGUOUS},
+        "min_tokens": 300,
+        "max_tokens": 300,
+        "stream": True,
+    }
+    url = server.url + "/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["param"] == "structured_outputs.grammar", error
+    assert "per-step limit after" in error["message"]
+    text = "".join(
+        chunk["choices"][0]["delta"].get("content") or ""
+        for chunk in map(json.loads, (line.removeprefix("data: ") for line in lines[:-2]))
+    )
+    assert text and set(text) <= {"a", "b"}  # what the grammar allowed until it gave up
+    assert wait_until(lambda: server_idle(server))
 
 
 TOOLS = [

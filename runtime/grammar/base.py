@@ -37,6 +37,15 @@ class GrammarError(ValueError):
 
 
 @dataclass(frozen=True)
+class GrammarFault:
+    """A constraint that ends its request mid-decode (no token satisfies it, or the engine gave
+    up at one of its limits): the client's fault, a 400 naming `param`, its request's alone."""
+
+    detail: str
+    param: str | None = None
+
+
+@dataclass(frozen=True)
 class ThinkSection:
     """The thinking section a reasoning model writes before the constrained part of its reply
     (`--reasoning-parser`): `end_id` is `</think>`; with `start_id` (the qwen3 rule) the reply

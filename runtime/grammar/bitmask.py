@@ -1,14 +1,16 @@
 """Token bitmasks for a batch: one int32 row per constrained request, one bit per token.
 
-`fill_batch` writes the rows of the requests that have a matcher; `apply_bitmask` sets every
-forbidden logit of those rows to -inf in one vectorised operation. A batch with no matcher gets
-None from `fill_batch` and `apply_bitmask` returns at once: unconstrained batches pay nothing.
+`fill_batch` writes the rows of the requests that have a matcher (and the CPU time each row's
+fill took); `apply_bitmask` sets every forbidden logit of those rows to -inf in one vectorised
+operation. A batch with no matcher gets None from `fill_batch` and `apply_bitmask` returns at
+once: unconstrained batches pay nothing.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,10 +29,18 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 @dataclass
 class BatchMask:
-    """`bitmask[i]` is the mask of logits row `rows[i]` (rows ascending, each once)."""
+    """`bitmask[i]` is the mask of logits row `rows[i]` (rows ascending, each once); `fill_s[i]`
+    the thread CPU seconds its fill took."""
 
     bitmask: torch.Tensor
     rows: torch.Tensor
+    fill_s: list[float] = field(default_factory=list)
+
+    def allows_any(self, slot: int) -> bool:
+        return bool(self.bitmask[slot].any())
+
+    def allow_all(self, slot: int) -> None:
+        self.bitmask[slot].fill_(-1)
 
 
 def fill_batch(matchers: Sequence[GrammarMatcher | None], vocab_size: int) -> BatchMask | None:
@@ -38,12 +48,14 @@ def fill_batch(matchers: Sequence[GrammarMatcher | None], vocab_size: int) -> Ba
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
-    bitmask = allocate_bitmask(len(rows), vocab_size)
+    bitmask, fill_s = allocate_bitmask(len(rows), vocab_size), []
     for slot, row in enumerate(rows):
         matcher = matchers[row]
         assert matcher is not None
+        start = time.thread_time()
         matcher.fill_bitmask(bitmask, slot)
-    return BatchMask(bitmask, torch.tensor(rows, dtype=torch.long))
+        fill_s.append(time.thread_time() - start)
+    return BatchMask(bitmask, torch.tensor(rows, dtype=torch.long), fill_s)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -27,12 +27,18 @@ from runtime.grammar.base import (
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """Bounds on one grammar's size and on the work one compile or one mask may take."""
+    """Bounds on one grammar's size and on the work one compile or one mask may take.
+
+    `step_max_items` bounds one mask fill's Earley items. An item's cost grows with the rows
+    an ambiguous grammar builds, so the bound is far below the engine's own (50,000): at 2,000
+    an ambiguous grammar's worst fill measured ~25 ms (at 50,000: ~600 ms, for 160 tokens),
+    while the JSON schemas, tool grammars, regexes and choices tested need well under it, on
+    a 151k-token vocabulary too. A matcher past a limit is in an error state (`error()`)."""
 
     max_grammar_size: int = 200_000
     initial_lexer_fuel: int = 1_000_000
     step_lexer_fuel: int = 200_000
-    step_max_items: int = 50_000
+    step_max_items: int = 2_000
     max_lexer_states: int = 100_000
 
     def to_llguidance(self) -> llguidance.LLParserLimits:
@@ -84,7 +90,9 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._accepted
 
     def error(self) -> str | None:
-        return short_message(self._m.get_error()) if self._m.is_error() else None
+        if not self._m.is_error():
+            return None
+        return short_message(self._m.get_error().replace("<non-verbose/>", ""))
 
 
 def complete_utf8(data: bytes) -> str:

@@ -33,6 +33,7 @@ def finish_error(out: StrOutput) -> APIError | None:
     return APIError(
         finish.detail or "the request failed",
         status=status,
+        param=finish.param,
         code=finish.code or ("request_refused" if status < 500 else "internal_error"),
     )
 
