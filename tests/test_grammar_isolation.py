@@ -148,6 +148,7 @@ async def refusal_of(check: GrammarCheck, spec: GrammarSpec) -> APIError:
 def test_a_compile_that_kills_its_worker_is_a_cached_400(folder: str) -> None:
     async def body(check: GrammarCheck) -> None:
         await check.check(GrammarSpec("regex", "[0-9]+", "regex"))
+        assert wait_until(lambda: len(all_pids(check)) == 3), "the workers did not start"
         before = all_pids(check)
         hostile = GrammarSpec("ebnf", lark_chain(7000), "guided_grammar")  # past 16 MiB of stack
         error = await refusal_of(check, hostile)
