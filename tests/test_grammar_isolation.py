@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from grammar_cases import SCHEMAS
-from grammar_hostile import lark_chain, nested_arrays, ref_chain, slow_gbnf
+from hostile_inputs import lark_chain, nested_arrays, ref_chain, slow_gbnf
 from test_openai_sampling import OneRankServer
 from test_server import Server, serve_then_check_teardown
 from waits import wait_until
@@ -55,7 +55,7 @@ from runtime.grammar import CompileLimits, GrammarCompiler, GrammarSpec, Structu
 from runtime.grammar import make_backend
 from runtime.tiny_checkpoint import build_tokenizer
 sys.path.insert(0, "tests")
-from grammar_hostile import lark_chain
+from hostile_inputs import lark_chain
 tok = build_tokenizer()
 backend = make_backend("llguidance", tok.to_str(), 512, [tok.token_to_id("<|im_end|>")])
 spec = GrammarSpec("ebnf", lark_chain(int(sys.argv[1])))

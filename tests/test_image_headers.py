@@ -12,6 +12,7 @@ import struct
 import zlib
 
 import pytest
+from hostile_inputs import jpeg, padded_jpeg
 from PIL import Image
 from test_mm_processor import record_fetch_threads
 
@@ -21,20 +22,6 @@ from tokenizer_manager.image_headers import INLINE_HEADER_PIECES, MAX_HEADER_PIE
 from tokenizer_manager.media import MediaError, MediaLimits, open_image
 from tokenizer_manager.media_types import MediaRef
 from tokenizer_manager.mm_processor import AsyncMMDataProcessor
-
-EMPTY_APP0 = b"\xff\xe0\x00\x02"
-
-
-def jpeg(size: tuple[int, int] = (32, 24), **save: object) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, (200, 30, 10)).save(buf, "JPEG", **save)
-    return buf.getvalue()
-
-
-def padded_jpeg(segments: int) -> bytes:
-    """A valid JPEG with `segments` empty APP0 segments after its start marker."""
-    data = jpeg()
-    return data[:2] + EMPTY_APP0 * segments + data[2:]
 
 
 def png_with_chunks(chunks: int) -> bytes:

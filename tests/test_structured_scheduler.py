@@ -11,6 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from grammar_cases import CHOICES, REGEXES, SCHEMAS
+from hostile_inputs import AMBIGUOUS
 from scheduler_harness import SchedulerHarness
 from think_tokens import add_think_tokens
 from transformers import AutoTokenizer
@@ -206,7 +207,6 @@ def test_abort_and_invalid_grammar_free_their_state(folder, model) -> None:
 
 # Every split of a run of a's and b's is a parse: the engine's rows grow with each token until
 # a per-step limit is hit (issue 57); an unconstrained neighbour must not notice.
-AMBIGUOUS = 'root ::= s\ns ::= s s | s s s | s s s s | "a" | "b"'
 
 
 def test_an_ambiguous_grammar_ends_at_the_engines_limit_as_a_400(folder, model) -> None:

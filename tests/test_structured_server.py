@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import pytest
 from grammar_cases import CHOICES, EBNF, EBNF_PATTERN, REGEXES, SCHEMAS
+from hostile_inputs import AMBIGUOUS
 from test_openai_sampling import OneRankServer
 from test_server import Server, client, serve_then_check_teardown
 from test_tools import TOOLS_TEMPLATE
@@ -170,7 +171,6 @@ def test_sglang_invalid_schema_is_a_400_and_nothing_leaks(server) -> None:
 
 
 # Every split of a run of a's and b's is a parse: the engine gives up tens of tokens in.
-AMBIGUOUS = 'root ::= s\ns ::= s s | s s s | s s s s | "a" | "b"'
 
 
 def server_idle(server: Server) -> bool:

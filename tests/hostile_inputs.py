@@ -1,10 +1,15 @@
-"""Hostile constraints built in code (issue 57): chains that make the engine recurse once per
-link, a schema nested past its JSON parser's depth, and slow but valid GBNF grammars."""
+"""Hostile inputs built in code (issue 57), for the tests and `scripts/stress.py --attacks`:
+chains that make the grammar engine recurse once per link, a schema nested past its JSON
+parser's depth, slow but valid GBNF grammars, a grammar whose parse grows without bound while
+decoding, and image headers padded with thousands of empty pieces."""
 
 from __future__ import annotations
 
+import io
 import random
 from typing import Any
+
+from PIL import Image
 
 
 def lark_chain(links: int) -> str:
@@ -34,3 +39,22 @@ def slow_gbnf(links: int, seed: int) -> str:
     words = ["".join(rng.choice("abcdefghij") for _ in range(4)) for _ in range(links)]
     rules = [f'r{i} ::= "{w}" | [a-z] r{i + 1}' for i, w in enumerate(words)]
     return "\n".join(["root ::= r0", *rules, f'r{links} ::= "x"'])
+
+
+AMBIGUOUS = 'root ::= s\ns ::= s s | s s s | s s s s | "a" | "b"'
+"""Every string of a's and b's parses in exponentially many ways: the engine's parser rows
+grow with each token until its per-step limit ends the request."""
+
+EMPTY_APP0 = b"\xff\xe0\x00\x02"  # a JPEG APP0 marker whose length counts only itself
+
+
+def jpeg(size: tuple[int, int] = (32, 24), **save: object) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (200, 30, 10)).save(buf, "JPEG", **save)
+    return buf.getvalue()
+
+
+def padded_jpeg(segments: int) -> bytes:
+    """A valid JPEG with `segments` empty APP0 segments after its start marker."""
+    data = jpeg()
+    return data[:2] + EMPTY_APP0 * segments + data[2:]
