@@ -61,6 +61,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -71,7 +72,7 @@ from typing import Any, NamedTuple
 import aiohttp
 import httpx
 import numpy as np
-from bench_vs_reference import STARTED_CHILD, Server, make_server, proc_stat, process_tree
+from bench_vs_vllm import STARTED_CHILD, Server, proc_stat, process_tree, tessera_server
 from PIL import Image
 
 DEFAULT_SERVERS = ["cache-on=--tp 1", "cache-off=--tp 1 --mm-processor-cache-gb 0"]
@@ -453,6 +454,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", type=Path, default=Path("bench_multiturn_logs"))
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
+
+
+def make_server(spec: str, model_path: str, log_dir: Path) -> Server:
+    """`NAME=LAUNCH ARGS`: a tessera server named NAME started with those flags."""
+    name, _, flags = spec.partition("=")
+    return tessera_server(name, shlex.split(flags), model_path, log_dir)
 
 
 def run_servers(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -20,6 +20,14 @@ Greedy outputs of both engines are compared at batch 1 and reported (`greedy_mat
 `--temperature T` (above 0) has tessera's requests sample instead (unseeded, as most clients): a
 sampled decode step's cost, with or without overlap; HF is then not run (its greedy tokens are
 not comparable).
+
+`--varlen-attention` runs only the vision towers' segment attention on a GPU: the Triton kernel
+at several tile sizes against the torch path (equal-length segments batched into
+scaled_dot_product_attention), at the shapes of Qwen2.5-VL-7B's tower on `--varlen-images`
+448x448 images (1024 patches each, 16 heads of 80; windowed blocks attend inside 64-patch
+windows, full blocks over each image's 1024 patches). Each variant's output is checked against
+the torch path and timed with CUDA events: milliseconds and the attention's TFLOP/s
+(4 * length^2 * width per segment).
 """
 
 from __future__ import annotations
@@ -54,6 +62,9 @@ from tokenizer_manager.multimodal_inputs import PreparedMedia  # noqa: E402
 from tokenizer_manager.tokenizer_manager import TokenizerManager  # noqa: E402
 from vision.qwen2_5_vl_vit import window_index  # noqa: E402
 from vision.vit_common import frame_cu_seqlens  # noqa: E402
+
+VARLEN_TILES = ((32, 32), (64, 32), (64, 64), (128, 64))
+VARLEN_HEADS, VARLEN_HEAD_DIM, VARLEN_PATCHES = 16, 80, 1024
 
 PROMPT = "Describe this picture in detail, then say what might happen next."
 
@@ -272,6 +283,63 @@ def profile_vision(
 # ---------------------------------------------------------------- HF transformers
 
 
+def cuda_ms(fn, repeat: int) -> float:
+    """Milliseconds per call on CUDA events, after one untimed call."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
+def varlen_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Any) -> dict:
+    """The torch path and the Triton kernel at each tile size, as calls on the same inputs."""
+    from kernels.attention.varlen import varlen_attention
+    from kernels.triton.varlen_attention import varlen_attention as triton_varlen
+
+    scale = VARLEN_HEAD_DIM**-0.5
+    variants = {"torch sdpa": lambda: varlen_attention(q, k, v, segments, scale)}
+    for bm, bn in VARLEN_TILES:
+        variants[f"triton {bm}x{bn}"] = lambda bm=bm, bn=bn: triton_varlen(
+            q, k, v, segments, scale, bm, bn
+        )
+    return variants
+
+
+def varlen_attention_bench(images: int, repeat: int) -> dict[str, Any]:
+    """Every variant on windowed and on full segments: ms, TFLOP/s and the error against torch."""
+    from kernels.attention.varlen import Segments
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_offline --varlen-attention: needs a CUDA device")
+    tokens = images * VARLEN_PATCHES
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (3, tokens, VARLEN_HEADS, VARLEN_HEAD_DIM)
+    q, k, v = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16).unbind(0)
+    results = {"device": torch.cuda.get_device_name(), "tokens": tokens, "rows": []}
+    for kind, length in (("window", 64), ("full", VARLEN_PATCHES)):
+        segments = Segments.build(torch.arange(0, tokens + 1, length, dtype=torch.int32), "cuda")
+        flops = 4.0 * VARLEN_HEAD_DIM * VARLEN_HEADS * length * length * (tokens // length)
+        variants = varlen_variants(q, k, v, segments)
+        ref = variants["torch sdpa"]().float()
+        for name, fn in variants.items():
+            row = {"segments": kind, "variant": name}
+            try:
+                err = float((fn().float() - ref).abs().max())
+                ms = cuda_ms(fn, repeat)
+                row |= {"ms": round(ms, 3), "tflop_s": round(flops / ms / 1e9, 1),
+                        "max_abs_err": err}  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a row
+                row["error"] = repr(exc)[:200]
+            results["rows"].append(row)
+            print(row, flush=True)
+    return results
+
+
 def run_hf(model: Any, prompts: list[Prompt], args: argparse.Namespace) -> dict[str, Any]:
     inputs = hf_inputs(model, prompts, args.device, model.dtype)
     eos = model.generation_config.eos_token_id
@@ -414,6 +482,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="profile one vision-tower call over every prompt's image (CUDA only)")
     p.add_argument("--profile-dir", default=None,
                    help="where the profile's op tables and Chrome trace go (default: none)")
+    p.add_argument("--varlen-attention", action="store_true",
+                   help="only time the vision towers' segment attention kernels (CUDA only)")
+    p.add_argument("--varlen-images", type=int, default=32, help="--varlen-attention's images")
+    p.add_argument("--varlen-repeat", type=int, default=10, help="--varlen-attention's calls")
     args = p.parse_args(argv)
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     if args.temperature < 0:
@@ -582,6 +654,11 @@ def print_table(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.varlen_attention:
+        results = varlen_attention_bench(args.varlen_images, args.varlen_repeat)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return results
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model_path
         if model_path is None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the constraints are the tests' data
 
 from grammar_cases import SCHEMAS  # noqa: E402
 

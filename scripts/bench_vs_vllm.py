@@ -1,4 +1,5 @@
-"""tessera against vLLM's CPU build on the same checkpoint, side by side, in alternating rounds.
+"""tessera against a peer (vLLM's CPU build or plain transformers) on the same checkpoint, side by
+side, in alternating rounds, with each server's CPU per request.
 
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --preset hd64 --out /tmp/hd64
     python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --rounds 3 --json hd64.json --md hd64.md
@@ -6,6 +7,13 @@
     python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --greedy-check   # text vs transformers
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --preset vit-hd64 --out /tmp/vit-hd64
     python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --tp2-model-path /tmp/vit-hd64
+    python scripts/bench_vs_vllm.py --peer transformers --model-path /tmp/tiny --workload image1
+    python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --group variants \
+        --variant "base@../main=" --workload decode      # this checkout against another one
+
+The peer is vLLM unless --peer transformers: then it is scripts/hf_reference_server.py (HF
+`generate` behind the same chat API, one request at a time) and the tp2 group compares both of
+tessera's encoder modes against it.
 
 vLLM runs from its own virtualenv (--vllm-python, default /tmp/vllm-venv/bin/python, built by
 `../shared/tools/setup_vllm_cpu.sh`); this project's venv never imports it. Only one server runs
@@ -18,7 +26,7 @@ streaming runner and metrics), at temperature 0 with ignore_eos, so both generat
 number of tokens.
 
 Groups and workloads (--quick: 4 requests each, at most 8 output tokens, 1 round):
-  tp1   tessera (`launch.py`, defaults) against vLLM (defaults)
+  tp1   tessera (`launch.py`, defaults) against the peer (defaults)
         image1        32 chats of one image (448x448 or 224x336), 32 words, 32 tokens, 16 at a time
         images3       16 chats of three images (224 to 448 px), 16 words, 16 tokens, 8 at a time
         shared-image  32 chats on one shared 448x448 image, 32 words, 16 tokens, 16 at a time
@@ -36,11 +44,15 @@ Groups and workloads (--quick: 4 requests each, at most 8 output tokens, 1 round
   variants  (only when named) tessera with its defaults against tessera with the flags of each
         `--variant NAME=FLAGS`, on the tp1 workloads, ratios variant / defaults; e.g.
         --group variants --variant "mixed-b1024=--enable-mixed-chunk
-        --max-encoder-patches-per-step 1024" --workload mixed
+        --max-encoder-patches-per-step 1024" --workload mixed; `--variant NAME@DIR=FLAGS`
+        starts the launch.py of the checkout at DIR instead of this one's
 
 Per workload and server the report gives the median over rounds of requests/s, output tokens/s,
-TTFT and ITL p50/p99, and the ratio of each pair's medians (tessera / vLLM; within one server,
-DP / TP). --json writes every run and the summary; --md writes the markdown tables.
+TTFT and ITL p50/p99, and the ratio of each pair's medians (tessera / peer; within one server,
+DP / TP), and, read from /proc around each measured run, the CPU per request of the server's
+main process and of its whole process tree and the minor page faults of tessera's rank 0
+scheduler. --cpus-per-server N runs the server on N CPUs of its own and the client on the rest.
+--json writes every run and the summary; --md writes the markdown tables.
 
 --greedy-check sends a fixed set of text and image chats (greedy, no ignore_eos) to each server
 in turn, then runs transformers' own `generate` on the same checkpoint (the reference server's
@@ -59,14 +71,17 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
+import socket
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +94,11 @@ sys.path.insert(0, str(ROOT))
 
 import bench_serving  # noqa: E402
 from bench_serving import BenchRequest, Workload  # noqa: E402
-from bench_vs_reference import Server  # noqa: E402
 
-TESSERA, VLLM = "tessera", "vllm"
+from runtime.cpus import usable_cpus  # noqa: E402
+
+TESSERA, VLLM, TRANSFORMERS = "tessera", "vllm", "transformers"
+PEERS = (VLLM, TRANSFORMERS)
 DEFAULT_VLLM_PYTHON = "/tmp/vllm-venv/bin/python"
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "4",
@@ -91,6 +108,148 @@ QUICK_PROMPTS = 4
 QUICK_OUTPUT_LEN = 8
 WARMUP_SEED_OFFSET = 1_000_000
 ROUND_SEED_STEP = 1_000
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+STOP_GRACE_S = 30.0
+STARTED_CHILD = re.compile(r"started (\S+) \(pid (\d+)\)")
+
+
+# ---------------------------------------------------------------- the harness: /proc, servers
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    cpu_s: float
+    minor_faults: int
+
+
+def proc_stat(pid: int) -> ProcStat:
+    """CPU seconds (user + system) and minor faults of one process; zeros once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ProcStat(0.0, 0)
+    fields = text.rsplit(")", 1)[1].split()  # the fields after the command name
+    return ProcStat((int(fields[11]) + int(fields[12])) / CLOCK_TICKS, int(fields[7]))
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live descendant of it."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo.extend(int(child) for child in task.read_text().split())
+            except OSError:
+                continue
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    log: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    cpus: list[int] | None = None  # its own CPUs (with --cpus-per-server), inherited by children
+    env: dict[str, str] = field(default_factory=dict)  # set over the inherited environment
+    cwd: Path = ROOT
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        argv = [*self.argv, "--port", str(self.port)]
+        if self.cpus is not None:
+            argv = ["taskset", "--cpu-list", ",".join(map(str, self.cpus)), *argv]
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                argv, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited while starting; see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready in {timeout_s:.0f} s; see {self.log}")
+
+    def scheduler_pid(self) -> int | None:
+        """TP rank 0's scheduler, from the launcher's log; None for the reference server."""
+        for name, pid in STARTED_CHILD.findall(self.log.read_text()):
+            if name == "scheduler-TP0":
+                return int(pid)
+        return None
+
+    def costs(self) -> dict[str, float]:
+        main = proc_stat(self.proc.pid)
+        tree = [proc_stat(pid) for pid in process_tree(self.proc.pid)]
+        sched = self.scheduler_pid()
+        return {
+            "main_cpu_s": main.cpu_s,
+            "tree_cpu_s": sum(s.cpu_s for s in tree),
+            "scheduler_minor_faults": proc_stat(sched).minor_faults if sched else 0,
+        }
+
+    def stop(self) -> None:
+        """End the whole process group: also children left behind when the leader already exited
+        (a server that spawns engine or rank processes); SIGKILL what outlives the grace period."""
+        if self.proc is None:
+            return
+        signal_group(self.proc.pid, signal.SIGINT)
+        if not self.wait_group_gone(STOP_GRACE_S):
+            signal_group(self.proc.pid, signal.SIGKILL)
+            self.wait_group_gone(STOP_GRACE_S)
+        self.proc.wait()  # the leader is gone or a zombie by now: reap it
+
+    def wait_group_gone(self, timeout_s: float) -> bool:
+        """Reap the leader and wait until no process of its group runs; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.proc.poll()
+            if not group_alive(self.proc.pid):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still runs (a zombie leader does not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 # ---------------------------------------------------------------- workloads (pure)
@@ -158,8 +317,9 @@ def build_requests(scenario: Scenario, seed: int, stream: int) -> list[BenchRequ
 @dataclass(frozen=True)
 class ServerSpec:
     name: str
-    kind: str  # TESSERA or VLLM
+    kind: str  # TESSERA, VLLM or TRANSFORMERS
     flags: tuple[str, ...] = ()
+    checkout: str | None = None  # a tessera server from another checkout's launch.py
 
 
 @dataclass(frozen=True)
@@ -167,45 +327,50 @@ class Group:
     servers: tuple[ServerSpec, ...]
     scenarios: tuple[str, ...]
     pairs: tuple[tuple[str, str], ...]  # (numerator, denominator) of each ratio
+    checkpoint: str = "model_path"  # the argument naming the group's checkpoint
 
 
+TP1_SCENARIOS = ("image1", "images3", "shared-image", "decode", "long-prompt", "mixed")
+TESSERA_TP2 = (
+    ServerSpec("tessera-tp2-dp", TESSERA, ("--tp", "2", "--mm-enable-dp-encoder")),
+    ServerSpec("tessera-tp2-tp", TESSERA, ("--tp", "2")),
+)
 VLLM_TP2 = ("--tensor-parallel-size", "2", "--mm-encoder-tp-mode")
-GROUPS = {
-    "tp1": Group(
-        (ServerSpec(TESSERA, TESSERA), ServerSpec(VLLM, VLLM)),
-        ("image1", "images3", "shared-image", "decode", "long-prompt", "mixed"),
-        ((TESSERA, VLLM),),
-    ),
-    "tp2": Group(
-        (
-            ServerSpec("tessera-tp2-dp", TESSERA, ("--tp", "2", "--mm-enable-dp-encoder")),
-            ServerSpec("tessera-tp2-tp", TESSERA, ("--tp", "2")),
-            ServerSpec("vllm-tp2-data", VLLM, (*VLLM_TP2, "data")),
-            ServerSpec("vllm-tp2-weights", VLLM, (*VLLM_TP2, "weights")),
-        ),
-        ("vit-tp2",),
-        (
-            ("tessera-tp2-dp", "vllm-tp2-data"),
-            ("tessera-tp2-tp", "vllm-tp2-weights"),
-            ("tessera-tp2-dp", "tessera-tp2-tp"),
-            ("vllm-tp2-data", "vllm-tp2-weights"),
-        ),
-    ),
-}
 
 
+def peer_groups(peer: str) -> dict[str, Group]:
+    """The tp1 and tp2 comparisons against one peer: vLLM's CPU build (its tp 2 in both encoder
+    modes) or plain transformers `generate` (one request at a time, no tp: it serves the tp 2
+    group's checkpoint once, against both of tessera's encoder modes)."""
+    dp, tp = (s.name for s in TESSERA_TP2)
+    tp1 = Group((ServerSpec(TESSERA, TESSERA), ServerSpec(peer, peer)), TP1_SCENARIOS,
+                ((TESSERA, peer),))  # fmt: skip
+    if peer == TRANSFORMERS:
+        servers = (*TESSERA_TP2, ServerSpec(peer, peer))
+        pairs = ((dp, peer), (tp, peer), (dp, tp))
+        return {"tp1": tp1, "tp2": Group(servers, ("vit-tp2",), pairs, "tp2_model_path")}
+    data = ServerSpec("vllm-tp2-data", VLLM, (*VLLM_TP2, "data"))
+    weights = ServerSpec("vllm-tp2-weights", VLLM, (*VLLM_TP2, "weights"))
+    pairs = ((dp, data.name), (tp, weights.name), (dp, tp), (data.name, weights.name))
+    return {"tp1": tp1, "tp2": Group((*TESSERA_TP2, data, weights), ("vit-tp2",), pairs,
+                                     "tp2_model_path")}  # fmt: skip
+
+
+GROUPS = peer_groups(VLLM)
 VARIANTS = "variants"
 
 
 def variants_group(variants: Sequence[str]) -> Group:
     """tessera with its defaults against tessera with other flags (`NAME=FLAGS` each), on the
-    tp 1 group's workloads: what a flag changes, measured side by side in alternating rounds."""
+    tp 1 group's workloads: what a flag changes, measured side by side in alternating rounds.
+    `NAME@DIR=FLAGS` runs the launch.py of the checkout at DIR: two versions side by side."""
     specs = []
     for variant in variants:
-        name, sep, flags = variant.partition("=")
-        if not sep or not name or name in (TESSERA, VLLM):
-            raise SystemExit(f"--variant {variant!r}: give NAME=FLAGS, NAME not tessera or vllm")
-        specs.append(ServerSpec(name, TESSERA, tuple(shlex.split(flags))))
+        label, sep, flags = variant.partition("=")
+        name, _, checkout = label.partition("@")
+        if not sep or not name or name in (TESSERA, *PEERS):
+            raise SystemExit(f"--variant {variant!r}: give NAME[@DIR]=FLAGS, NAME not a server's")
+        specs.append(ServerSpec(name, TESSERA, tuple(shlex.split(flags)), checkout or None))
     if not specs:
         raise SystemExit("--group variants needs at least one --variant NAME=FLAGS")
     servers = (ServerSpec(TESSERA, TESSERA), *specs)
@@ -219,30 +384,62 @@ def tp_size(flags: Sequence[str]) -> int:
     return 1
 
 
-def vllm_env(flags: Sequence[str]) -> dict[str, str]:
+def vllm_env(flags: Sequence[str], cpus: Sequence[int] | None = None) -> dict[str, str]:
     """vLLM's CPU workers bind their OpenMP threads per NUMA node unless told which CPUs to use;
     with one node and tp > 1 its start fails, so rank r gets CPU r (mod the usable count)."""
     size = tp_size(flags)
     if size == 1:
         return dict(VLLM_ENV)
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = sorted(cpus or os.sched_getaffinity(0))
     binding = "|".join(str(cpus[r % len(cpus)]) for r in range(size))
     return {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": binding}
 
 
-def make_server(spec: ServerSpec, args: argparse.Namespace) -> Server:
-    log = args.log_dir / f"{spec.name}.log"
-    model_path = args.tp2_model_path if tp_size(spec.flags) > 1 else args.model_path
+def tessera_server(
+    name: str, flags: Sequence[str], model_path: str, log_dir: Path, checkout: str | None = None
+) -> Server:
+    """`launch.py` of this checkout (or of `checkout`) on `model_path`, `--device cpu` unless
+    the flags name a device."""
+    flags = [*flags] if "--device" in flags else [*flags, "--device", "cpu"]
+    argv = [sys.executable, "launch.py", "--model-path", model_path, *flags]
+    cwd = Path(checkout).resolve() if checkout else ROOT
+    return Server(name, argv, log_dir / f"{name}.log", cwd=cwd)
+
+
+def make_server(
+    spec: ServerSpec, args: argparse.Namespace, model_path: str | None = None
+) -> Server:
+    """The server of `spec` on `model_path` (default: the tp 2 checkpoint for tp > 1, else
+    --model-path), on the CPUs of --cpus-per-server when given."""
+    if model_path is None:
+        model_path = args.tp2_model_path if tp_size(spec.flags) > 1 else args.model_path
+    cpus = getattr(args, "server_cpus", None)
     if spec.kind == TESSERA:
-        flags = [*spec.flags, "--device", "cpu"]
-        argv = [sys.executable, "launch.py", "--model-path", model_path, *flags]
-        return Server(spec.name, argv, log)
-    argv = [
-        args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(Path(model_path).resolve()), "--dtype", "float32",
-        "--max-model-len", "4096", "--limit-mm-per-prompt", '{"image": 4}', *spec.flags,
-    ]  # fmt: skip
-    return Server(spec.name, argv, log, env=vllm_env(spec.flags), cwd=args.log_dir.resolve())
+        server = tessera_server(spec.name, spec.flags, model_path, args.log_dir, spec.checkout)
+    elif spec.kind == TRANSFORMERS:
+        argv = [sys.executable, str(ROOT / "scripts/hf_reference_server.py"),
+                "--model-path", model_path, "--device", "cpu"]  # fmt: skip
+        server = Server(spec.name, argv, args.log_dir / f"{spec.name}.log")
+    else:
+        argv = [
+            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(Path(model_path).resolve()), "--dtype", "float32",
+            "--max-model-len", "4096", "--limit-mm-per-prompt", '{"image": 4}', *spec.flags,
+        ]  # fmt: skip
+        env = vllm_env(spec.flags, cpus)
+        server = Server(spec.name, argv, args.log_dir / f"{spec.name}.log", env=env,
+                        cwd=args.log_dir.resolve())  # fmt: skip
+    server.cpus = cpus
+    return server
+
+
+def pin_client(per_server: int) -> list[int]:
+    """The server's CPUs (the first `per_server` usable ones); this process keeps the rest."""
+    cpus = usable_cpus()
+    if len(cpus) <= per_server:
+        raise SystemExit(f"--cpus-per-server {per_server} needs {per_server + 1} CPUs")
+    os.sched_setaffinity(0, cpus[per_server:])
+    return cpus[:per_server]
 
 
 SHM = Path("/dev/shm")
@@ -332,8 +529,26 @@ def measure(server: Server, scenario: Scenario, seed: int, warmup: int) -> dict[
         requests = build_requests(warm, seed + WARMUP_SEED_OFFSET, bench_serving.WARMUP_STREAM)
         asyncio.run(drive(server.url, requests, warm, seed))
     requests = build_requests(scenario, seed, bench_serving.MEASURED_STREAM)
+    before = server.costs()
     metrics = asyncio.run(drive(server.url, requests, scenario, seed))
-    return run_row(server.name, scenario.name, seed, metrics)
+    spent = costs_per_request(before, server.costs(), metrics["completed"])
+    return run_row(server.name, scenario.name, seed, metrics) | spent
+
+
+def costs_per_request(
+    before: dict[str, float], after: dict[str, float], requests: int
+) -> dict[str, float]:
+    """What the server's processes spent between two readings of `Server.costs`, per request:
+    CPU of the main process (HTTP and front end; all of the transformers server) and of the
+    whole process tree in ms, and the minor page faults of tessera's rank 0 scheduler."""
+    n = max(requests, 1)
+    return {
+        "main_cpu_ms_per_req": 1e3 * (after["main_cpu_s"] - before["main_cpu_s"]) / n,
+        "tree_cpu_ms_per_req": 1e3 * (after["tree_cpu_s"] - before["tree_cpu_s"]) / n,
+        "scheduler_faults_per_req": (
+            after["scheduler_minor_faults"] - before["scheduler_minor_faults"]
+        ) / n,
+    }
 
 
 # ---------------------------------------------------------------- summary (pure)
@@ -341,6 +556,7 @@ def measure(server: Server, scenario: Scenario, seed: int, warmup: int) -> dict[
 METRICS = (
     "req_s", "out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms"
 )  # fmt: skip
+COSTS = ("main_cpu_ms_per_req", "tree_cpu_ms_per_req", "scheduler_faults_per_req")
 
 
 def median_or_none(values: Sequence[float | None]) -> float | None:
@@ -360,7 +576,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[str,
     out = {}
     for key in keys:
         mine = [r for r in runs if (r["scenario"], r["server"]) == key]
-        row = {m: median_or_none([r[m] for r in mine]) for m in METRICS}
+        row = {m: median_or_none([r.get(m) for r in mine]) for m in (*METRICS, *COSTS)}
         out[key] = row | {"rounds": len(mine), "failed": sum(r["failed"] for r in mine)}
     return out
 
@@ -380,19 +596,43 @@ def fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def per_server_table(
+    summary: dict[tuple[str, str], dict[str, Any]],
+    head: str,
+    cells: Callable[[dict[str, Any]], list[str]],
+) -> str:
+    """One markdown row per (workload, server) of the summary, its cells from `cells`."""
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for (scenario, server), r in summary.items():
+        lines.append(f"| {scenario} | {server} | {' | '.join(cells(r))} |")
+    return "\n".join(lines)
+
+
 def metrics_table(summary: dict[tuple[str, str], dict[str, Any]]) -> str:
     head = (
         "| workload | server | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
         "| ITL p99 ms | TPOT p50 ms | rounds | failed |"
     )
-    lines = [head, "|" + "---|" * 11]
-    for (scenario, server), r in summary.items():
-        cells = [fmt(r["req_s"]), fmt(r["out_tok_s"], 1)]
-        cells += [fmt(r[m], 1) for m in METRICS[2:]]
-        lines.append(
-            f"| {scenario} | {server} | {' | '.join(cells)} | {r['rounds']} | {r['failed']} |"
-        )
-    return "\n".join(lines)
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        latencies = [fmt(r[m], 1) for m in METRICS[2:]]
+        return [fmt(r["req_s"]), fmt(r["out_tok_s"], 1), *latencies, str(r["rounds"]),
+                str(r["failed"])]  # fmt: skip
+
+    return per_server_table(summary, head, cells)
+
+
+def costs_table(summary: dict[tuple[str, str], dict[str, Any]]) -> str:
+    head = (
+        "| workload | server | main-process CPU ms/req | process-tree CPU ms/req "
+        "| scheduler minor faults/req |"
+    )
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        return [fmt(r["main_cpu_ms_per_req"], 1), fmt(r["tree_cpu_ms_per_req"], 0),
+                fmt(r["scheduler_faults_per_req"], 0)]  # fmt: skip
+
+    return per_server_table(summary, head, cells)
 
 
 def ratio_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -426,7 +666,8 @@ def markdown(summary: dict[tuple[str, str], dict[str, Any]], rows: Sequence[dict
         "Medians over rounds. Ratios are the first server's median over the second's: above 1 is "
         "better for req/s and tok/s, below 1 for the latencies."
     )
-    return "\n\n".join([metrics_table(summary), ratio_table(rows), note]) + "\n"
+    tables = [metrics_table(summary), ratio_table(rows), costs_table(summary)]
+    return "\n\n".join([*tables, note]) + "\n"
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -446,7 +687,8 @@ def run_group(group: Group, args: argparse.Namespace, runs: list[dict[str, Any]]
     servers = [s for s in group.servers if not args.server or s.name in args.server]
     for r in range(args.rounds):
         for spec in rotated(servers, r):
-            with running(make_server(spec, args), args.ready_timeout) as server:
+            server = make_server(spec, args, getattr(args, group.checkpoint))
+            with running(server, args.ready_timeout):
                 for scenario in scenarios:
                     run = measure(server, scenario, args.seed + r * ROUND_SEED_STEP, args.warmup)
                     runs.append(run | {"round": r})
@@ -472,8 +714,9 @@ def conditions(argv: Sequence[str]) -> dict[str, Any]:
 
 def benchmark(args: argparse.Namespace, argv: Sequence[str]) -> int:
     info = conditions(argv)
+    peer = peer_groups(args.peer)
     groups = [
-        variants_group(args.variant) if name == VARIANTS else GROUPS[name] for name in args.group
+        variants_group(args.variant) if name == VARIANTS else peer[name] for name in args.group
     ]
     runs: list[dict[str, Any]] = []
     for group in groups:
@@ -611,7 +854,7 @@ def greedy_table(rows: Sequence[dict[str, Any]]) -> str:
 def run_greedy_check(args: argparse.Namespace) -> int:
     bodies = greedy_cases()
     answers = {}
-    for spec in GROUPS["tp1"].servers:
+    for spec in peer_groups(args.peer)["tp1"].servers:
         with running(make_server(spec, args), args.ready_timeout) as server:
             answers[spec.name] = asyncio.run(ask_all(server.url, bodies))
     rows = greedy_rows(answers, transformers_answers(args.model_path, bodies))
@@ -627,11 +870,16 @@ def run_greedy_check(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", required=True, help="a Qwen2-VL checkpoint with head_dim 64")
+    p.add_argument("--model-path", required=True, help="a checkpoint (head_dim 64 for vLLM)")
     p.add_argument(
         "--tp2-model-path", default=None,
         help="checkpoint of the tp 2 group (default: --model-path); an encoder-heavy one with "
         "head_dim 64: make_tiny_checkpoint.py --arch qwen2_5_vl --preset vit-hd64",
+    )  # fmt: skip
+    p.add_argument(
+        "--peer", choices=PEERS, default=VLLM,
+        help="the server tessera is measured against: vLLM's CPU build or plain transformers "
+        "(scripts/hf_reference_server.py)",
     )  # fmt: skip
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON, help="python of vLLM's venv")
     p.add_argument(
@@ -657,6 +905,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="4 requests a workload, 1 round")
     p.add_argument("--greedy-check", action="store_true", help="compare greedy text, no timing")
+    p.add_argument(
+        "--cpus-per-server", type=int, default=0,
+        help="run each server on N CPUs of its own (taskset) and the client on the rest, so "
+        "neither takes the other's CPU time (0: both share every CPU)",
+    )  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-dir", type=Path, default=Path("bench_vs_vllm_logs"))
     p.add_argument("--json", type=Path, default=None)
@@ -683,6 +936,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     stop_on_sigterm()
+    if args.cpus_per_server:
+        args.server_cpus = pin_client(args.cpus_per_server)
     if args.greedy_check:
         return run_greedy_check(args)
     return benchmark(args, argv)

@@ -113,7 +113,8 @@ finally:
     print(f"server stopped in {stop_and_time(server):.1f} s")
 EOF
 
-step varlen 40 python3 scripts/bench_varlen_gpu.py --images 32 --json "$OUT/varlen.json"
+step varlen 40 python3 scripts/bench_offline.py --varlen-attention --varlen-images 32 \
+    --json "$OUT/varlen.json"
 
 step offline_7b_sampled 70 python3 scripts/bench_offline.py --model-path "$CKPT" --device cuda \
     --dtype bfloat16 --batch-sizes 1,32 --output-len 128 --temperature 0.8 \

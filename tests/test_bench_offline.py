@@ -125,3 +125,25 @@ def test_a_sampled_run_measures_tessera_alone(tmp_path: Path) -> None:
     assert set(out["tessera"]) == {1, 2} and "hf" not in out
     with pytest.raises(SystemExit):
         bench_offline.main(["--temperature", "-1"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_varlen_attention_mode_needs_cuda_and_builds_no_checkpoint(tmp_path: Path) -> None:
+    """`--varlen-attention` times the vision towers' segment kernels only: without a GPU it says
+    so at once (it would otherwise time nothing), and it writes no report."""
+    out = tmp_path / "varlen.json"
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        bench_offline.main(["--varlen-attention", "--json", str(out)])
+    assert not out.exists()
+
+
+@pytest.mark.gpu
+def test_varlen_attention_mode_times_every_tile_against_torch() -> None:
+    results = bench_offline.varlen_attention_bench(images=2, repeat=2)
+    rows = results["rows"]
+    assert {r["segments"] for r in rows} == {"window", "full"}
+    expected = {"torch sdpa", *(f"triton {m}x{n}" for m, n in bench_offline.VARLEN_TILES)}
+    assert {r["variant"] for r in rows} == expected
+    timed = [r for r in rows if "error" not in r]
+    assert {r["variant"] for r in timed} >= {"torch sdpa", "triton 64x64"}
+    assert all(r["ms"] > 0 and r["max_abs_err"] < 5e-2 for r in timed)  # bfloat16 rounding

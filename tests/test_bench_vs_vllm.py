@@ -1,6 +1,7 @@
-"""scripts/bench_vs_vllm.py without vLLM: workloads, the summary and its ratios, the tables, the
-greedy verdicts, and the teardown of a server's whole process group (a dummy server whose leader
-leaves a child behind, and one that ignores SIGINT)."""
+"""scripts/bench_vs_vllm.py without vLLM: workloads, the peers' groups, the summary and its
+ratios, the costs per request, the tables, the greedy verdicts, and the teardown of a server's
+whole process group (a dummy server whose leader leaves a child behind, and one that ignores
+SIGINT)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bench_vs_reference
 import bench_vs_vllm as bench  # scripts/ is on sys.path (conftest)
 import pytest
 from waits import wait_until
@@ -198,6 +198,98 @@ def test_tp2_group_runs_on_its_own_checkpoint(tmp_path: Path) -> None:
     assert tp2.argv[tp2.argv.index("--model") + 1] == "/tmp/b"
 
 
+def fake_group_run(
+    monkeypatch: pytest.MonkeyPatch, group: Any, args: Any
+) -> list[tuple[Any, str]]:
+    """Run `group` with servers that never start and runs that cost nothing: each server as
+    made, with the scenario it measured."""
+    measured: list[tuple[Any, str]] = []
+
+    @contextlib.contextmanager
+    def fake_running(server: Any, ready_timeout: float) -> Any:
+        yield server
+
+    def fake_measure(server: Any, scenario: Any, seed: int, warmup: int) -> dict[str, Any]:
+        measured.append((server, scenario.name))
+        return {"scenario": scenario.name, "server": server.name, "req_s": 1.0,
+                "out_tok_s": 1.0, "ttft_p99_ms": 1.0, "failed": 0, "errors": []}  # fmt: skip
+
+    monkeypatch.setattr(bench, "running", fake_running)
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    bench.run_group(group, args, [])
+    return measured
+
+
+def test_transformers_peer_is_the_reference_server_on_each_groups_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--peer transformers`: tessera against scripts/hf_reference_server.py, in the tp 1 group
+    on --model-path and in the tp 2 group (both encoder modes against it) on the tp 2
+    checkpoint, although the reference itself has no tp."""
+    argv = ["--model-path", "/tmp/a", "--tp2-model-path", "/tmp/b", "--peer", "transformers",
+            "--rounds", "1", "--log-dir", str(tmp_path)]  # fmt: skip
+    args = bench.parse_args(argv)
+    groups = bench.peer_groups(args.peer)
+    assert [s.name for s in groups["tp1"].servers] == ["tessera", "transformers"]
+    assert groups["tp1"].pairs == (("tessera", "transformers"),)
+    assert ("tessera-tp2-dp", "transformers") in groups["tp2"].pairs
+    assert ("tessera-tp2-dp", "tessera-tp2-tp") in groups["tp2"].pairs
+    assert not any(s.kind == bench.VLLM for g in groups.values() for s in g.servers)
+    for name, checkpoint in (("tp1", "/tmp/a"), ("tp2", "/tmp/b")):
+        runs = fake_group_run(monkeypatch, groups[name], args)
+        made = {server.name: server for server, _ in runs}
+        reference = made["transformers"]
+        assert reference.argv[1].endswith("scripts/hf_reference_server.py")
+        for server in made.values():
+            assert server.argv[server.argv.index("--model-path") + 1] == checkpoint
+    assert bench.peer_groups(bench.VLLM) == bench.GROUPS
+
+
+def test_a_variant_from_another_checkout_runs_that_checkouts_launcher(tmp_path: Path) -> None:
+    """`--variant base@DIR=`: two versions of tessera side by side, each with its own code."""
+    args = bench.parse_args(["--model-path", "/tmp/a", "--log-dir", str(tmp_path)])
+    group = bench.variants_group(["base@" + str(tmp_path / "old") + "=--tp 1"])
+    assert [s.name for s in group.servers] == ["tessera", "base"]
+    assert group.pairs == (("base", "tessera"),)
+    old, mine = (bench.make_server(s, args) for s in reversed(group.servers))
+    assert old.cwd == (tmp_path / "old").resolve() and mine.cwd == bench.ROOT
+    assert old.argv[1:] == ["launch.py", "--model-path", "/tmp/a", "--tp", "1", "--device", "cpu"]
+    assert bench.variants_group(["same@/x="]).servers[1].flags == ()
+    with pytest.raises(SystemExit):
+        bench.variants_group(["transformers@/x=--tp 1"])
+
+
+def test_costs_are_per_request_and_reported_with_medians() -> None:
+    before = {"main_cpu_s": 1.0, "tree_cpu_s": 10.0, "scheduler_minor_faults": 100}
+    after = {"main_cpu_s": 1.4, "tree_cpu_s": 18.0, "scheduler_minor_faults": 900}
+    spent = bench.costs_per_request(before, after, requests=4)
+    assert spent["main_cpu_ms_per_req"] == pytest.approx(100.0)
+    assert spent["tree_cpu_ms_per_req"] == pytest.approx(2000.0)
+    assert spent["scheduler_faults_per_req"] == pytest.approx(200.0)
+    assert bench.costs_per_request(before, before, requests=0)["main_cpu_ms_per_req"] == 0.0
+    runs = hand_made_runs()
+    for r, main_ms in zip(runs, (30.0, 10.0, 20.0, 5.0, 7.0)):
+        r |= {"main_cpu_ms_per_req": main_ms, "tree_cpu_ms_per_req": 10 * main_ms,
+              "scheduler_faults_per_req": 0.0}  # fmt: skip
+    summary = bench.summarize(runs)
+    assert summary[("decode", "tessera")]["main_cpu_ms_per_req"] == 20.0
+    lines = bench.costs_table(summary).splitlines()
+    assert "| decode | tessera | 20.0 | 200 | 0 |" in lines
+    assert "| decode | vllm | 6.0 | 60 | 0 |" in lines
+    assert lines[0].count("|") == lines[1].count("|")
+    no_costs = bench.summarize(hand_made_runs())  # runs without costs: '-' in the table
+    assert "| decode | vllm | - | - | - |" in bench.costs_table(no_costs).splitlines()
+
+
+def test_a_server_on_cpus_of_its_own(tmp_path: Path) -> None:
+    """--cpus-per-server: the server's taskset CPUs, and vLLM's ranks bound among them."""
+    args = bench.parse_args(["--model-path", "/tmp/a", "--log-dir", str(tmp_path)])
+    args.server_cpus = [6, 7]
+    vllm = bench.make_server(bench.GROUPS["tp2"].servers[2], args)
+    assert vllm.cpus == [6, 7] and vllm.env["VLLM_CPU_OMP_THREADS_BIND"] == "6|7"
+    assert bench.make_server(bench.GROUPS["tp1"].servers[0], args).cpus == [6, 7]
+
+
 def test_segments_a_server_left_are_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -283,7 +375,7 @@ def dummy_server(tmp_path: Path, code: str, *args: str) -> tuple[Any, Path]:
     script.write_text(textwrap.dedent(code))
     pid_file = tmp_path / "child.pid"
     argv = [sys.executable, str(script), str(pid_file), *args]
-    return bench_vs_reference.Server("dummy", argv, tmp_path / "dummy.log"), pid_file
+    return bench.Server("dummy", argv, tmp_path / "dummy.log"), pid_file
 
 
 def alive(pid: int) -> bool:
@@ -304,7 +396,7 @@ def test_stop_ends_children_the_leader_left_behind(
 ) -> None:
     # a shell's background job starts with SIGINT ignored, and its children inherit that: the
     # group is then ended by SIGKILL after the grace period, which need not be 30 s here
-    monkeypatch.setattr(bench_vs_reference, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(bench, "STOP_GRACE_S", 0.5)
     server, pid_file = dummy_server(tmp_path, LEAVES_A_CHILD, "0")
     server.start()
     child = started_child(pid_file)
@@ -317,19 +409,19 @@ def test_stop_ends_children_the_leader_left_behind(
 def test_stop_kills_a_group_that_ignores_sigint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(bench_vs_reference, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(bench, "STOP_GRACE_S", 0.5)
     server, pid_file = dummy_server(tmp_path, IGNORES_SIGINT)
     server.start()
     child = started_child(pid_file)
     server.stop()
     assert not alive(child) and server.proc.returncode is not None
-    assert not bench_vs_reference.group_alive(server.proc.pid)
+    assert not bench.group_alive(server.proc.pid)
 
 
 def test_running_stops_the_server_when_the_run_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(bench_vs_reference, "STOP_GRACE_S", 0.5)  # as above
+    monkeypatch.setattr(bench, "STOP_GRACE_S", 0.5)  # as above
     server, pid_file = dummy_server(tmp_path, SERVES_HEALTH)
     with pytest.raises(RuntimeError, match="workload failed"):
         with bench.running(server, ready_timeout=60.0):
@@ -340,33 +432,3 @@ def test_running_stops_the_server_when_the_run_fails(
         time.sleep(0.05)
     assert not alive(child) and not alive(server.proc.pid)
     assert os.path.exists(server.log)
-
-
-# ------------------------------------------------------------- py-spy phases (profile_vllm_decode)
-
-
-def test_py_spy_samples_fall_in_the_innermost_listed_phase() -> None:
-    import profile_vllm_decode as profile
-
-    raw = "\n".join(
-        [
-            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);"
-            "Runner._model_forward (r.py:3) 6",
-            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);"
-            "Sampler._sample (r.py:9) 2",
-            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);h (r.py:5) 1",
-            "thread (7): MainThread;run (core.py:1);MessageQueue.dequeue (shm.py:4) 3",
-            "thread (8): io;Thread.run (t.py:1);select (t.py:2) 5",
-            "not a sample line",
-        ]
-    )
-    threads = profile.phase_samples(raw, "worker")
-    assert threads["thread (7): MainThread"] == {
-        "forward": 6,
-        "sampling": 2,
-        "other work in execute_model": 1,
-        "waiting for the engine (idle)": 3,
-    }
-    assert threads["thread (8): io"] == {"other": 5}
-    assert profile.process_kind("VLLM::EngineCore") == "engine"
-    assert profile.process_kind("python -m vllm.entrypoints.openai.api_server") == "api"

@@ -1,5 +1,6 @@
 """scripts/profile_serving_cpu.py without a server: CPU per process per request, the counters
-that moved between two /server_info answers, and the names of a process tree's members."""
+that moved between two /server_info answers, the names of a process tree's members, and the
+--py-spy phases of vLLM's processes."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def test_the_servers_are_those_of_the_benchmark_groups() -> None:
     args = prof.parse_args(["--model-path", "/m", "--server", "vllm-tp2-data"])
     assert args.tp2_model_path == "/m" and args.workload == "vit-tp2"
     assert {"tessera-tp2-dp", "tessera-tp2-tp", "vllm-tp2-data", "tessera"} <= set(prof.SERVERS)
+    assert prof.SERVERS["transformers"].kind == "transformers"  # the other peer
 
 
 def test_a_spawned_python_worker_is_named_by_its_role() -> None:
@@ -75,3 +77,44 @@ def test_a_spawned_python_worker_is_named_by_its_role() -> None:
         child.kill()
         child.wait()
     assert prof.command_name(child.pid) == "?"
+
+
+def test_py_spy_samples_fall_in_the_innermost_listed_phase() -> None:
+    raw = "\n".join(
+        [
+            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);"
+            "Runner._model_forward (r.py:3) 6",
+            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);"
+            "Sampler._sample (r.py:9) 2",
+            "thread (7): MainThread;run (core.py:1);Runner.execute_model (r.py:2);h (r.py:5) 1",
+            "thread (7): MainThread;run (core.py:1);MessageQueue.dequeue (shm.py:4) 3",
+            "thread (8): io;Thread.run (t.py:1);select (t.py:2) 5",
+            "not a sample line",
+        ]
+    )
+    threads = prof.phase_samples(raw, "worker")
+    assert threads["thread (7): MainThread"] == {
+        "forward": 6,
+        "sampling": 2,
+        "other work in execute_model": 1,
+        "waiting for the engine (idle)": 3,
+    }
+    assert threads["thread (8): io"] == {"other": 5}
+    assert prof.process_kind("VLLM::EngineCore") == "engine"
+    assert prof.process_kind("python -m vllm.entrypoints.openai.api_server") == "api"
+
+
+def test_py_spy_keeps_the_workload_running_and_is_for_vllm_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--model-path", "/m", "--server", "vllm", "--workload", "decode", "--py-spy",
+            "--running", "16", "--output-len", "512"]  # fmt: skip
+    scenario = prof.running_scenario(prof.parse_args(argv))
+    assert (scenario.concurrency, scenario.num_prompts) == (16, 48)
+    assert scenario.parts[0].output_len == 512
+    plain = prof.running_scenario(prof.parse_args(["--model-path", "/m", "--workload", "decode"]))
+    assert plain.concurrency == prof.bench.SCENARIOS["decode"].concurrency
+    assert plain.parts == prof.bench.SCENARIOS["decode"].parts
+    with pytest.raises(SystemExit):
+        prof.parse_args(["--model-path", "/m", "--server", "tessera", "--py-spy"])
+    assert "vLLM's processes only" in capsys.readouterr().err

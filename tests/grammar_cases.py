@@ -1,9 +1,9 @@
-"""Constraints shared by tests/test_grammar.py and scripts/bench_grammar.py: JSON schemas that
-cover nested objects, bounded arrays, enums, number ranges, anyOf, string patterns and $ref, plus
-regexes, a choice and an EBNF grammar. Every string is bounded or short-lived, so a noise model
-sampling from the masked distribution ends in a few hundred tokens.
+"""Constraints shared by the structured-output tests and scripts/bench_structured.py: JSON
+schemas that cover nested objects, bounded arrays, enums, number ranges, anyOf, string patterns
+and $ref, plus regexes, a choice and an EBNF grammar. Every string is bounded or short-lived, so
+a noise model sampling from the masked distribution ends in a few hundred tokens.
 
-    python scripts/grammar_cases.py > cases.json     # the constraints as JSON, for other tools
+    python tests/grammar_cases.py > cases.json       # the constraints as JSON, for other tools
 """
 
 from __future__ import annotations
