@@ -53,7 +53,6 @@ setup(
             "aiohttp>=3.9",  # scripts/bench_serving.py's client
             "decord>=0.6.0; platform_machine == 'x86_64'",  # the video tests' reference reader
             "jsonschema>=4",  # tests/test_grammar.py validates constrained outputs
-            "xgrammar>=0.2",  # scripts/bench_grammar.py compares it with llguidance
         ],
         "gpu": ["triton>=3.0", "flashinfer-python"],
     },

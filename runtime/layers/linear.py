@@ -16,7 +16,7 @@ On a CPU, `use_onednn_linears(model)` (called once the weights are loaded and sh
 each layer's float32 or bfloat16 weight by a copy reordered once into oneDNN's blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`) and frees the plain one; the layers then compute with
 oneDNN's matmul instead of aten's (MKL's sgemm, which takes a generic code path on AMD CPUs).
-Measured per shape (scripts/bench_linear.py, docs/benchmarks.md): 10-20% faster on prefill and
+Measured per shape (docs/log/, "CPU linear layers"): 10-20% faster on prefill and
 vision shapes, 20-60% on decode shapes of 4 to 16 rows; slower only on single-row calls to the
 smaller layers (a few microseconds each), which cannot keep MKL without a second copy of the
 weight. A packed weight is still the layer's `weight` parameter (shape, dtype and device as
