@@ -58,7 +58,8 @@ def get_kernel_ops(name: str) -> KernelOps:
         # (equal-length segments batched, its fused kernels): on an H100 in bfloat16 at
         # Qwen2.5-VL-7B's tower shapes it ran 1.6x faster than the Triton segment kernel over
         # 64-patch windows and 6.8x over 1024-patch frames (scripts/bench_offline.py
-        # --varlen-attention, docs/benchmarks.md). The Triton kernel stays for `triton_ops_with_varlen`.
+        # --varlen-attention, docs/benchmarks.md). The Triton kernel stays for
+        # `triton_ops_with_varlen`.
         return KernelOps(
             name="triton",
             rms_norm=triton_norm.rms_norm,
