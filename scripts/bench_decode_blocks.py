@@ -28,7 +28,7 @@ from bench_scheduler_overhead import build  # noqa: E402
 from kernels.attention.running_kv import DEFAULT_MAX_BYTES  # noqa: E402
 from runtime.allocator import keep_freed_memory  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
-from runtime.sampler import SamplingParams  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
 
 BUDGETS = {"gather": 0, "kept blocks": DEFAULT_MAX_BYTES}

@@ -31,7 +31,7 @@ from dist_utils import free_port  # noqa: E402
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs  # noqa: E402
-from runtime.sampler import SamplingParams  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.transport.broadcast import FrameLayout, broadcast_frames  # noqa: E402
 from runtime.transport.frames import Frame, from_frames, to_frames  # noqa: E402
 

@@ -30,7 +30,7 @@ from bench_scheduler_overhead import build  # noqa: E402
 
 from runtime.allocator import keep_freed_memory  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
-from runtime.sampler import SamplingParams  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 
 PATHS = ("onednn", "aten")
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from runtime.allocator import keep_freed_memory  # noqa: E402
 from runtime.distributed import TPGroup  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
-from runtime.sampler import SamplingParams  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 from scheduler.process import build_scheduler  # noqa: E402
 from vision.vlm import build_model  # noqa: E402

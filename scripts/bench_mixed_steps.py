@@ -30,7 +30,7 @@ import bench_offline  # noqa: E402
 
 from runtime.distributed import TPGroup  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
-from runtime.sampler import SamplingParams  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 from runtime.tiny_checkpoint import make_checkpoint  # noqa: E402
 from scheduler.process import build_scheduler  # noqa: E402

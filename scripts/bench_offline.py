@@ -44,7 +44,7 @@ from runtime.distributed import TPGroup  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
 from runtime.model_config import ModelConfig  # noqa: E402
 from runtime.multimodal import Modality  # noqa: E402
-from runtime.sampler import SamplingParams  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 from runtime.tiny_checkpoint import hf_model_class, make_checkpoint  # noqa: E402
 from scheduler.process import build_scheduler  # noqa: E402

@@ -33,8 +33,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from runtime.distributed import TPGroup  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
-from runtime.sampler import RowControls, Sampler, SamplingParams  # noqa: E402
+from runtime.sampler import RowControls, Sampler  # noqa: E402
 from runtime.sampling_controls import SamplingState  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 from runtime.tiny_checkpoint import make_checkpoint  # noqa: E402
 from scheduler.process import build_scheduler  # noqa: E402

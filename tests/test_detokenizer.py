@@ -28,7 +28,7 @@ from runtime.io_struct import (
     StageTimes,
     UnknownMessage,
 )
-from runtime.sampler import TokenLogprobs
+from runtime.sampling_params import TokenLogprobs
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import build_tokenizer, save_tokenizer
 from tokenizer_manager import detokenizer

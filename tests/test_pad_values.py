@@ -14,7 +14,7 @@ from vlm_cases import Checkpoint, load_hf, noise_image, run_hf
 
 from runtime.io_struct import TokenizedGenerateReq
 from runtime.multimodal import MM_PAD_SHIFT_VALUE, Modality, MultimodalDataItem
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from tokenizer_manager.media_types import ProcessorSpec

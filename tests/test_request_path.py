@@ -27,7 +27,7 @@ from runtime.io_struct import (
     UnknownMessage,
 )
 from runtime.multimodal import Modality, item_tokens
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.token_budget import TokenBudget

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from runtime.sampler import MAX_N, SEED_RANGE
+from runtime.sampling_params import MAX_N, SEED_RANGE
 
 RID_MAX, RID_CHARS = 128, r"^[A-Za-z0-9._:-]+$"  # a client's request id: length and characters
 
@@ -155,7 +155,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
-    stop: str | list[str] | None = None  # limits: runtime/sampler.py (MAX_STOP_*)
+    stop: str | list[str] | None = None  # limits: runtime/sampling_params.py (MAX_STOP_*)
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

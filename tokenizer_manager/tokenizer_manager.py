@@ -42,8 +42,7 @@ from runtime.io_struct import (
 from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
-from runtime.sampler import SamplingParams
-from runtime.sampling_controls import bad_words_token_ids
+from runtime.sampling_params import SamplingParams, bad_words_token_ids
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget, context_length
 from runtime.transport.frames import to_frames

@@ -8,7 +8,7 @@ from typing import Any
 from runtime.io_struct import StrOutput
 from runtime.model_config import GenerationDefaults
 from runtime.multimodal import Modality
-from runtime.sampler import MAX_LOGPROBS, SamplingParams
+from runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenizer_manager.api.base import Serving, checked
 from tokenizer_manager.api.fields import (
     Refusals,
