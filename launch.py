@@ -175,7 +175,7 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor, sock: socket.sock
 
     from tokenizer_manager.connection_limits import ConnectionLimits, uvicorn_config
     from tokenizer_manager.http_server import create_app
-    from tokenizer_manager.mm_processor import AsyncMMDataProcessor
+    from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
     from tokenizer_manager.tokenizer_manager import TokenizerManager
 
     mm = AsyncMMDataProcessor.from_server_args(args)

@@ -23,7 +23,7 @@ from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.transport.shm import SharedTensor, new_media_path
 from scheduler.req import Req
-from tokenizer_manager.pixel_ledger import PixelLedger
+from tokenizer_manager.media.pixel_ledger import PixelLedger
 
 NEW_TOKENS = 8
 

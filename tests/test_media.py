@@ -26,8 +26,9 @@ import pytest
 from PIL import Image
 
 from runtime.multimodal import Modality
-from tokenizer_manager import media_fetch
-from tokenizer_manager.media import (
+from tokenizer_manager.media import fetch as media_fetch
+from tokenizer_manager.media.fetch import MediaUrlPolicy, address_is_public
+from tokenizer_manager.media.load import (
     MediaError,
     MediaLimits,
     decode_image,
@@ -35,7 +36,6 @@ from tokenizer_manager.media import (
     looks_like_base64,
     open_image,
 )
-from tokenizer_manager.media_fetch import MediaUrlPolicy, address_is_public
 
 IMAGE, VIDEO = Modality.IMAGE, Modality.VIDEO
 

@@ -32,13 +32,13 @@ from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.token_budget import TokenBudget
 from tokenizer_manager.http_server import create_app
-from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.media_types import MediaRef, ProcessorSpec
-from tokenizer_manager.metrics import ServingMetrics
-from tokenizer_manager.multimodal_inputs import (
+from tokenizer_manager.media.load import MediaLimits
+from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,
     expand_placeholder_ids,
 )
+from tokenizer_manager.media.types import MediaRef, ProcessorSpec
+from tokenizer_manager.metrics import ServingMetrics
 from tokenizer_manager.protocol import APIError
 from tokenizer_manager.tokenizer_manager import (
     INLINE_PROMPT_CHARS,

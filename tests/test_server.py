@@ -26,9 +26,9 @@ from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, 
 from waits import wait_until
 
 from runtime.tiny_checkpoint import make_checkpoint
-from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.media_types import ProcessorSpec
-from tokenizer_manager.media_worker import process_video_bytes
+from tokenizer_manager.media.load import MediaLimits
+from tokenizer_manager.media.types import ProcessorSpec
+from tokenizer_manager.media.worker import process_video_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 8

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from runtime.families.qwen2_vl import smart_resize
-from tokenizer_manager.video_processor import (
+from tokenizer_manager.media.video_processor import (
     VideoProcessingConfig,
     clip_frames,
     frames_to_patches,

@@ -48,11 +48,8 @@ from runtime.token_budget import TokenBudget, context_length
 from runtime.transport.frames import to_frames
 from runtime.transport.shm import SharedTensor
 from tokenizer_manager.grammar_check import GrammarCheck
-from tokenizer_manager.media_settings import checked_settings, request_spec
-from tokenizer_manager.media_types import MediaRef, ProcessorSpec
-from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
-from tokenizer_manager.mm_processor import AsyncMMDataProcessor
-from tokenizer_manager.multimodal_inputs import (
+from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
+from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,
     build_multimodal_inputs,
     check_prompt_ids,
@@ -62,7 +59,10 @@ from tokenizer_manager.multimodal_inputs import (
     expand_placeholders,
     with_placeholders,
 )
-from tokenizer_manager.pixel_ledger import PixelLedger
+from tokenizer_manager.media.pixel_ledger import PixelLedger
+from tokenizer_manager.media.settings import checked_settings, request_spec
+from tokenizer_manager.media.types import MediaRef, ProcessorSpec
+from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.prompt_limits import max_prompt_chars
 from tokenizer_manager.protocol import APIError
 

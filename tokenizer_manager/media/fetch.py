@@ -41,7 +41,7 @@ import httpcore
 import httpx
 
 from runtime.logging_utils import get_logger
-from tokenizer_manager.media_types import MediaError, too_large
+from tokenizer_manager.media.types import MediaError, too_large
 
 logger = get_logger(__name__)
 

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any
 
-from tokenizer_manager.media_types import ProcessorSpec
+from tokenizer_manager.media.types import ProcessorSpec
 from tokenizer_manager.protocol import APIError
 
 PARAM = "mm_processor_kwargs"

@@ -32,9 +32,9 @@ from PIL import Image, ImageOps
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
 from runtime.server_args import ServerArgs
-from tokenizer_manager.image_headers import MAX_HEADER_PIECES, header_pieces
-from tokenizer_manager.media_fetch import MediaFetcher, MediaUrlPolicy, parse_domains
-from tokenizer_manager.media_types import MediaError, media_param, too_large
+from tokenizer_manager.media.fetch import MediaFetcher, MediaUrlPolicy, parse_domains
+from tokenizer_manager.media.image_headers import MAX_HEADER_PIECES, header_pieces
+from tokenizer_manager.media.types import MediaError, media_param, too_large
 
 logger = get_logger(__name__)
 

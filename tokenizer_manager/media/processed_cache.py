@@ -36,7 +36,7 @@ import numpy as np
 
 from runtime.logging_utils import get_logger
 from runtime.transport.shm import SharedTensor, link_copy
-from tokenizer_manager.media_types import ProcessedMedia
+from tokenizer_manager.media.types import ProcessedMedia
 
 logger = get_logger(__name__)
 

@@ -21,18 +21,18 @@ from runtime.families import Family, family_for, get_family
 from runtime.families.base import check_aspect_ratio
 from runtime.multimodal import Modality
 from runtime.transport.shm import SharedTensor
-from tokenizer_manager.multimodal_inputs import PreparedMedia
-from tokenizer_manager.protocol import APIError
-from tokenizer_manager.video_processor import (
+from tokenizer_manager.media.multimodal_inputs import PreparedMedia
+from tokenizer_manager.media.video_processor import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
     VideoProcessingConfig,
     checkpoint_video_config,
     read_json,
 )
+from tokenizer_manager.protocol import APIError
 
 if TYPE_CHECKING:
-    from tokenizer_manager.media import MediaLimits
+    from tokenizer_manager.media.load import MediaLimits
 
 IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # HF's defaults for Qwen2-VL
 

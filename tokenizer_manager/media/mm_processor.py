@@ -49,10 +49,12 @@ from runtime.transport.shm import (
     sweep_media_files,
 )
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
-from tokenizer_manager.image_headers import INLINE_HEADER_PIECES, header_pieces
-from tokenizer_manager.media import MediaLimits, load_media_bytes, open_image
-from tokenizer_manager.media_fetch import MediaFetcher
-from tokenizer_manager.media_types import (
+from tokenizer_manager.media.fetch import MediaFetcher
+from tokenizer_manager.media.image_headers import INLINE_HEADER_PIECES, header_pieces
+from tokenizer_manager.media.load import MediaLimits, load_media_bytes, open_image
+from tokenizer_manager.media.multimodal_inputs import PreparedMedia, new_digest
+from tokenizer_manager.media.processed_cache import ProcessedCache, cache_words
+from tokenizer_manager.media.types import (
     MediaError,
     MediaFile,
     MediaRef,
@@ -60,15 +62,13 @@ from tokenizer_manager.media_types import (
     ProcessorSpec,
     media_param,
 )
-from tokenizer_manager.media_worker import (
+from tokenizer_manager.media.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
+from tokenizer_manager.media.worker import (
     init_worker,
     media_digest,
     process_image_bytes,
     process_video_bytes,
 )
-from tokenizer_manager.multimodal_inputs import PreparedMedia, new_digest
-from tokenizer_manager.processed_cache import ProcessedCache, cache_words
-from tokenizer_manager.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 
 logger = get_logger(__name__)
 
