@@ -399,7 +399,7 @@ def frontend_costs(model_path: str, size: int, images: int = 8) -> dict[str, flo
     images (misses) and the same images resent (hits), with /dev/shm as the server uses it."""
     from runtime.multimodal import Modality
     from runtime.transport.shm import local_shm_dir
-    from tokenizer_manager.media.load import MediaLimits
+    from tokenizer_manager.media.limits import MediaLimits
     from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
     from tokenizer_manager.media.types import MediaRef
 

@@ -228,7 +228,7 @@ def test_media_costs_follow_the_familys_resize_rule_and_token_count(
 def test_processor_spec_knows_the_checkpoints_family(name: str, tmp_path, ids) -> None:
     import json
 
-    from tokenizer_manager.media.load import MediaLimits
+    from tokenizer_manager.media.limits import MediaLimits
     from tokenizer_manager.media.types import ProcessorSpec
 
     (tmp_path / "config.json").write_text(json.dumps(config_of(name, ids)))

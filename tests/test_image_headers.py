@@ -22,7 +22,8 @@ from tokenizer_manager.media.image_headers import (
     MAX_HEADER_PIECES,
     header_pieces,
 )
-from tokenizer_manager.media.load import MediaError, MediaLimits, open_image
+from tokenizer_manager.media.limits import MediaError, MediaLimits
+from tokenizer_manager.media.load import open_image
 from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.media.types import MediaRef
 

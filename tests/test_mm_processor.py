@@ -30,8 +30,7 @@ from runtime.multimodal import Modality
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.transport.frames import from_frames, to_frames
-from tokenizer_manager.media.fetch import MediaUrlPolicy
-from tokenizer_manager.media.load import MediaError, MediaLimits
+from tokenizer_manager.media.limits import MediaError, MediaLimits, MediaUrlPolicy
 from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.media.multimodal_inputs import PreparedMedia
 from tokenizer_manager.media.types import MediaRef, ProcessorSpec

@@ -26,7 +26,7 @@ from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, 
 from waits import wait_until
 
 from runtime.tiny_checkpoint import make_checkpoint
-from tokenizer_manager.media.load import MediaLimits
+from tokenizer_manager.media.limits import MediaLimits
 from tokenizer_manager.media.types import ProcessorSpec
 from tokenizer_manager.media.worker import process_video_bytes
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from runtime.tiny_checkpoint import make_checkpoint
-from tokenizer_manager.media.load import MediaError, MediaLimits
+from tokenizer_manager.media.limits import MediaError, MediaLimits
 from tokenizer_manager.media.types import ProcessorSpec
 from tokenizer_manager.media.video_container import (
     AVI,
@@ -179,8 +179,8 @@ def test_header_limits_apply_before_decoding(spec: ProcessorSpec, mp4: bytes) ->
 
 CHILD = """
 import os, pickle, sys
-from tokenizer_manager.media.load import MediaLimits
-from tokenizer_manager.media.types import MediaError
+from tokenizer_manager.media.limits import MediaLimits
+from tokenizer_manager.media.limits import MediaError
 from tokenizer_manager.media.worker import process_video_bytes
 
 spec = pickle.load(open(sys.argv[1], "rb"))

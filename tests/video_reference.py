@@ -1,5 +1,5 @@
 """Oracles for the video path, for tests only: frames read straight with decord, and whole frames
-resized at once and patchified. The served path (`media_worker.process_video_bytes`) must match."""
+resized at once and patchified. The served path (`media.worker.process_video_bytes`) must match."""
 
 from __future__ import annotations
 

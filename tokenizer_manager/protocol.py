@@ -198,7 +198,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media_settings
+    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media/settings.py
     include_reasoning: bool = True  # vLLM; with --reasoning-parser
     separate_reasoning: bool = True  # SGLang; with --reasoning-parser
 
@@ -221,7 +221,7 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     tools: list[Tool] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media_settings
+    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media/settings.py
     return_token_strs: bool = False
 
 
@@ -238,7 +238,7 @@ class GenerateRequest(BaseModel):
     text: str | None = None
     input_ids: list[int] | None = None
     image_data: str | list[str] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media_settings
+    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media/settings.py
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = Field(default=None, min_length=1, max_length=RID_MAX, pattern=RID_CHARS)

@@ -7,7 +7,7 @@ is the client's promise that the item is the same). Ids of other scopes never ma
 is a digest of the API key the caller presented (`http_server.media_scope`), "" without keys.
 
 Clients resend a conversation's images every turn. The item's identity is its digest
-(`media_worker.media_digest`: the encoded bytes plus every processor setting that shapes the
+(`worker.media_digest`: the encoded bytes plus every processor setting that shapes the
 pixels), computed on the event loop at memory speed; a hit skips decode, resize and
 normalisation and hands the request a copy of the cached pixels.
 

@@ -23,13 +23,13 @@ from runtime.allocator import freeze_startup_objects, keep_freed_memory
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
 from runtime.transport.shm import SharedTensor
-from tokenizer_manager.media.load import MediaLimits, decode_image
+from tokenizer_manager.media.limits import MediaLimits, bad_video
+from tokenizer_manager.media.load import decode_image
 from tokenizer_manager.media.multimodal_inputs import digest_int, new_digest
 from tokenizer_manager.media.types import (
     MediaFile,
     ProcessedMedia,
     ProcessorSpec,
-    bad_video,
     check_media_shape,
     input_bytes,
 )
