@@ -173,8 +173,8 @@ def fail_everything(loop: asyncio.AbstractEventLoop, tm: object, mm: object, rea
 async def serve_http(args: ServerArgs, supervisor: Supervisor, sock: socket.socket) -> None:
     import uvicorn
 
-    from tokenizer_manager.connection_limits import ConnectionLimits, uvicorn_config
-    from tokenizer_manager.http_server import create_app
+    from tokenizer_manager.http.connection_limits import ConnectionLimits, uvicorn_config
+    from tokenizer_manager.http.server import create_app
     from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
     from tokenizer_manager.tokenizer_manager import TokenizerManager
 

@@ -31,7 +31,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.token_budget import TokenBudget
-from tokenizer_manager.http_server import create_app
+from tokenizer_manager.http.server import create_app
 from tokenizer_manager.media.limits import MediaLimits
 from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,

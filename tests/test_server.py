@@ -721,7 +721,7 @@ def test_api_key_is_checked() -> None:
     from fastapi.testclient import TestClient
 
     from runtime.server_args import ServerArgs
-    from tokenizer_manager.http_server import create_app
+    from tokenizer_manager.http.server import create_app
     from tokenizer_manager.metrics import ServingMetrics
 
     args = ServerArgs(model_path="/models/demo", api_key="sekret")

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_request_path import IMAGE_URL, chat_input, checkpoint, manager, run  # noqa: F401
 
-from tokenizer_manager.http_server import create_app
+from tokenizer_manager.http.server import create_app
 
 CHAT = {
     "messages": [

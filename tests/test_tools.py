@@ -22,7 +22,7 @@ from runtime.tiny_checkpoint import build_tokenizer, make_checkpoint
 from tokenizer_manager.api.base import ApiContext
 from tokenizer_manager.api.chat import ChatServing
 from tokenizer_manager.api.usage import ApiCounters, UsageRecorder
-from tokenizer_manager.http_server import create_app
+from tokenizer_manager.http.server import create_app
 from tokenizer_manager.protocol import ChatCompletionRequest
 from tokenizer_manager.tokenizer_manager import TokenizerManager
 

@@ -151,7 +151,7 @@ class GenerateInput:
     media: list[MediaRef] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat: for the template
     mm_processor_kwargs: dict[str, Any] | None = None  # the client's media settings, unchecked
-    media_scope: str = ""  # the caller's scope of client media ids (http_server.media_scope)
+    media_scope: str = ""  # the caller's scope of client media ids (http.server.media_scope)
 
 
 class TokenizerManager:

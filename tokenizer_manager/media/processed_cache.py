@@ -4,7 +4,7 @@ Client media ids: a content part may name its item with a `uuid`; the id (within
 scope) is remembered for the first item sent with it, and later requests that give the id are
 served that item without their bytes being read, even when they send other bytes with it (the id
 is the client's promise that the item is the same). Ids of other scopes never match: the scope
-is a digest of the API key the caller presented (`http_server.media_scope`), "" without keys.
+is a digest of the API key the caller presented (`http.server.media_scope`), "" without keys.
 
 Clients resend a conversation's images every turn. The item's identity is its digest
 (`worker.media_digest`: the encoded bytes plus every processor setting that shapes the
