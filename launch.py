@@ -92,8 +92,8 @@ class Supervisor:
         self.children.append((name, proc, reader))
 
     def start(self) -> None:
+        from runtime.detokenizer import run_detokenizer_process
         from scheduler.process import run_scheduler_process
-        from tokenizer_manager.detokenizer import run_detokenizer_process
 
         args = self.args
         per_node = args.tp_size // args.nnodes
