@@ -253,7 +253,7 @@ class AsyncMMDataProcessor:
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> AsyncMMDataProcessor:
-        """The front end's media processor, from resolved flags (launch.py serves with it)."""
+        """The front end's media processor, from resolved flags (`build_front_end` builds it)."""
         if not isinstance(args.media_workers, int):
             raise ValueError("--media-workers auto is resolved by ServerArgs.resolve()")
         return cls(
