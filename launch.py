@@ -92,8 +92,8 @@ class Supervisor:
         self.children.append((name, proc, reader))
 
     def start(self) -> None:
+        from runtime.detokenizer import run_detokenizer_process
         from scheduler.process import run_scheduler_process
-        from tokenizer_manager.detokenizer import run_detokenizer_process
 
         args = self.args
         per_node = args.tp_size // args.nnodes
@@ -173,36 +173,22 @@ def fail_everything(loop: asyncio.AbstractEventLoop, tm: object, mm: object, rea
 async def serve_http(args: ServerArgs, supervisor: Supervisor, sock: socket.socket) -> None:
     import uvicorn
 
-    from tokenizer_manager.connection_limits import ConnectionLimits, uvicorn_config
-    from tokenizer_manager.http_server import create_app
-    from tokenizer_manager.mm_processor import AsyncMMDataProcessor
-    from tokenizer_manager.tokenizer_manager import TokenizerManager
+    from tokenizer_manager.front_end import build_front_end
 
-    mm = AsyncMMDataProcessor.from_server_args(args)
-    await mm.warmup()
     first_rank = supervisor.ready_info.get("scheduler-TP0")
-    kv_total = first_rank.kv_total if first_rank else None
-    tm = TokenizerManager(args, mm, kv_total=kv_total)
-    await tm.start()
+    front = build_front_end(args, kv_total=first_rank.kv_total if first_rank else None)
     loop = asyncio.get_running_loop()
-    supervisor.on_fatal(lambda reason: fail_everything(loop, tm, mm, reason))
-    app = create_app(tm)
-    frozen = freeze_startup_objects()  # a full collection held the loop 146 ms before
-    logger.debug("froze %d startup objects", frozen)
-    config = uvicorn_config(
-        app,
-        args.host,
-        args.port,
-        ConnectionLimits.from_server_args(args),
-        log_level=args.log_level,
-        timeout_graceful_shutdown=2,
-    )
     try:
+        await front.start()
+        supervisor.on_fatal(lambda reason: fail_everything(loop, front.tm, front.mm, reason))
+        frozen = freeze_startup_objects()  # a full collection held the loop 146 ms before
+        logger.debug("froze %d startup objects", frozen)
+        config = front.uvicorn_config(timeout_graceful_shutdown=2)
         logger.info("serving on http://%s:%d", args.host, args.port)
         await uvicorn.Server(config).serve(sockets=[sock])
     finally:
         # the children stop while the media workers do: a stop never waits for both in turn
-        await asyncio.gather(tm.close(), asyncio.to_thread(supervisor.stop))
+        await asyncio.gather(front.close(), asyncio.to_thread(supervisor.stop))
 
 
 def death_reason(children: list[tuple[str, mp.Process, Connection]]) -> str | None:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from runtime.multimodal import MultimodalInputs
-from runtime.sampler import SamplingParams, TokenLogprobs
+from runtime.sampling_params import SamplingParams, TokenLogprobs
 
 
 class FinishKind(str, enum.Enum):
@@ -180,7 +180,7 @@ class ReqStart:
     """A request's detokenization constants, sent to the detokenizer once, at admission
     (invariant 13).
 
-    Stop strings are bounded (runtime/sampler.py: MAX_STOP_STRINGS strings of at most
+    Stop strings are bounded (runtime/sampling_params.py: MAX_STOP_STRINGS strings of at most
     MAX_STOP_CHARS characters each), checked at the door."""
 
     rid: str

@@ -28,29 +28,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from runtime.sampler import SamplingParams
-
-
-class TokenEncoder(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-
-def bad_words_token_ids(tokenizer: TokenEncoder, words: Sequence[str]) -> list[list[int]]:
-    """Each bad word as token ids, once as written and once after a space when that spelling is
-    as many tokens long with another first token (how a word reads mid-sentence)."""
-    sequences: list[list[int]] = []
-    for word in words:
-        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        sequences += [plain] if plain else []
-        if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
-            sequences.append(spaced)
-    return sequences
+from runtime.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)

@@ -11,8 +11,8 @@ import torch
 from runtime.io_struct import Finish, FinishKind, StageTimes, TokenizedGenerateReq
 from runtime.mrope import decode_positions
 from runtime.multimodal import MultimodalInputs
-from runtime.sampler import SamplingParams, TokenLogprobs
 from runtime.sampling_controls import SamplingState
+from runtime.sampling_params import SamplingParams, TokenLogprobs
 
 
 @dataclass

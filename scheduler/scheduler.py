@@ -43,7 +43,8 @@ from runtime.io_struct import (
     UnknownMessage,
 )
 from runtime.logging_utils import get_logger
-from runtime.sampler import NON_FINITE, RowControls, Sampler, SamplingParams, token_logprobs
+from runtime.sampler import NON_FINITE, RowControls, Sampler, token_logprobs
+from runtime.sampling_params import SamplingParams
 from runtime.token_budget import TokenBudget
 from scheduler.batch import PrefillBatch
 from scheduler.cache import CacheManager

@@ -374,7 +374,7 @@ def stage_table(rows: list[dict[str, Any]]) -> str:
 
 def hash_speeds(size_mb: float = 4.0, repeat: int = 20) -> dict[str, float]:
     """GB/s of SHA-256 and XXH3-128 (the item digest) over random bytes, side by side."""
-    from tokenizer_manager.multimodal_inputs import new_digest
+    from tokenizer_manager.media.multimodal_inputs import new_digest
 
     data = np.random.default_rng(0).bytes(int(size_mb * 1e6))
 
@@ -400,9 +400,9 @@ def frontend_costs(model_path: str, size: int, images: int = 8) -> dict[str, flo
     images (misses) and the same images resent (hits), with /dev/shm as the server uses it."""
     from runtime.multimodal import Modality
     from runtime.transport.shm import local_shm_dir
-    from tokenizer_manager.media import MediaLimits
-    from tokenizer_manager.media_types import MediaRef
-    from tokenizer_manager.mm_processor import AsyncMMDataProcessor
+    from tokenizer_manager.media.limits import MediaLimits
+    from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
+    from tokenizer_manager.media.types import MediaRef
 
     rng = np.random.default_rng(1)
     refs = [MediaRef(Modality.IMAGE, image_url(rng, size)) for _ in range(images)]

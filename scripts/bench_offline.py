@@ -52,14 +52,14 @@ from runtime.distributed import TPGroup  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
 from runtime.model_config import ModelConfig  # noqa: E402
 from runtime.multimodal import Modality  # noqa: E402
-from runtime.sampler import SamplingParams  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 from runtime.tiny_checkpoint import hf_model_class, make_checkpoint  # noqa: E402
 from scheduler.process import build_scheduler  # noqa: E402
 from scheduler.scheduler import Scheduler  # noqa: E402
-from tokenizer_manager.media_worker import image_processor  # noqa: E402
-from tokenizer_manager.multimodal_inputs import PreparedMedia  # noqa: E402
-from tokenizer_manager.tokenizer_manager import TokenizerManager  # noqa: E402
+from tokenizer_manager.front_end import build_front_end  # noqa: E402
+from tokenizer_manager.media.multimodal_inputs import PreparedMedia  # noqa: E402
+from tokenizer_manager.media.worker import image_processor  # noqa: E402
 from vision.qwen2_5_vl_vit import window_index  # noqa: E402
 from vision.vit_common import frame_cu_seqlens  # noqa: E402
 
@@ -86,7 +86,7 @@ def make_prompts(
 ) -> list[Prompt]:
     from PIL import Image
 
-    tm = TokenizerManager(server)
+    tm = build_front_end(server, media=None).tm
     processor = image_processor(server.model_path)
     rng = np.random.default_rng(args.seed)
     h, w = args.image_size

@@ -37,7 +37,7 @@ from grammar_cases import SCHEMAS  # noqa: E402
 from runtime.distributed import TPGroup  # noqa: E402
 from runtime.grammar import GrammarSpec, checkpoint_compiler  # noqa: E402
 from runtime.io_struct import TokenizedGenerateReq  # noqa: E402
-from runtime.sampler import SamplingParams  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.server_args import ServerArgs  # noqa: E402
 from runtime.tiny_checkpoint import make_checkpoint  # noqa: E402
 from scheduler.process import build_scheduler  # noqa: E402

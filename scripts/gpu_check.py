@@ -190,7 +190,7 @@ def greedy_tokens(
     from bench_offline import make_prompts, parse_args, run_tessera, server_args
 
     from runtime.distributed import TPGroup
-    from runtime.sampler import SamplingParams
+    from runtime.sampling_params import SamplingParams
     from scheduler.process import build_scheduler
 
     argv = ["--device", opts.device, "--attention-backend", backend, "--batch-sizes", "2"]

@@ -46,6 +46,7 @@ TESTS = ROOT / "tests"  # the fault injector: test code, not the product's
 sys.path.insert(0, str(TESTS))
 
 from fault_injection import fault_environment  # noqa: E402
+from hostile_load import AttackLoad  # noqa: E402
 
 from runtime.tiny_checkpoint import make_checkpoint  # noqa: E402
 
@@ -373,6 +374,9 @@ def run(opts: argparse.Namespace) -> int:
         server.wait_healthy()
         pool = prompts()
         refs = references(server.url, pool)
+        attackers = AttackLoad(server.url, opts.kv_tokens) if opts.attacks else None
+        if attackers is not None:
+            attackers.warm_up()
         children = len(server.children())
         load = Load(server.url, opts.seed, refs, pool)
         until = time.monotonic() + opts.minutes * 60
@@ -381,6 +385,8 @@ def run(opts: argparse.Namespace) -> int:
             for k in range(opts.clients)
         ]
         started = time.monotonic()
+        if attackers is not None:
+            threads.append(threading.Thread(target=attackers.run))
         for t in threads:
             t.start()
         for t in threads:
@@ -392,6 +398,12 @@ def run(opts: argparse.Namespace) -> int:
     checks["stopped_in_time"] = stop_s < opts.stop_seconds
     checks["greedy_outputs_match"] = not load.stats.mismatches
     checks["no_unexpected_response"] = not load.stats.unexpected
+    attacked = attackers.summary() if attackers is not None else None
+    if attacked is not None:
+        checks["attacks_answered_as_their_own"] = not attacked["problems"]
+        checks["control_never_failed"] = attacked["control_failed"] == 0
+        if opts.control_bound > 0:
+            checks["control_within_bound"] = attacked["control_max_s"] < opts.control_bound
     summary = {
         "minutes": opts.minutes,
         "requests_per_client": opts.requests,
@@ -413,6 +425,7 @@ def run(opts: argparse.Namespace) -> int:
         "mismatches": load.stats.mismatches[:5],
         "unexpected": load.stats.unexpected[:5],
         "log": str(server.log),
+        "attacks": attacked,
     }
     print(json.dumps(summary, indent=2))
     return 0 if all(checks.values()) else 1
@@ -430,14 +443,26 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="requests per client instead of --minutes (a load of fixed size, however fast)",
     )
     parser.add_argument("--mean-gap", type=float, default=0.3, help="seconds between requests")
-    parser.add_argument("--kv-tokens", type=int, default=400)
+    parser.add_argument("--kv-tokens", type=int, default=None, help="400; 4000 with --attacks")
+    parser.add_argument(
+        "--attacks", action="store_true",
+        help="also send issue 57's hostile requests (tests/hostile_load.py), one after another, "
+        "with a control chat every 0.5 s whose latency the summary reports",
+    )
+    parser.add_argument(
+        "--control-bound", type=float, default=0.0,
+        help="with --attacks: fail unless every control chat took less than this many seconds",
+    )
     parser.add_argument("--max-queued", type=int, default=8)
     parser.add_argument("--fault-injection-rate", type=float, default=0.01)
     parser.add_argument(
         "--stop-seconds", type=float, default=10.0,
         help="how long stopping the server may take (it is killed after 30 s)",
     )
-    return parser.parse_args(argv)
+    opts = parser.parse_args(argv)
+    if opts.kv_tokens is None:
+        opts.kv_tokens = 4000 if opts.attacks else 400
+    return opts
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from runtime.tiny_checkpoint import save_generation_config
 from tokenizer_manager.api.chat import ChatStream
 from tokenizer_manager.api.fields import sampler_has
 from tokenizer_manager.api.openai_common import ENGINE_FIELDS, Envelope
-from tokenizer_manager.http_server import create_app
+from tokenizer_manager.http.server import create_app
 from tokenizer_manager.metrics import ServingMetrics
 from tokenizer_manager.protocol import CHAT_REFUSED, COMPLETION_REFUSED
 from tokenizer_manager.tokenizer_manager import GenerateInput

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from test_api_layer import FakeManager, sse_events
 
 from runtime.io_struct import Finish, StrOutput, TokenizedGenerateReq
-from tokenizer_manager.http_server import create_app
+from tokenizer_manager.http.server import create_app
 
 
 def http_and_fake() -> tuple[TestClient, FakeManager]:

@@ -18,8 +18,8 @@ import uvicorn
 
 from runtime.server_args import ServerArgs
 from tokenizer_manager.api import body as body_module
-from tokenizer_manager.connection_limits import ConnectionLimits, uvicorn_config
-from tokenizer_manager.http_server import create_app
+from tokenizer_manager.http.connection_limits import ConnectionLimits, uvicorn_config
+from tokenizer_manager.http.server import create_app
 from tokenizer_manager.metrics import ServingMetrics
 
 HEAD_S, BODY_S, SEND_S = 1.5, 1.5, 1.5

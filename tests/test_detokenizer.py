@@ -13,6 +13,14 @@ import zmq
 from transformers import AutoTokenizer
 from transformers import PreTrainedTokenizerBase as Tokenizer
 
+from runtime import detokenizer
+from runtime.detokenizer import (
+    MAX_HELD_TOKENS,
+    DetokenizerManager,
+    IncrementalDetokenizer,
+    StopMatcher,
+    run_detokenizer_process,
+)
 from runtime.io_struct import (
     BatchStrOut,
     BatchTokenOut,
@@ -28,17 +36,9 @@ from runtime.io_struct import (
     StageTimes,
     UnknownMessage,
 )
-from runtime.sampler import TokenLogprobs
+from runtime.sampling_params import TokenLogprobs
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import build_tokenizer, save_tokenizer
-from tokenizer_manager import detokenizer
-from tokenizer_manager.detokenizer import (
-    MAX_HELD_TOKENS,
-    DetokenizerManager,
-    IncrementalDetokenizer,
-    StopMatcher,
-    run_detokenizer_process,
-)
 
 TEXT = "héllo wörld 你好 🙂 The robot counted: one, two, three."
 LENGTH = Finish(FinishKind.LENGTH, "max_new_tokens")

@@ -20,7 +20,8 @@ from kernels.attention.torch_backend import TorchAttentionBackend
 from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch, ForwardMode, HostStager
 from runtime.memory_pool import KVPool, ReqToTokenPool
-from runtime.sampler import Sampler, SamplingParams, filtered_probs
+from runtime.sampler import Sampler, filtered_probs
+from runtime.sampling_params import SamplingParams
 from runtime.tiny_checkpoint import make_checkpoint
 from scheduler.encoder_cache import EncoderCache
 from scheduler.model_runner import ModelRunner

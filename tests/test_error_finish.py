@@ -17,7 +17,7 @@ from tokenizer_manager.api.openai_common import Envelope
 from tokenizer_manager.api.outputs import collect_until_done, first_output
 from tokenizer_manager.api.sse import sse
 from tokenizer_manager.api.usage import ApiCounters, UsageRecorder
-from tokenizer_manager.http_server import until_disconnect
+from tokenizer_manager.http.server import until_disconnect
 from tokenizer_manager.protocol import APIError
 
 FAULT = Finish.error("request fault on TP rank 1", 500, "x")

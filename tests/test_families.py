@@ -150,7 +150,7 @@ def test_shared_prompt_code_uses_the_familys_tokens(
 
     from runtime.families.base import MediaTokens
     from runtime.multimodal import Modality
-    from tokenizer_manager.multimodal_inputs import (
+    from tokenizer_manager.media.multimodal_inputs import (
         PreparedMedia,
         check_rendered_chat,
         expand_placeholders,
@@ -173,7 +173,7 @@ def test_plain_positions_count_up_through_media(
 
     from runtime.families.base import PositionKind
     from runtime.multimodal import Modality
-    from tokenizer_manager.multimodal_inputs import PreparedMedia, build_multimodal_inputs
+    from tokenizer_manager.media.multimodal_inputs import PreparedMedia, build_multimodal_inputs
 
     config = with_fake_family(monkeypatch, ids, positions=PositionKind("1d"))
     image = PreparedMedia(Modality.IMAGE, torch.zeros(16, 8), (1, 4, 4))
@@ -205,9 +205,9 @@ def test_media_costs_follow_the_familys_resize_rule_and_token_count(
     import torch
 
     from runtime.multimodal import Modality
-    from tokenizer_manager.media_types import ProcessorSpec
-    from tokenizer_manager.multimodal_inputs import PreparedMedia, placeholder_text
-    from tokenizer_manager.video_processor import VideoProcessingConfig
+    from tokenizer_manager.media.multimodal_inputs import PreparedMedia, placeholder_text
+    from tokenizer_manager.media.types import ProcessorSpec
+    from tokenizer_manager.media.video_processor import VideoProcessingConfig
 
     asked: list[tuple[int, int]] = []
 
@@ -228,8 +228,8 @@ def test_media_costs_follow_the_familys_resize_rule_and_token_count(
 def test_processor_spec_knows_the_checkpoints_family(name: str, tmp_path, ids) -> None:
     import json
 
-    from tokenizer_manager.media import MediaLimits
-    from tokenizer_manager.media_types import ProcessorSpec
+    from tokenizer_manager.media.limits import MediaLimits
+    from tokenizer_manager.media.types import ProcessorSpec
 
     (tmp_path / "config.json").write_text(json.dumps(config_of(name, ids)))
     spec = ProcessorSpec.from_checkpoint(str(tmp_path), MediaLimits())

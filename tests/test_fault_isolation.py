@@ -20,7 +20,7 @@ from scheduler_harness import SchedulerHarness
 from vlm_cases import Checkpoint, gradient_image, noise_image
 
 from runtime.io_struct import TokenizedGenerateReq
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from scheduler.input_checks import TEST_FAULTS_ENV, check_item, load_test_faults

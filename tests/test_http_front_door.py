@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from runtime.server_args import ServerArgs
-from tokenizer_manager.http_server import create_app, media_scope
+from tokenizer_manager.http.server import create_app, media_scope
 from tokenizer_manager.metrics import ServingMetrics
 
 LIMIT = 4096

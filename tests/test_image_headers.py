@@ -18,10 +18,15 @@ from test_mm_processor import record_fetch_threads
 
 from runtime.multimodal import Modality
 from runtime.tiny_checkpoint import make_checkpoint
-from tokenizer_manager.image_headers import INLINE_HEADER_PIECES, MAX_HEADER_PIECES, header_pieces
-from tokenizer_manager.media import MediaError, MediaLimits, open_image
-from tokenizer_manager.media_types import MediaRef
-from tokenizer_manager.mm_processor import AsyncMMDataProcessor
+from tokenizer_manager.media.image_headers import (
+    INLINE_HEADER_PIECES,
+    MAX_HEADER_PIECES,
+    header_pieces,
+)
+from tokenizer_manager.media.limits import MediaError, MediaLimits
+from tokenizer_manager.media.load import open_image
+from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
+from tokenizer_manager.media.types import MediaRef
 
 
 def png_with_chunks(chunks: int) -> bytes:

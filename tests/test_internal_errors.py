@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from test_api_layer import CHAT, NATIVE, FakeManager
 
 from runtime.io_struct import StrOutput, TokenizedGenerateReq
-from tokenizer_manager.http_server import create_app
+from tokenizer_manager.http.server import create_app
 from tokenizer_manager.tokenizer_manager import GenerateInput
 
 

@@ -18,12 +18,12 @@ from vlm_cases import Case, Checkpoint, load_hf, noise_image, run_hf
 
 from runtime.io_struct import FlushCacheOut, FlushCacheReq, PixelsWanted, TokenizedGenerateReq
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.transport.shm import SharedTensor, new_media_path
 from scheduler.req import Req
-from tokenizer_manager.pixel_ledger import PixelLedger
+from tokenizer_manager.media.pixel_ledger import PixelLedger
 
 NEW_TOKENS = 8
 

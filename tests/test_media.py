@@ -26,16 +26,19 @@ import pytest
 from PIL import Image
 
 from runtime.multimodal import Modality
-from tokenizer_manager import media_fetch
-from tokenizer_manager.media import (
+from tokenizer_manager.media import limits as media_limits
+from tokenizer_manager.media.limits import (
     MediaError,
     MediaLimits,
+    MediaUrlPolicy,
+    address_is_public,
+)
+from tokenizer_manager.media.load import (
     decode_image,
     load_media_bytes,
     looks_like_base64,
     open_image,
 )
-from tokenizer_manager.media_fetch import MediaUrlPolicy, address_is_public
 
 IMAGE, VIDEO = Modality.IMAGE, Modality.VIDEO
 
@@ -436,7 +439,7 @@ def test_every_redirect_hop_is_checked(server: str, monkeypatch: pytest.MonkeyPa
             load_media_bytes(f"{server}{path}", only_ip, modality=IMAGE)
     # The address rule runs again on the hop: the first address passes, the second does not.
     verdicts = iter([True, False])
-    monkeypatch.setattr(media_fetch, "address_is_public", lambda address: next(verdicts))
+    monkeypatch.setattr(media_limits, "address_is_public", lambda address: next(verdicts))
     before = len(Handler.hits)
     with expect_error("image_url", "media_fetch_failed"):
         load_media_bytes(f"{server}/redirect-self", MediaLimits(), modality=IMAGE)

@@ -20,12 +20,12 @@ from vlm_cases import Checkpoint, load_hf, noise_image, run_hf
 
 from runtime.multimodal import Modality
 from runtime.tiny_checkpoint import make_checkpoint
-from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.media_settings import checked_settings, request_spec
-from tokenizer_manager.media_types import MediaError, MediaRef, ProcessorSpec
-from tokenizer_manager.media_worker import process_image_bytes, process_video_bytes
-from tokenizer_manager.mm_processor import AsyncMMDataProcessor
-from tokenizer_manager.multimodal_inputs import PreparedMedia
+from tokenizer_manager.media.limits import MediaError, MediaLimits
+from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
+from tokenizer_manager.media.multimodal_inputs import PreparedMedia
+from tokenizer_manager.media.settings import checked_settings, request_spec
+from tokenizer_manager.media.types import MediaRef, ProcessorSpec
+from tokenizer_manager.media.worker import process_image_bytes, process_video_bytes
 from tokenizer_manager.protocol import APIError
 
 IMAGE = Modality.IMAGE

@@ -13,7 +13,8 @@ from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch
 from runtime.io_struct import AbortReq, TokenizedGenerateReq
 from runtime.memory_pool import KVPool, ReqToTokenPool
-from runtime.sampler import Sampler, SamplingParams
+from runtime.sampler import Sampler
+from runtime.sampling_params import SamplingParams
 from scheduler.encoder_cache import EncoderCache
 from scheduler.input_checks import RequestFaults
 from scheduler.model_runner import ModelRunner

@@ -30,20 +30,19 @@ from runtime.multimodal import Modality
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.transport.frames import from_frames, to_frames
-from tokenizer_manager.media import MediaError, MediaLimits
-from tokenizer_manager.media_fetch import MediaUrlPolicy
-from tokenizer_manager.media_types import MediaRef, ProcessorSpec
-from tokenizer_manager.media_worker import (
-    export_pixels,
-    process_image_bytes,
-    process_video_bytes,
-)
-from tokenizer_manager.mm_processor import AsyncMMDataProcessor
-from tokenizer_manager.multimodal_inputs import PreparedMedia
-from tokenizer_manager.video_processor import (
+from tokenizer_manager.media.limits import MediaError, MediaLimits, MediaUrlPolicy
+from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
+from tokenizer_manager.media.multimodal_inputs import PreparedMedia
+from tokenizer_manager.media.types import MediaRef, ProcessorSpec
+from tokenizer_manager.media.video_processor import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
     VideoProcessingConfig,
+)
+from tokenizer_manager.media.worker import (
+    export_pixels,
+    process_image_bytes,
+    process_video_bytes,
 )
 
 IMAGE, VIDEO = Modality.IMAGE, Modality.VIDEO
@@ -159,7 +158,7 @@ def test_image_worker_matches_hf_processor(checkpoint: str) -> None:
 def test_item_hash_covers_the_bytes_and_the_processor_settings(checkpoint: str) -> None:
     """The hash comes from the encoded bytes plus the settings, and reaches the item."""
     from runtime.model_config import ModelConfig
-    from tokenizer_manager.multimodal_inputs import build_multimodal_inputs, content_hash
+    from tokenizer_manager.media.multimodal_inputs import build_multimodal_inputs, content_hash
 
     limits = MediaLimits()
     spec = ProcessorSpec.from_checkpoint(checkpoint, limits)
@@ -423,7 +422,7 @@ def test_image_tokens_are_checked_from_the_header_before_decoding(checkpoint: st
 
 
 def test_memory_budget_waits_then_refuses() -> None:
-    from tokenizer_manager.mm_processor import MemoryBudget
+    from tokenizer_manager.media.mm_processor import MemoryBudget
 
     async def run() -> tuple[MediaError, int]:
         impatient = MemoryBudget(100, max_wait=0.2)

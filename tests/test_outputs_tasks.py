@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.io_struct import StrOutput
-from tokenizer_manager import http_server
 from tokenizer_manager.api.outputs import collect_all, first_outputs, merged
 from tokenizer_manager.api.sse import EventStream
-from tokenizer_manager.http_server import until_disconnect
+from tokenizer_manager.http import server as http_server
+from tokenizer_manager.http.server import until_disconnect
 
 
 def out(text: str, rid: str = "r1") -> StrOutput:

@@ -18,7 +18,8 @@ import scheduler.overlap
 from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch
 from runtime.io_struct import AbortReq, TokenizedGenerateReq
-from runtime.sampler import Sampler, SamplingParams
+from runtime.sampler import Sampler
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from scheduler.encoder_cache import EncoderCache

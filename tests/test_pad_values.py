@@ -14,12 +14,12 @@ from vlm_cases import Checkpoint, load_hf, noise_image, run_hf
 
 from runtime.io_struct import TokenizedGenerateReq
 from runtime.multimodal import MM_PAD_SHIFT_VALUE, Modality, MultimodalDataItem
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
-from tokenizer_manager.media_types import ProcessorSpec
-from tokenizer_manager.media_worker import media_digest
-from tokenizer_manager.video_processor import VideoProcessingConfig
+from tokenizer_manager.media.types import ProcessorSpec
+from tokenizer_manager.media.video_processor import VideoProcessingConfig
+from tokenizer_manager.media.worker import media_digest
 
 NEW_TOKENS = 8
 DIGEST = (0x5EED << 100) | (0xABCDE << 40) | 0x2345_6789  # an arbitrary 128-bit digest

@@ -17,11 +17,11 @@ from runtime.multimodal import Modality
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.transport.frames import from_frames, to_frames
 from runtime.transport.shm import SharedTensor
-from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.media_types import MediaError, MediaRef, ProcessedMedia
-from tokenizer_manager.mm_processor import AsyncMMDataProcessor
-from tokenizer_manager.multimodal_inputs import PreparedMedia
-from tokenizer_manager.processed_cache import ProcessedCache, cache_words
+from tokenizer_manager.media.limits import MediaError, MediaLimits
+from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
+from tokenizer_manager.media.multimodal_inputs import PreparedMedia
+from tokenizer_manager.media.processed_cache import ProcessedCache, cache_words
+from tokenizer_manager.media.types import MediaRef, ProcessedMedia
 
 IMAGE, VIDEO = Modality.IMAGE, Modality.VIDEO
 ITEM_BYTES = 4 * 1000  # the items of the bound test: 1000 float32 each

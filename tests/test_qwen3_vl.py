@@ -29,8 +29,8 @@ from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
 from scheduler.model_runner import ModelRunner
 from scheduler.req import Req
-from tokenizer_manager.multimodal_inputs import expand_placeholders
-from tokenizer_manager.video_processor import (
+from tokenizer_manager.media.multimodal_inputs import expand_placeholders
+from tokenizer_manager.media.video_processor import (
     checkpoint_video_config,
     frame_timestamps,
     sample_frame_indices,

@@ -26,19 +26,21 @@ from runtime.io_struct import (
     TokenizedGenerateReq,
     UnknownMessage,
 )
+from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality, item_tokens
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.token_budget import TokenBudget
-from tokenizer_manager.http_server import create_app
-from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.media_types import MediaRef, ProcessorSpec
-from tokenizer_manager.metrics import ServingMetrics
-from tokenizer_manager.multimodal_inputs import (
+from tokenizer_manager.front_end import FrontEnd, build_front_end
+from tokenizer_manager.http.server import create_app
+from tokenizer_manager.media.limits import MediaLimits
+from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,
     expand_placeholder_ids,
 )
+from tokenizer_manager.media.types import MediaRef, ProcessorSpec
+from tokenizer_manager.metrics import ServingMetrics
 from tokenizer_manager.protocol import APIError
 from tokenizer_manager.tokenizer_manager import (
     INLINE_PROMPT_CHARS,
@@ -53,6 +55,8 @@ IMAGE_URL = "data:image/png;base64,AAAA"
 
 class RecordingMedia:
     """Stands in for the media processor: records the budget each request gets."""
+
+    shm_dir = None  # items travel as tensors, not shared-memory files
 
     def __init__(self, patch_dim: int):
         self.patch_dim = patch_dim
@@ -76,10 +80,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("path") / "qwen2_vl")
 
 
+def front_end(checkpoint: Path, kv_total: int | None = None) -> FrontEnd:
+    """The served front end over a `RecordingMedia` instead of media workers."""
+
+    def media(args: ServerArgs) -> Any:
+        return RecordingMedia(ModelConfig.from_dir(args.model_path).vision.patch_dim)
+
+    return build_front_end(ServerArgs(model_path=str(checkpoint)), kv_total=kv_total, media=media)
+
+
 def manager(checkpoint: Path, kv_total: int | None = None) -> TokenizerManager:
-    tm = TokenizerManager(ServerArgs(model_path=str(checkpoint)), kv_total=kv_total)
-    tm.mm = RecordingMedia(tm.config.vision.patch_dim)
-    return tm
+    return front_end(checkpoint, kv_total).tm
 
 
 def fixed(max_new_tokens: int | None) -> Any:

@@ -9,16 +9,14 @@ import torch
 
 from runtime.sampler import (
     FAILED_TOKEN,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
     Sampler,
-    SamplingParams,
     bad_row_mask,
     bad_rows,
     filtered_probs,
     mix_seed,
     sampler_columns,
 )
+from runtime.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 VOCAB = 64
 

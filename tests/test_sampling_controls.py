@@ -18,8 +18,7 @@ from vlm_cases import Case, Checkpoint, hf_generate, load_hf, noise_image
 
 from runtime.distributed import TPGroup
 from runtime.io_struct import AbortReq, FinishKind, TokenizedGenerateReq
-from runtime.sampler import SamplingParams
-from runtime.sampling_controls import bad_words_token_ids
+from runtime.sampling_params import SamplingParams, bad_words_token_ids
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from scheduler.process import build_scheduler

@@ -18,7 +18,7 @@ from runtime.io_struct import (
     FlushCacheReq,
     TokenizedGenerateReq,
 )
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 

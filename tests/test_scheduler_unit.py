@@ -12,7 +12,7 @@ from vlm_cases import Checkpoint, gradient_image
 from runtime.distributed import TPGroup
 from runtime.io_struct import BatchStrOut, TokenizedGenerateReq, UnknownMessage
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from scheduler import model_runner

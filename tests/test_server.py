@@ -26,9 +26,9 @@ from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, 
 from waits import wait_until
 
 from runtime.tiny_checkpoint import make_checkpoint
-from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.media_types import ProcessorSpec
-from tokenizer_manager.media_worker import process_video_bytes
+from tokenizer_manager.media.limits import MediaLimits
+from tokenizer_manager.media.types import ProcessorSpec
+from tokenizer_manager.media.worker import process_video_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 8
@@ -721,7 +721,7 @@ def test_api_key_is_checked() -> None:
     from fastapi.testclient import TestClient
 
     from runtime.server_args import ServerArgs
-    from tokenizer_manager.http_server import create_app
+    from tokenizer_manager.http.server import create_app
     from tokenizer_manager.metrics import ServingMetrics
 
     args = ServerArgs(model_path="/models/demo", api_key="sekret")

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from runtime.distributed import TPGroup
 from runtime.grammar import GrammarSpec, ThinkSection
 from runtime.io_struct import AbortReq, FinishKind, ReqOutput, TokenizedGenerateReq
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
 from scheduler.process import build_scheduler

@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from test_request_path import IMAGE_URL, chat_input, checkpoint, manager, run  # noqa: F401
-
-from tokenizer_manager.http_server import create_app
+from test_request_path import (  # noqa: F401
+    IMAGE_URL,
+    chat_input,
+    checkpoint,
+    front_end,
+    manager,
+    run,
+)
 
 CHAT = {
     "messages": [
@@ -27,7 +32,7 @@ CHAT = {
 
 @pytest.fixture
 def http(checkpoint: Path) -> TestClient:  # noqa: F811
-    return TestClient(create_app(manager(checkpoint)))
+    return TestClient(front_end(checkpoint).app)
 
 
 def test_a_prompt_tokenizes_as_the_tokenizer_does(http: TestClient) -> None:

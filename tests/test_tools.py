@@ -22,9 +22,9 @@ from runtime.tiny_checkpoint import build_tokenizer, make_checkpoint
 from tokenizer_manager.api.base import ApiContext
 from tokenizer_manager.api.chat import ChatServing
 from tokenizer_manager.api.usage import ApiCounters, UsageRecorder
-from tokenizer_manager.http_server import create_app
+from tokenizer_manager.front_end import build_front_end
+from tokenizer_manager.http.server import create_app
 from tokenizer_manager.protocol import ChatCompletionRequest
-from tokenizer_manager.tokenizer_manager import TokenizerManager
 
 WEATHER = {
     "type": "function",
@@ -145,7 +145,7 @@ CONVERSATION = [
 def test_prompt_tokens_equal_hf_apply_chat_template(tools_checkpoint: Path, kwargs: dict) -> None:
     """The request's tools, tool calls (arguments sent as JSON text), tool messages and template
     kwargs give the prompt transformers' apply_chat_template gives (arguments as objects)."""
-    tm = TokenizerManager(ServerArgs(model_path=str(tools_checkpoint)))
+    tm = build_front_end(ServerArgs(model_path=str(tools_checkpoint)), media=None).tm
     serving = ChatServing(tm, ApiContext(UsageRecorder(ApiCounters())))
     body = {"messages": CONVERSATION, "tools": [WEATHER], "chat_template_kwargs": kwargs}
     inp = serving.to_input(ChatCompletionRequest.model_validate(body))

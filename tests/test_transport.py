@@ -15,7 +15,7 @@ from dist_utils import run_on_ranks
 
 from runtime.io_struct import AbortReq, TokenizedGenerateReq
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.transport import shm
 from runtime.transport.broadcast import broadcast_frames, release_loaded
 from runtime.transport.frames import from_frames, to_frames

@@ -24,16 +24,16 @@ import numpy as np
 import pytest
 
 from runtime.tiny_checkpoint import make_checkpoint
-from tokenizer_manager.media import MediaError, MediaLimits
-from tokenizer_manager.media_types import ProcessorSpec
-from tokenizer_manager.media_worker import process_video_bytes
-from tokenizer_manager.video_container import (
+from tokenizer_manager.media.limits import MediaError, MediaLimits
+from tokenizer_manager.media.types import ProcessorSpec
+from tokenizer_manager.media.video_container import (
     AVI,
     MATROSKA,
     MP4,
     check_quicktime_references,
     video_container,
 )
+from tokenizer_manager.media.worker import process_video_bytes
 
 
 def encode(container: str, codec: str, frames: int = 8, size: tuple[int, int] = (64, 48)) -> bytes:
@@ -130,7 +130,7 @@ def test_hls_playlist_sent_as_a_data_url_is_refused_end_to_end(
     spec: ProcessorSpec, listener: Listener, tmp_path: Path
 ) -> None:
     from runtime.multimodal import Modality
-    from tokenizer_manager.media import load_media_bytes
+    from tokenizer_manager.media.load import load_media_bytes
 
     playlist = hostile("hls", listener.port, tmp_path / "x.ts")
     url = "data:video/mp4;base64," + base64.b64encode(playlist).decode()
@@ -179,9 +179,9 @@ def test_header_limits_apply_before_decoding(spec: ProcessorSpec, mp4: bytes) ->
 
 CHILD = """
 import os, pickle, sys
-from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.media_types import MediaError
-from tokenizer_manager.media_worker import process_video_bytes
+from tokenizer_manager.media.limits import MediaLimits
+from tokenizer_manager.media.limits import MediaError
+from tokenizer_manager.media.worker import process_video_bytes
 
 spec = pickle.load(open(sys.argv[1], "rb"))
 good, hostile = (open(path, "rb").read() for path in sys.argv[2:4])

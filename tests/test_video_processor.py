@@ -25,7 +25,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 from video_reference import preprocess_video, read_frames
 
 from runtime.families.qwen2_vl import smart_resize
-from tokenizer_manager.video_processor import (
+from tokenizer_manager.media.video_processor import (
     VideoProcessingConfig,
     sample_frame_indices,
     second_per_grid_t,

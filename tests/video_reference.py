@@ -1,5 +1,5 @@
 """Oracles for the video path, for tests only: frames read straight with decord, and whole frames
-resized at once and patchified. The served path (`media_worker.process_video_bytes`) must match."""
+resized at once and patchified. The served path (`media.worker.process_video_bytes`) must match."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from runtime.families.qwen2_vl import smart_resize
-from tokenizer_manager.video_processor import (
+from tokenizer_manager.media.video_processor import (
     VideoProcessingConfig,
     clip_frames,
     frames_to_patches,

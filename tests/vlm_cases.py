@@ -15,12 +15,12 @@ from video_reference import preprocess_video
 
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality, MultimodalInputs
-from tokenizer_manager.multimodal_inputs import (
+from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,
     build_multimodal_inputs,
     expand_placeholders,
 )
-from tokenizer_manager.video_processor import checkpoint_video_config, frame_timestamps
+from tokenizer_manager.media.video_processor import checkpoint_video_config, frame_timestamps
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 VIDEO_FPS = 2.0  # the frame rate test videos given as frame arrays are taken to have

@@ -53,7 +53,7 @@ FORK_SERVER_ENV = "TESSERA_MEDIA_FORK_SERVER"  # set in the fork server's enviro
 # a worker's start-up), and a grammar worker's engine: the fork server's preload, frozen for the
 # collector once imported
 MEDIA_WORKER_PRELOAD = (
-    "tokenizer_manager.media_worker",
+    "tokenizer_manager.media.worker",
     "transformers.image_processing_utils",
     "tokenizer_manager.grammar_worker",
     "runtime.grammar.llguidance_backend",

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from runtime.sampler import MAX_N, SEED_RANGE
+from runtime.sampling_params import MAX_N, SEED_RANGE
 
 RID_MAX, RID_CHARS = 128, r"^[A-Za-z0-9._:-]+$"  # a client's request id: length and characters
 
@@ -155,7 +155,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
-    stop: str | list[str] | None = None  # limits: runtime/sampler.py (MAX_STOP_*)
+    stop: str | list[str] | None = None  # limits: runtime/sampling_params.py (MAX_STOP_*)
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -198,7 +198,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media_settings
+    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media/settings.py
     include_reasoning: bool = True  # vLLM; with --reasoning-parser
     separate_reasoning: bool = True  # SGLang; with --reasoning-parser
 
@@ -221,7 +221,7 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     tools: list[Tool] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media_settings
+    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media/settings.py
     return_token_strs: bool = False
 
 
@@ -238,7 +238,7 @@ class GenerateRequest(BaseModel):
     text: str | None = None
     input_ids: list[int] | None = None
     image_data: str | list[str] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media_settings
+    mm_processor_kwargs: dict[str, Any] | None = None  # checked in media/settings.py
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = Field(default=None, min_length=1, max_length=RID_MAX, pattern=RID_CHARS)

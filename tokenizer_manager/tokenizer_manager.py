@@ -42,18 +42,14 @@ from runtime.io_struct import (
 from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
-from runtime.sampler import SamplingParams
-from runtime.sampling_controls import bad_words_token_ids
+from runtime.sampling_params import SamplingParams, bad_words_token_ids
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget, context_length
 from runtime.transport.frames import to_frames
 from runtime.transport.shm import SharedTensor
 from tokenizer_manager.grammar_check import GrammarCheck
-from tokenizer_manager.media_settings import checked_settings, request_spec
-from tokenizer_manager.media_types import MediaRef, ProcessorSpec
-from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
-from tokenizer_manager.mm_processor import AsyncMMDataProcessor
-from tokenizer_manager.multimodal_inputs import (
+from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
+from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,
     build_multimodal_inputs,
     check_prompt_ids,
@@ -63,7 +59,10 @@ from tokenizer_manager.multimodal_inputs import (
     expand_placeholders,
     with_placeholders,
 )
-from tokenizer_manager.pixel_ledger import PixelLedger
+from tokenizer_manager.media.pixel_ledger import PixelLedger
+from tokenizer_manager.media.settings import checked_settings, request_spec
+from tokenizer_manager.media.types import MediaRef, ProcessorSpec
+from tokenizer_manager.metrics import RequestTimeline, ServingMetrics
 from tokenizer_manager.prompt_limits import max_prompt_chars
 from tokenizer_manager.protocol import APIError
 
@@ -152,7 +151,7 @@ class GenerateInput:
     media: list[MediaRef] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat: for the template
     mm_processor_kwargs: dict[str, Any] | None = None  # the client's media settings, unchecked
-    media_scope: str = ""  # the caller's scope of client media ids (http_server.media_scope)
+    media_scope: str = ""  # the caller's scope of client media ids (http.server.media_scope)
 
 
 class TokenizerManager:

@@ -8,9 +8,9 @@ it past its mapping budget (`MapBudget`). The file is owned by exactly one place
 removed when its owner lets go: the TokenizerManager until the request is sent (dropped unsent:
 removed), then the scheduler ranks, where rank 0 removes it once every rank has mapped or read it
 (`runtime.transport.broadcast.release_loaded`). An item sent by key only keeps its file in the
-TokenizerManager until the request ends (`tokenizer_manager.pixel_ledger`); what the ranks ask for
-again goes to them under a new name (`link_copy`), owned and removed as above. A server that stops
-sweeps what a killed process left behind (`sweep_media_files`).
+TokenizerManager until the request ends (`tokenizer_manager.media.pixel_ledger`); what the ranks
+ask for again goes to them under a new name (`link_copy`), owned and removed as above. A server
+that stops sweeps what a killed process left behind (`sweep_media_files`).
 """
 
 from __future__ import annotations

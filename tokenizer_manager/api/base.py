@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from runtime.io_struct import StrOutput
 from runtime.model_config import GenerationDefaults
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from tokenizer_manager.api.fields import UnknownFields
 from tokenizer_manager.api.outputs import collect_all, first_outputs
 from tokenizer_manager.api.sse import EventStream, StreamWriter, sse

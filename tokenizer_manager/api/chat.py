@@ -10,7 +10,7 @@ from typing import Any
 
 from runtime.grammar import ThinkSection
 from runtime.io_struct import StrOutput
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from tokenizer_manager.api.base import check_model
 from tokenizer_manager.api.fields import refuse_fields, unsupported
 from tokenizer_manager.api.logprobs import chat_logprobs

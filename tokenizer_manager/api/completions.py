@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.io_struct import StrOutput
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from tokenizer_manager.api.base import check_model
 from tokenizer_manager.api.fields import refuse_fields
 from tokenizer_manager.api.logprobs import CompletionLogprobs

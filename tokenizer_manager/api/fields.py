@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from runtime.logging_utils import get_logger
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from tokenizer_manager.protocol import INFORMATIONAL, APIError
 
 logger = get_logger(__name__)

@@ -8,7 +8,7 @@ from typing import Any
 from runtime.io_struct import StrOutput
 from runtime.model_config import GenerationDefaults
 from runtime.multimodal import Modality
-from runtime.sampler import MAX_LOGPROBS, SamplingParams
+from runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenizer_manager.api.base import Serving, checked
 from tokenizer_manager.api.fields import (
     Refusals,
@@ -20,7 +20,7 @@ from tokenizer_manager.api.fields import (
 from tokenizer_manager.api.logprobs import native_logprobs
 from tokenizer_manager.api.openai_common import ENGINE_FIELDS
 from tokenizer_manager.api.structured import NATIVE_READERS, read_constraint
-from tokenizer_manager.mm_processor import MediaRef
+from tokenizer_manager.media.mm_processor import MediaRef
 from tokenizer_manager.protocol import APIError, GenerateRequest, new_id
 from tokenizer_manager.tokenizer_manager import GenerateInput
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from runtime.io_struct import StrOutput
 from runtime.model_config import GenerationDefaults
-from runtime.sampler import SamplingParams
+from runtime.sampling_params import SamplingParams
 from tokenizer_manager.api.base import R, Serving, checked, model_name
 from tokenizer_manager.api.fields import engine_value, sampler_has
 from tokenizer_manager.api.structured import openai_constraint

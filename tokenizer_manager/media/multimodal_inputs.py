@@ -91,7 +91,7 @@ class PreparedMedia:
     pixel_values: torch.Tensor | SharedTensor  # [t*h*w patches, patch_dim]
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None
-    digest: int | None = None  # from the encoded bytes (media_worker.media_digest), when known
+    digest: int | None = None  # from the encoded bytes (worker.media_digest), when known
     frame_times: tuple[float, ...] | None = None  # video: seconds of each temporal patch
 
 

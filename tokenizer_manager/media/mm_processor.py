@@ -5,8 +5,8 @@ Three pools keep the asyncio loop free:
   request of stalling URLs cannot take every thread), and an I/O thread pool for data: URLs and
   allowed local files; both read image headers, so most bad media are refused before any CPU work;
 - a small pool of CPU worker processes (cpu_pool.WorkerPool, forked from a fork server that
-  has imported their code) runs the worker side (`media_worker`: decode, resize, patchify,
-  digest); the values both sides share live in `media_types`.
+  has imported their code) runs the worker side (`worker`: decode, resize, patchify,
+  digest); the values both sides share live in `types` and `limits`.
 
 Every item is fetched and header-checked before any is decoded: the images' tokens (the
 checkpoint's resize rule over the header size) must fit what the context leaves, and the decoded
@@ -49,26 +49,20 @@ from runtime.transport.shm import (
     sweep_media_files,
 )
 from tokenizer_manager.cpu_pool import JobTimeout, WorkerDied, WorkerPool
-from tokenizer_manager.image_headers import INLINE_HEADER_PIECES, header_pieces
-from tokenizer_manager.media import MediaLimits, load_media_bytes, open_image
-from tokenizer_manager.media_fetch import MediaFetcher
-from tokenizer_manager.media_types import (
-    MediaError,
-    MediaFile,
-    MediaRef,
-    ProcessedMedia,
-    ProcessorSpec,
-    media_param,
-)
-from tokenizer_manager.media_worker import (
+from tokenizer_manager.media.fetch import MediaFetcher
+from tokenizer_manager.media.image_headers import INLINE_HEADER_PIECES, header_pieces
+from tokenizer_manager.media.limits import MediaError, MediaLimits, media_param
+from tokenizer_manager.media.load import load_media_bytes, open_image
+from tokenizer_manager.media.multimodal_inputs import PreparedMedia, new_digest
+from tokenizer_manager.media.processed_cache import ProcessedCache, cache_words
+from tokenizer_manager.media.types import MediaFile, MediaRef, ProcessedMedia, ProcessorSpec
+from tokenizer_manager.media.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
+from tokenizer_manager.media.worker import (
     init_worker,
     media_digest,
     process_image_bytes,
     process_video_bytes,
 )
-from tokenizer_manager.multimodal_inputs import PreparedMedia, new_digest
-from tokenizer_manager.processed_cache import ProcessedCache, cache_words
-from tokenizer_manager.video_processor import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 
 logger = get_logger(__name__)
 
@@ -107,7 +101,7 @@ class _RequestState:
 
     max_bytes: int
     fetch_slots: asyncio.Semaphore
-    spec: ProcessorSpec  # the server's, or the request's own (`media_settings.request_spec`)
+    spec: ProcessorSpec  # the server's, or the request's own (`settings.request_spec`)
     fetched_bytes: int = 0
     fetching: dict[int, Modality] = dataclasses.field(default_factory=dict)
 
@@ -259,7 +253,7 @@ class AsyncMMDataProcessor:
 
     @classmethod
     def from_server_args(cls, args: ServerArgs) -> AsyncMMDataProcessor:
-        """The front end's media processor, from resolved flags (launch.py serves with it)."""
+        """The front end's media processor, from resolved flags (`build_front_end` builds it)."""
         if not isinstance(args.media_workers, int):
             raise ValueError("--media-workers auto is resolved by ServerArgs.resolve()")
         return cls(

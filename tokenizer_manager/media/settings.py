@@ -5,7 +5,7 @@ The keys are the ones HF's Qwen2-VL processors take: `min_pixels` and `max_pixel
 video frames), and for video `fps`, `num_frames` (a fixed count instead of `fps`, rounded as HF
 rounds it; the frames are spread as tessera spreads them at `fps`), `min_frames` and
 `max_frames`. A request's spec is what its items are resized, sampled, digested and cached by:
-`media_worker.media_digest` hashes the whole spec, so an item processed with one setting never
+`worker.media_digest` hashes the whole spec, so an item processed with one setting never
 serves a request that asked for another (the processed-item cache, the encoder cache and the
 radix cache all key on that digest)."""
 
@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any
 
-from tokenizer_manager.media_types import ProcessorSpec
+from tokenizer_manager.media.types import ProcessorSpec
 from tokenizer_manager.protocol import APIError
 
 PARAM = "mm_processor_kwargs"

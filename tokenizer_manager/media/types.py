@@ -1,10 +1,7 @@
-"""Value types the media front end and its worker processes share.
-
-`MediaError` is the one error for everything a client's media can get wrong, wherever it is
-found: in the fetch (URL policy, size, unreachable origin), in the header checks, or in the worker
-that decodes it. The rest are plain picklable values: what a request names (`MediaRef`), what a
-worker needs to preprocess it (`ProcessorSpec`, `MediaFile`) and what it sends back
-(`ProcessedMedia`).
+"""Value types the media front end and its worker processes share: plain picklable values,
+what a request names (`MediaRef`), what a worker needs to preprocess it (`ProcessorSpec`,
+`MediaFile`) and what it sends back (`ProcessedMedia`). The error for a client's bad media
+(`MediaError`) and the bounds (`MediaLimits`) are in media/limits.py.
 """
 
 from __future__ import annotations
@@ -12,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,9 +17,9 @@ from runtime.families import Family, family_for, get_family
 from runtime.families.base import check_aspect_ratio
 from runtime.multimodal import Modality
 from runtime.transport.shm import SharedTensor
-from tokenizer_manager.multimodal_inputs import PreparedMedia
-from tokenizer_manager.protocol import APIError
-from tokenizer_manager.video_processor import (
+from tokenizer_manager.media.limits import MediaError, MediaLimits
+from tokenizer_manager.media.multimodal_inputs import PreparedMedia
+from tokenizer_manager.media.video_processor import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
     VideoProcessingConfig,
@@ -31,49 +27,7 @@ from tokenizer_manager.video_processor import (
     read_json,
 )
 
-if TYPE_CHECKING:
-    from tokenizer_manager.media import MediaLimits
-
 IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # HF's defaults for Qwen2-VL
-
-
-class MediaError(APIError):
-    """A client's media cannot be used: an `APIError` whose field defaults are the media's
-    (param "messages", code "invalid_media"), so it reaches the HTTP reply as it is raised.
-
-    Pickles across processes (CPU workers raise it too): every field has a default and the
-    instance dict travels with the message.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        param: str | None = "messages",
-        code: str | None = "invalid_media",
-    ):
-        super().__init__(message, status=status, param=param, code=code)
-
-
-def media_param(modality: Modality) -> str:
-    """The OpenAI request field that holds a media URL of this kind."""
-    return "image_url" if modality == Modality.IMAGE else "video_url"
-
-
-def too_large(max_bytes: int, param: str) -> MediaError:
-    """A media item over its byte limit (encoded, or decoded from a compressed response)."""
-    return MediaError(
-        f"media item is too large: the limit is {max_bytes} bytes ({max_bytes / (1 << 20):.1f} "
-        "MiB)",
-        param=param,
-        code="media_too_large",
-    )
-
-
-def bad_video(message: str, code: str = "invalid_video") -> MediaError:
-    """The client's video cannot be used (param video_url)."""
-    return MediaError(message, param="video_url", code=code)
 
 
 def check_media_shape(height: int, width: int, param: str) -> None:

@@ -23,17 +23,17 @@ from runtime.allocator import freeze_startup_objects, keep_freed_memory
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
 from runtime.transport.shm import SharedTensor
-from tokenizer_manager.media import MediaLimits, decode_image
-from tokenizer_manager.media_types import (
+from tokenizer_manager.media.limits import MediaLimits, bad_video
+from tokenizer_manager.media.load import decode_image
+from tokenizer_manager.media.multimodal_inputs import digest_int, new_digest
+from tokenizer_manager.media.types import (
     MediaFile,
     ProcessedMedia,
     ProcessorSpec,
-    bad_video,
     check_media_shape,
     input_bytes,
 )
-from tokenizer_manager.multimodal_inputs import digest_int, new_digest
-from tokenizer_manager.video_container import (
+from tokenizer_manager.media.video_container import (
     check_video_header,
     check_video_length,
     open_container,
@@ -41,7 +41,7 @@ from tokenizer_manager.video_container import (
     video_container,
     video_errors,
 )
-from tokenizer_manager.video_processor import (
+from tokenizer_manager.media.video_processor import (
     VideoProcessingConfig,
     clip_frames,
     frame_timestamps,

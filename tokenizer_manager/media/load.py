@@ -10,7 +10,7 @@ Sources a media URL may name:
 - `data:<type>;base64,<data>`, and bare base64 (only base64 characters, at least 64 of them and
   a multiple of 4, so that a file path is never mistaken for it);
 - `http://` and `https://`, fetched under `MediaLimits.url_policy` (no loopback, private or
-  link-local addresses by default; see media_fetch.py) within one deadline and a byte cap;
+  link-local addresses by default; see limits.py, fetch.py) within one deadline and a byte cap;
 - `file://` URLs and plain paths, only inside `MediaLimits.allowed_local_media_path` (symlinks
   and `..` are resolved before the check); relative paths are taken relative to that folder.
 """
@@ -22,7 +22,6 @@ import io
 import os
 import re
 import struct
-from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
 import numpy as np
@@ -31,14 +30,12 @@ from PIL import Image, ImageOps
 
 from runtime.logging_utils import get_logger
 from runtime.multimodal import Modality
-from runtime.server_args import ServerArgs
-from tokenizer_manager.image_headers import MAX_HEADER_PIECES, header_pieces
-from tokenizer_manager.media_fetch import MediaFetcher, MediaUrlPolicy, parse_domains
-from tokenizer_manager.media_types import MediaError, media_param, too_large
+from tokenizer_manager.media.fetch import MediaFetcher
+from tokenizer_manager.media.image_headers import MAX_HEADER_PIECES, header_pieces
+from tokenizer_manager.media.limits import MediaError, MediaLimits, media_param, too_large
 
 logger = get_logger(__name__)
 
-MiB = 1 << 20
 # Formats PIL may open: what users send. Others (TIFF, EPS, PSD, ...) are refused: some call
 # external programs, some have pathological decode costs, all are rarely sent and poorly tested
 # against hostile input. BMP only uncompressed (`check_decoder`): its run-length codings are not.
@@ -50,41 +47,6 @@ _BASE64_RE = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 _WHITESPACE = re.compile(r"\s+")
 # PIL's errors for data that is not a (complete, valid) image.
 _PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error)
-
-
-@dataclass(frozen=True)
-class MediaLimits:
-    """Bounds on one media item, checked before it is decoded or sent on."""
-
-    max_image_bytes: int = 20 * MiB
-    max_video_bytes: int = 100 * MiB
-    max_request_bytes: int = 256 * MiB  # all media of one request together
-    max_pixels: int = 50_000_000  # decoded pixels of one image or one video frame
-    min_side: int = 1
-    max_frames: int = 64  # sampled frames of one video
-    max_video_frames: int = 108_000  # frames a video may declare (an hour at 30 fps)
-    max_video_seconds: float = 3600.0  # duration a video may declare
-    max_cpu_seconds: float | None = 10.0  # CPU time to decode and preprocess one item
-    http_timeout: float = 10.0  # seconds for one whole fetch: connect, headers, body, redirects
-    allowed_local_media_path: str | None = None  # None: local files are refused
-    url_policy: MediaUrlPolicy = MediaUrlPolicy()  # which http(s) URLs may be fetched
-
-    def max_bytes(self, modality: Modality) -> int:
-        return self.max_image_bytes if modality == Modality.IMAGE else self.max_video_bytes
-
-    @classmethod
-    def from_server_args(cls, args: ServerArgs) -> MediaLimits:
-        policy = MediaUrlPolicy(
-            allow_private=args.allow_private_media_urls,
-            allowed_domains=parse_domains(args.allowed_media_domains),
-            trust_env=args.media_trust_env,
-        )
-        return cls(
-            max_cpu_seconds=args.media_cpu_seconds,
-            http_timeout=args.media_fetch_timeout,
-            allowed_local_media_path=args.allowed_local_media_path,
-            url_policy=policy,
-        )
 
 
 def _short(url: str, limit: int = 120) -> str:

@@ -43,7 +43,7 @@ from runtime.io_struct import (
 )
 from runtime.logging_utils import configure_logging, get_logger
 from runtime.parent_watch import exit_with_parent
-from runtime.sampler import TokenLogprobs
+from runtime.sampling_params import TokenLogprobs
 from runtime.server_args import ServerArgs
 
 logger = get_logger(__name__)

@@ -4,10 +4,10 @@ Client media ids: a content part may name its item with a `uuid`; the id (within
 scope) is remembered for the first item sent with it, and later requests that give the id are
 served that item without their bytes being read, even when they send other bytes with it (the id
 is the client's promise that the item is the same). Ids of other scopes never match: the scope
-is a digest of the API key the caller presented (`http_server.media_scope`), "" without keys.
+is a digest of the API key the caller presented (`http.server.media_scope`), "" without keys.
 
 Clients resend a conversation's images every turn. The item's identity is its digest
-(`media_worker.media_digest`: the encoded bytes plus every processor setting that shapes the
+(`worker.media_digest`: the encoded bytes plus every processor setting that shapes the
 pixels), computed on the event loop at memory speed; a hit skips decode, resize and
 normalisation and hands the request a copy of the cached pixels.
 
@@ -36,7 +36,7 @@ import numpy as np
 
 from runtime.logging_utils import get_logger
 from runtime.transport.shm import SharedTensor, link_copy
-from tokenizer_manager.media_types import ProcessedMedia
+from tokenizer_manager.media.types import ProcessedMedia
 
 logger = get_logger(__name__)
 

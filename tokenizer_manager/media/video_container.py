@@ -26,8 +26,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizer_manager.media import MediaLimits
-from tokenizer_manager.media_types import bad_video
+from tokenizer_manager.media.limits import MediaLimits, bad_video
 
 # Demuxer names FFmpeg knows these containers by.
 MP4, MATROSKA, AVI = "mov", "matroska", "avi"

@@ -2,7 +2,7 @@
 resize rule, `Family.resize`).
 
 Everything here is pure: functions take frames and settings and return numpy arrays. Decoding
-lives in the media worker (`media_worker.process_video_bytes`, the one video path): a video is
+lives in the media worker (`worker.process_video_bytes`, the one video path): a video is
 opened only inside that process and only frames leave it, never a reader object.
 
 The patch layout matches the image path, so the vision tower treats a video as a stack of

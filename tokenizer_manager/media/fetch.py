@@ -1,6 +1,7 @@
 """Fetching media over http(s) without letting a client aim the server at its own network.
 
-The policy (`MediaUrlPolicy`), checked on the first URL and again on every redirect hop:
+The policy (`MediaUrlPolicy`, media/limits.py), checked on the first URL and again on every
+redirect hop:
 - only `http` and `https`;
 - when `allowed_domains` is set, only those host names (exact, case-insensitive);
 - unless `allow_private` is set, every address the host name resolves to must be a public one:
@@ -34,14 +35,19 @@ import socket
 import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpcore
 import httpx
 
 from runtime.logging_utils import get_logger
-from tokenizer_manager.media_types import MediaError, too_large
+from tokenizer_manager.media.limits import (
+    FetchRefused,
+    IPAddress,
+    MediaError,
+    MediaUrlPolicy,
+    too_large,
+)
 
 logger = get_logger(__name__)
 
@@ -52,77 +58,6 @@ REDIRECTS = (301, 302, 303, 307, 308)
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "tessera_fetch_deadline", default=None
 )
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-class FetchRefused(Exception):
-    """The policy refuses a URL or an address (the message is for the server log only)."""
-
-
-@dataclass(frozen=True)
-class MediaUrlPolicy:
-    """Which http(s) URLs the server may fetch; see the module docstring."""
-
-    allow_private: bool = False
-    allowed_domains: tuple[str, ...] | None = None
-    trust_env: bool = False
-
-    def check_url(self, url: httpx.URL) -> None:
-        """Refuse a URL the policy does not fetch (invariant 14); again on every redirect."""
-        if url.scheme not in ("http", "https"):
-            raise FetchRefused(f"scheme {url.scheme!r} is not fetched")
-        host = url.host.rstrip(".").lower()
-        if not host:
-            raise FetchRefused("the URL has no host")
-        if self.allowed_domains is not None and host not in self.allowed_domains:
-            raise FetchRefused(f"host {host!r} is not in the allowed media domains")
-
-    def check_address(self, address: IPAddress) -> None:
-        if not self.allow_private and not address_is_public(address):
-            raise FetchRefused(f"address {address} is not a public address")
-
-
-def parse_domains(text: str | None) -> tuple[str, ...] | None:
-    """`--allowed-media-domains a.com,b.org` as normalised host names (None: any host)."""
-    if text is None:
-        return None
-    return tuple(d.strip().rstrip(".").lower() for d in text.split(",") if d.strip())
-
-
-def address_is_public(address: IPAddress) -> bool:
-    """True for a globally routable unicast address (IPv4 inside IPv6 is checked as IPv4)."""
-    embedded = _embedded_ipv4(address)
-    if embedded is not None:
-        return address_is_public(embedded)
-    blocked = (
-        address.is_loopback
-        or address.is_private
-        or address.is_link_local
-        or address.is_multicast
-        or address.is_reserved
-        or address.is_unspecified
-        or (isinstance(address, ipaddress.IPv6Address) and address.is_site_local)
-    )
-    return address.is_global and not blocked
-
-
-def _embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
-    if not isinstance(address, ipaddress.IPv6Address):
-        return None
-    if address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    if address.sixtofour is not None:
-        return address.sixtofour
-    if address.teredo is not None:
-        return address.teredo[1]
-    if address in _NAT64:
-        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-    return None
-
-
-_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
-
 
 # ---------------------------------------------------------------------------------------------
 # The deadline of the fetch running in this thread

@@ -1,0 +1,79 @@
+"""tokenizer_manager/front_end.py: the one factory of the main process's front end (what
+launch.py serves with) builds, starts and stops the media processor, the TokenizerManager and the
+HTTP app, and leaves no media worker behind, also when building fails half-way."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+
+import pytest
+from waits import process_dead, wait_until
+
+from runtime.server_args import ServerArgs
+from runtime.tiny_checkpoint import make_checkpoint
+from tokenizer_manager.front_end import FrontEnd, build_front_end
+from tokenizer_manager.http.connection_limits import BoundedHttpProtocol, ConnectionLimits
+from tokenizer_manager.media.limits import MediaLimits
+from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("front") / "qwen2_vl"))
+
+
+def served_args(checkpoint: str) -> ServerArgs:
+    return ServerArgs(model_path=checkpoint, device="cpu", media_workers=1, port=31999).resolve()
+
+
+def all_dead(pids: list[int]) -> bool:
+    return wait_until(lambda: all(process_dead(pid) for pid in pids))
+
+
+def test_the_factory_builds_what_launch_serves(checkpoint: str) -> None:
+    args = served_args(checkpoint)
+    front = build_front_end(args, kv_total=300)
+    assert isinstance(front.mm, AsyncMMDataProcessor)
+    assert front.tm.mm is front.mm and front.app.state.tm is front.tm
+    assert front.tm.budget.limit == min(front.tm.context_length, 300)
+    config = front.uvicorn_config(timeout_graceful_shutdown=2)
+    assert (config.host, config.port, config.log_level) == (args.host, 31999, args.log_level)
+    assert isinstance(config.http, functools.partial)
+    assert config.http.func is BoundedHttpProtocol
+    assert config.http.keywords["limits"] == ConnectionLimits.from_server_args(args)
+
+    async def serve_and_stop(front: FrontEnd) -> list[int]:
+        await front.start()
+        pids = front.mm.worker_pids()
+        await front.close()
+        return pids
+
+    pids = asyncio.run(serve_and_stop(front))
+    assert len(pids) == 1
+    assert all_dead(pids), "a media worker outlived the front end"
+
+
+def test_a_text_only_front_end_has_no_media(checkpoint: str) -> None:
+    front = build_front_end(served_args(checkpoint), media=None)
+    assert front.mm is None and front.tm.mm is None
+    asyncio.run(front.close())
+
+
+def test_a_failed_build_stops_the_media_workers(checkpoint: str, tmp_path: Path) -> None:
+    """The media processor starts its workers; a TokenizerManager that cannot be built (no
+    checkpoint in its folder) must not leave them running."""
+    pids: list[int] = []
+
+    def media(args: ServerArgs) -> AsyncMMDataProcessor:
+        mm = AsyncMMDataProcessor(checkpoint, MediaLimits(), cpu_workers=1)
+        assert wait_until(lambda: len(mm.worker_pids()) == 1), "the media worker did not start"
+        pids.extend(mm.worker_pids())
+        return mm
+
+    empty = ServerArgs(model_path=str(tmp_path), device="cpu", media_workers=1).resolve()
+    with pytest.raises(Exception):  # noqa: B017 - whatever the loader raises for an empty folder
+        build_front_end(empty, media=media)
+    assert len(pids) == 1
+    assert all_dead(pids), "a media worker outlived the failed build"
