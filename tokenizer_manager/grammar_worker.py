@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import signal
 
 from runtime.allocator import keep_freed_memory
 from runtime.grammar import CheckpointGrammar, CompileLimits, GrammarCompiler, GrammarSpec
+
+WORKER_NICENESS = 10  # added to the worker's nice value: the ranks and the front end come first
 
 
 def worker_limits(limits: CompileLimits) -> CompileLimits:
@@ -33,8 +36,11 @@ def worker_compiler(source: CheckpointGrammar, limits: CompileLimits) -> Grammar
 
 
 def init_grammar_worker(source: CheckpointGrammar, limits: CompileLimits) -> None:
-    """Pool initializer: leave Ctrl-C to the parent and build the compiler up front."""
+    """Pool initializer: leave Ctrl-C to the parent, yield the CPU to the processes that serve
+    (a compile of seconds waits for a core rather than slowing every rank's step), and build
+    the compiler up front."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.nice(WORKER_NICENESS)
     keep_freed_memory()
     worker_compiler(source, limits)
 
