@@ -22,8 +22,7 @@ from runtime.io_struct import (
     ShutdownReq,
 )
 from runtime.logging_utils import configure_logging, get_logger
-from runtime.memory_plan import memory_needs
-from runtime.memory_pool import kv_pool_tokens
+from runtime.memory_plan import size_kv_pool
 from runtime.multimodal import Modality
 from runtime.parent_watch import exit_with_parent
 from runtime.sampler import Sampler
@@ -34,7 +33,7 @@ from runtime.transport.frames import Frame, from_frames
 from runtime.transport.shm import local_shm_dir
 from scheduler.encoder_cache import EncoderCache
 from scheduler.input_checks import load_test_faults
-from scheduler.model_runner import ModelRunner, kv_layout
+from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
 from vision.encoder_plan import EncoderCosts
@@ -88,12 +87,7 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
     model = model or load_model(args, tp)
     device = str(next(model.parameters()).device)
     context = context_length(args, model.config)
-    layout = kv_layout(model)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    needs = memory_needs(model.config, weights, layout.dtype.itemsize, args)
-    tokens = kv_pool_tokens(
-        layout, tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static, needs
-    )
+    tokens = size_kv_pool(args, model, model.language_model.kv_layout, tp)
     encoder_cache = EncoderCache(args.mm_cache_size_mb * 2**20)
     runner = ModelRunner(
         model,
