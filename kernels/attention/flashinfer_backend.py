@@ -20,7 +20,6 @@ and a CPU machine never imports it (`--attention-backend flashinfer` is refused 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,21 +27,9 @@ import torch
 
 from kernels.attention.base import AttentionLayer, store_kv
 from kernels.attention.batch_view import AttentionBatch
+from kernels.availability import flashinfer_problem
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial results)
-
-
-def flashinfer_problem(device: str) -> str | None:
-    """Why the FlashInfer backend cannot run on `device` ("cuda" or "cpu"), None when it can.
-    Looks for the package without importing it."""
-    if device != "cuda":
-        return "--attention-backend flashinfer needs CUDA (--device cuda); use torch on CPU"
-    if importlib.util.find_spec("flashinfer") is None:
-        return (
-            "--attention-backend flashinfer needs the flashinfer package: "
-            "pip install -e '.[gpu]', or use --attention-backend triton"
-        )
-    return None
 
 
 @dataclass(frozen=True)
