@@ -113,8 +113,7 @@ class Scheduler:
         self._was_idle = True
         self.grammar = GrammarStates(tp, grammar_compiler, cfg.enable_jump_forward)
         self.faults = faults
-        overlap = cfg.enable_overlap and faults is None
-        self.overlap = OverlapDecoder(runner, sampler) if overlap else None
+        self.overlap = OverlapDecoder(runner, sampler) if cfg.enable_overlap else None
         self.in_flight: InFlight | None = None  # a decode step launched, its tokens not read
 
     # ------------------------------------------------------------------ the loop body
@@ -473,6 +472,8 @@ class Scheduler:
         self.in_flight = None
         if reqs:
             self.counters.decode_steps += 1
+            reqs = self.isolate(reqs)  # as a synchronous decode: a failed request is not run
+        if reqs:
             self.cache.ensure_free(len(reqs))
             self.in_flight = self.overlap.launch(reqs, flight)
         if flight is not None:
