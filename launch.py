@@ -27,6 +27,7 @@ from runtime.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from runtime.io_struct import ReadyReport  # unpickled from the children's pipes
+    from scheduler.input_checks import FaultsFactory
 
 logger = get_logger("tessera.launch")
 
@@ -74,19 +75,22 @@ def ensure_tiny_checkpoint() -> str:
 
 
 class Supervisor:
-    """Owns the child processes: start, wait for ready acks, watch, and tear down."""
+    """Owns the child processes: start, wait for ready acks, watch, and tear down. `faults`:
+    testing only, handed to every scheduler rank (scheduler/input_checks.py)."""
 
-    def __init__(self, args: ServerArgs):
-        self.args = args
+    def __init__(self, args: ServerArgs, faults: FaultsFactory | None = None):
+        self.args, self.faults = args, faults
         self.ctx = mp.get_context("spawn")
         self.children: list[tuple[str, mp.Process, Connection]] = []
         self.ready_info: dict[str, ReadyReport] = {}
         self._fatal_hooks: list[Callable[[str], None]] = []
         self._stopping = False
 
-    def spawn(self, name: str, target, *args: object) -> None:
+    def spawn(self, name: str, target, *args: object, **kwargs: object) -> None:
         reader, writer = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(target=target, args=(*args, writer), name=name, daemon=True)
+        proc = self.ctx.Process(
+            target=target, args=(*args, writer), kwargs=kwargs, name=name, daemon=True
+        )
         proc.start()
         logger.info("started %s (pid %d)", name, proc.pid)
         self.children.append((name, proc, reader))
@@ -99,7 +103,8 @@ class Supervisor:
         per_node = args.tp_size // args.nnodes
         init = f"tcp://{args.dist_init_addr or f'127.0.0.1:{free_port()}'}"
         for rank in range(args.node_rank * per_node, (args.node_rank + 1) * per_node):
-            self.spawn(f"scheduler-TP{rank}", run_scheduler_process, args, rank, init)
+            name = f"scheduler-TP{rank}"
+            self.spawn(name, run_scheduler_process, args, rank, init, faults=self.faults)
         if args.node_rank == 0:
             self.spawn("detokenizer", run_detokenizer_process, args)
         self.wait_ready()
@@ -210,7 +215,10 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, faults: FaultsFactory | None = None) -> int:
+    """Serve with the flags in `argv`. `faults`: testing only, a picklable factory of each
+    scheduler rank's injected faults (tests/fault_server.py passes one; the command line never
+    does)."""
     args = ServerArgs.from_cli(argv)
     configure_logging(args.log_level, "main")
     keep_freed_memory()  # the children call it too, first thing
@@ -233,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         http_socket = bind_http_socket(args.host, args.port)
         # the media workers' imports run now, beside the children's start-up, not after it
         start_fork_server()
-    supervisor = Supervisor(args)
+    supervisor = Supervisor(args, faults)
     try:
         supervisor.start()
         threading.Thread(target=supervisor.watch, daemon=True).start()

@@ -1,4 +1,6 @@
-"""How a GPU's memory is divided, and so how many KV slots the pool gets.
+"""How a GPU's memory is divided, and so how many KV slots the pool gets: the one place the KV
+pool is sized. `size_kv_pool` is what a rank calls; it asks the device what is free and the ranks
+for their minimum, and leaves the decision to the pure `kv_pool_tokens`.
 
 `plan_memory` is a pure function of what the device reports (total, free after the weights are
 loaded) and what this server will need beside the KV pool (`MemoryNeeds`): the weights, the
@@ -13,10 +15,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch import nn
+
+from runtime.distributed import TPGroup
 from runtime.layers.linear import aligned_hidden_size
+from runtime.logging_utils import get_logger, log_rank0
+from runtime.memory_pool import KVLayout
 from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
 
+logger = get_logger(__name__)
+
+CPU_DEFAULT_KV_TOKENS = 16384  # KV slots on CPU when --max-total-tokens is not given
 MIB = 1 << 20
 NCCL_ALLOWANCE = 256 * MIB  # NCCL's own channel buffers and workspace, per rank with tp > 1
 LOGIT_BYTES = 24  # per (request, vocab entry) in sampling: bf16/fp32 logits, fp32 probs, sorts
@@ -124,3 +135,36 @@ def memory_needs(config: ModelConfig, weights: int, itemsize: int, args: ServerA
         ),
         comm_buffers=comm_buffer_bytes(config, tokens, tp, itemsize),
     )
+
+
+def kv_pool_tokens(
+    args: ServerArgs, needs: MemoryNeeds, bytes_per_token: int, device: tuple[int, int] | None
+) -> tuple[int, MemoryPlan | None]:
+    """This rank's KV slots and the memory plan they come from: --max-total-tokens if given,
+    else a CPU default, else what `plan_memory` leaves for KV on a device of `device` = (free,
+    total) bytes (None: not asked, as it is not needed). Pure."""
+    if args.max_total_tokens:
+        return args.max_total_tokens, None
+    if not args.use_cuda:
+        return CPU_DEFAULT_KV_TOKENS, None
+    if device is None:
+        raise ValueError("sizing the KV pool from memory needs the device's free and total bytes")
+    free, total = device
+    plan = plan_memory(total, free, needs, args.mem_fraction_static)
+    return plan.kv_tokens(bytes_per_token), plan
+
+
+def size_kv_pool(args: ServerArgs, model: nn.Module, layout: KVLayout, tp: TPGroup) -> int:
+    """The KV pool's slots for this server, the same on every rank (the minimum over ranks, so
+    each rank's pool holds the same requests): `kv_pool_tokens` with this rank's needs beside
+    the pool (the loaded `model`'s weights, an activation value of `layout`'s dtype) and, on
+    CUDA without --max-total-tokens, the device's free and total memory now."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    needs = memory_needs(model.config, weights, layout.dtype.itemsize, args)
+    asks_device = args.use_cuda and not args.max_total_tokens
+    device = torch.cuda.mem_get_info() if asks_device else None
+    tokens, plan = kv_pool_tokens(args, needs, layout.bytes_per_token, device)
+    if plan is None:
+        return tokens
+    log_rank0(logger, tp.rank, "memory plan: %s", plan.describe())
+    return int(tp.all_reduce_cpu(torch.tensor([tokens]), op="min").item())

@@ -1,4 +1,5 @@
-"""KV memory: a request-to-token table and per-layer K/V buffers indexed by token slot.
+"""KV memory: a request-to-token table and per-layer K/V buffers indexed by token slot. How many
+slots the pool gets is decided in runtime/memory_plan.py (`size_kv_pool`).
 
 Slot 0 of the K/V buffers is reserved as a padding slot that is never handed out, so padded
 writes have a harmless target.
@@ -14,14 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from runtime.distributed import TPGroup
-from runtime.logging_utils import get_logger, log_rank0
-from runtime.memory_plan import MemoryNeeds, plan_memory
-
-logger = get_logger(__name__)
-
-CPU_DEFAULT_KV_TOKENS = 16384  # KV slots on CPU when --max-total-tokens is not given
 
 
 class ReqToTokenPool:
@@ -95,28 +88,6 @@ class KVLayout:
 
     def pool(self, size: int, device: str | torch.device = "cpu") -> KVPool:
         return KVPool(size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, device)
-
-
-def kv_pool_tokens(
-    layout: KVLayout,
-    tp: TPGroup,
-    fixed: int | None,
-    use_cuda: bool,
-    mem_fraction: float,
-    needs: MemoryNeeds | None = None,
-) -> int:
-    """`fixed` tokens if given, else a CPU default, else what the device's memory plan leaves
-    for KV (runtime/memory_plan.py: after the weights, the encoder cache and the headroom for
-    activations and communication), the minimum over ranks so every rank has the same pool."""
-    if fixed:
-        return fixed
-    if not use_cuda:
-        return CPU_DEFAULT_KV_TOKENS
-    free, total = torch.cuda.mem_get_info()
-    plan = plan_memory(total, free, needs or MemoryNeeds(0, 0, 0, 0), mem_fraction)
-    log_rank0(logger, tp.rank, "memory plan: %s", plan.describe())
-    tokens = torch.tensor([plan.kv_tokens(layout.bytes_per_token)])
-    return int(tp.all_reduce_cpu(tokens, op="min").item())
 
 
 class KVPool:

@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernels.availability import flashinfer_problem
 from runtime.cpus import auto_media_workers, usable_cpus
 from runtime.logging_utils import get_logger
 
@@ -460,8 +461,6 @@ def _cuda_count() -> int:
 
 
 def _check_flashinfer(device: str) -> None:
-    from kernels.attention.flashinfer_backend import flashinfer_problem  # imports no flashinfer
-
     problem = flashinfer_problem(device)
     if problem:
         raise ValueError(problem)

@@ -5,16 +5,16 @@ A check that raises fails that request alone. Each rank runs the checks on its o
 request (identical on every rank, since rank 0 broadcast it), and the scheduler makes the ranks
 agree on the failures before anything else happens, so they free the same things (invariant 11).
 
-The test seam: with `TESSERA_TEST_FAULTS=module:factory` in a scheduler rank's environment (a
-module on its import path; the suite's is tests/fault_injection.py), `build_scheduler` calls
-`factory(rank, tp_size)` for that rank's `RequestFaults`. Unset, as in production, there are none
-and no fault logic runs. The product holds only this seam; what fails and when is the test's.
+The test seam: a `FaultsFactory` passed explicitly down the scheduler's factory chain
+(`launch.main` -> `Supervisor` -> `run_scheduler_process` -> `build_scheduler`), which calls
+`factory(rank, tp_size)` for that rank's `RequestFaults`. Only tests pass one (through their own
+entry point, tests/fault_server.py, or in process); the server's own command line has none, so in
+production there are no faults and no fault logic runs. The product holds only this seam; what
+fails and when is the test's.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from typing import Protocol
 
 import torch
@@ -23,8 +23,6 @@ from runtime.logging_utils import get_logger
 from scheduler.req import Req
 
 logger = get_logger(__name__)
-
-TEST_FAULTS_ENV = "TESSERA_TEST_FAULTS"
 
 
 class RequestFaults(Protocol):
@@ -39,17 +37,11 @@ class RequestFaults(Protocol):
         ...
 
 
-def load_test_faults(rank: int, tp_size: int) -> RequestFaults | None:
-    """This rank's test faults, from `TESSERA_TEST_FAULTS` (None when it is unset)."""
-    spec = os.environ.get(TEST_FAULTS_ENV, "")
-    if not spec:
-        return None
-    module, sep, name = spec.partition(":")
-    if not (module and sep and name):
-        raise ValueError(f"{TEST_FAULTS_ENV} must be module:factory, not {spec!r}")
-    factory = getattr(importlib.import_module(module), name)
-    logger.warning("TP rank %d: test faults from %s (testing only)", rank, spec)
-    return factory(rank, tp_size)
+class FaultsFactory(Protocol):
+    """Builds one rank's `RequestFaults`; crosses to each scheduler process pickled, so a test
+    passes a top-level class or function."""
+
+    def __call__(self, rank: int, tp_size: int) -> RequestFaults: ...
 
 
 def check_inputs(req: Req) -> None:

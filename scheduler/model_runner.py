@@ -14,7 +14,7 @@ from torch import nn
 
 from runtime.decode_graphs import DecodeGraphRunner
 from runtime.forward_batch import ForwardBatch, ForwardMode, HostStager
-from runtime.memory_pool import KVLayout, ReqToTokenPool
+from runtime.memory_pool import ReqToTokenPool
 from runtime.multimodal import ItemEncoder
 from scheduler.req import Req
 
@@ -49,14 +49,6 @@ class OutOfKVError(RuntimeError):
     """Not enough free KV slots for the requested forward."""
 
 
-def kv_layout(model: nn.Module) -> KVLayout:
-    """The KV slot layout of this rank's shard of the model's decoder."""
-    attn = model.language_model.model.layers[0].self_attn.layer
-    dtype = next(model.language_model.parameters()).dtype
-    text = model.config.text
-    return KVLayout(text.num_hidden_layers, attn.num_kv_heads, text.head_dim, dtype)
-
-
 class ModelRunner:
     graphs: DecodeGraphRunner | None = None  # static decodes (see __init__); None: never
     decode_threads: int = 0  # a CPU decode step's threads (see __init__); 0: step_threads' rule
@@ -83,7 +75,7 @@ class ModelRunner:
         self.decode_threads = decode_threads
         self.item_encoder = item_encoder or model.encode_items
         self.req_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
-        layout = kv_layout(model)
+        layout = model.language_model.kv_layout
         self.kv_pool = layout.pool(max_total_tokens, device)
         # per decoded token: about one per local weight; per token of context: q.k and p.v
         # for this rank's heads in every layer

@@ -12,7 +12,10 @@ jump-forward run, greedy or sampled. A sampled row is drawn on the device
 (`Sampler.sample_on_device`) from per-row settings staged in one copy (`sampler_columns`).
 Anything else (a prefill, any message, a request that is not eligible, too few free KV slots)
 first resolves the step in flight and runs as before, so every other path keeps its
-synchronous contract.
+synchronous contract. The requests of a step are checked before it is launched, as before a
+synchronous one (`Scheduler.isolate`: input checks, a test's injected faults, the ranks'
+agreement); a request failed there while its previous step is in flight has that step's token
+dropped when it is read.
 
 Tensor parallelism: every rank holds the same gathered logits (the LM head all-gathers them),
 so in these steps each rank picks the tokens itself instead of rank 0 broadcasting its picks

@@ -22,8 +22,7 @@ from runtime.io_struct import (
     ShutdownReq,
 )
 from runtime.logging_utils import configure_logging, get_logger
-from runtime.memory_plan import memory_needs
-from runtime.memory_pool import kv_pool_tokens
+from runtime.memory_plan import size_kv_pool
 from runtime.multimodal import Modality
 from runtime.parent_watch import exit_with_parent
 from runtime.sampler import Sampler
@@ -34,8 +33,8 @@ from runtime.transport.frames import Frame, from_frames
 from runtime.transport.shm import local_shm_dir
 from scheduler.encoder_cache import EncoderCache
 from scheduler.grammar_state import GrammarBudget
-from scheduler.input_checks import load_test_faults
-from scheduler.model_runner import ModelRunner, kv_layout
+from scheduler.input_checks import FaultsFactory, RequestFaults
+from scheduler.model_runner import ModelRunner
 from scheduler.radix_cache import RadixCache
 from scheduler.scheduler import Scheduler, SchedulerConfig, StepResult
 from vision.encoder_plan import EncoderCosts
@@ -83,18 +82,19 @@ def encoder_costs_override(args: ServerArgs) -> EncoderCosts | None:
     return EncoderCosts.from_json(args.mm_encoder_costs) if args.mm_encoder_costs else None
 
 
-def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = None) -> Scheduler:
+def build_scheduler(
+    args: ServerArgs,
+    tp: TPGroup,
+    model: nn.Module | None = None,
+    faults: FaultsFactory | None = None,
+) -> Scheduler:
     """Everything one rank's scheduler owns, from the flags: the server, the tests and the
-    benchmarks all build schedulers here (`model`: an already loaded model, else loaded now)."""
+    benchmarks all build schedulers here (`model`: an already loaded model, else loaded now;
+    `faults`: testing only, see scheduler/input_checks.py)."""
     model = model or load_model(args, tp)
     device = str(next(model.parameters()).device)
     context = context_length(args, model.config)
-    layout = kv_layout(model)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    needs = memory_needs(model.config, weights, layout.dtype.itemsize, args)
-    tokens = kv_pool_tokens(
-        layout, tp, args.max_total_tokens, args.use_cuda, args.mem_fraction_static, needs
-    )
+    tokens = size_kv_pool(args, model, model.language_model.kv_layout, tp)
     encoder_cache = EncoderCache(args.mm_cache_size_mb * 2**20)
     runner = ModelRunner(
         model,
@@ -128,8 +128,16 @@ def build_scheduler(args: ServerArgs, tp: TPGroup, model: nn.Module | None = Non
     eos, vocab = list(cfg.eos_token_ids), cfg.vocab_size
     compiler = partial(checkpoint_compiler, args.model_path, vocab, eos)  # built by rank 0 only
     sampler = Sampler(seed=args.random_seed)
-    faults = load_test_faults(tp.rank, tp.size)  # None unless a test installed some
-    return Scheduler(cfg, tp, runner, radix, encoder_cache, sampler, compiler, faults)
+    injected = rank_faults(faults, tp)
+    return Scheduler(cfg, tp, runner, radix, encoder_cache, sampler, compiler, injected)
+
+
+def rank_faults(faults: FaultsFactory | None, tp: TPGroup) -> RequestFaults | None:
+    """This rank's test faults from the factory a test passed (None in production)."""
+    if faults is None:
+        return None
+    logger.warning("TP rank %d: test faults from %r (testing only)", tp.rank, faults)
+    return faults(tp.rank, tp.size)
 
 
 def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:
@@ -191,9 +199,14 @@ def step_or_die(scheduler: Scheduler, tp: TPGroup, msgs: list[SchedulerRequest])
 
 
 def run_scheduler_process(
-    args: ServerArgs, tp_rank: int, dist_init_method: str, ready: Connection
+    args: ServerArgs,
+    tp_rank: int,
+    dist_init_method: str,
+    ready: Connection,
+    faults: FaultsFactory | None = None,
 ) -> None:
-    """Entry point of one TP rank: load the shard, report ready (or why not), then loop."""
+    """Entry point of one TP rank: load the shard, report ready (or why not), then loop.
+    `faults`: testing only (scheduler/input_checks.py)."""
     exit_with_parent()
     configure_logging(args.log_level, prefix=f"TP{tp_rank}")
     keep_freed_memory()
@@ -204,7 +217,7 @@ def run_scheduler_process(
     channel = None
     try:
         tp = init_tp_group(tp_rank, args.tp_size, dist_init_method, use_cuda=args.use_cuda)
-        scheduler = build_scheduler(args, tp)
+        scheduler = build_scheduler(args, tp, faults=faults)
         channel = SchedulerChannel(args) if tp.is_first else None
         ready.send(
             ReadyReport(

@@ -117,8 +117,7 @@ class Scheduler:
             tp, grammar_compiler, cfg.enable_jump_forward, cfg.grammar_budget
         )
         self.faults = faults
-        overlap = cfg.enable_overlap and faults is None
-        self.overlap = OverlapDecoder(runner, sampler) if overlap else None
+        self.overlap = OverlapDecoder(runner, sampler) if cfg.enable_overlap else None
         self.in_flight: InFlight | None = None  # a decode step launched, its tokens not read
 
     # ------------------------------------------------------------------ the loop body
@@ -477,6 +476,8 @@ class Scheduler:
         self.in_flight = None
         if reqs:
             self.counters.decode_steps += 1
+            reqs = self.isolate(reqs)  # as a synchronous decode: a failed request is not run
+        if reqs:
             self.cache.ensure_free(len(reqs))
             self.in_flight = self.overlap.launch(reqs, flight)
         if flight is not None:

@@ -45,15 +45,11 @@ from runtime.cpus import rank_cpus, threads_per_rank  # noqa: E402
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group  # noqa: E402
 from runtime.model_config import ModelConfig  # noqa: E402
 from runtime.model_loader import iterate_weights  # noqa: E402
+from vision.auto_encoder import AutoEncoder  # noqa: E402
 from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
 from vision.encoder_calibration import calibrate_encoder_costs  # noqa: E402
-from vision.encoder_plan import (  # noqa: E402
-    AutoEncoder,
-    CallRecord,
-    EncoderCosts,
-    TowerShape,
-    frame_units,
-)
+from vision.encoder_learner import Choice, EncoderLearner  # noqa: E402
+from vision.encoder_plan import EncoderCosts, TowerShape, frame_units  # noqa: E402
 from vision.vlm import vision_tower_class  # noqa: E402
 
 
@@ -72,6 +68,23 @@ class CountingGroup(TPGroup):
         out = super().all_gather(tensor, dim)
         self.counter[0] += out.numel() * out.element_size() if self.size > 1 else 0
         return out
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One auto call: the plan's kind, whether it explored, and each kind's learned ratio
+    (median over every size class) when it was planned."""
+
+    kind: str
+    explored: bool
+    ratios: dict[str, float]
+
+
+class CallLog(list):
+    """Auto's calls in order, as `CallRecord`s: the observer the benchmark's AutoEncoder calls."""
+
+    def __call__(self, choice: Choice, learner: EncoderLearner) -> None:
+        self.append(CallRecord(choice.plan.kind, choice.explored, learner.ratios()))
 
 
 MODES = ("tp", "dp", "auto")
@@ -194,7 +207,9 @@ class Runner:
         self.tp_tower, self.full_tower, self.base = tp_tower, full_tower, base
         self.groups = {m: CountingGroup(base) for m in MODES}
         shape = TowerShape.of(full_tower.cfg, full_tower.dtype.itemsize)
-        self.auto = AutoEncoder(full_tower, self.groups["auto"], shape, costs, keep_history=True)
+        self.history = CallLog()
+        self.auto = AutoEncoder(full_tower, self.groups["auto"], shape, costs,
+                                observer=self.history)
 
     def run(self, mode: str, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         group = self.groups[mode]
@@ -228,7 +243,7 @@ def time_interleaved(
                 torch.cuda.synchronize()
             if i >= args.warmup:
                 times[mode].append((time.perf_counter() - start) / len(batches))
-        ends.append(len(runner.auto.history or []))
+        ends.append(len(runner.history))
     return times, ends
 
 
@@ -323,8 +338,8 @@ def run_rank(args: argparse.Namespace, model_path: str, base: TPGroup, device: s
         results, workloads = [], []
         for name in args.workloads:
             results += [asdict(r) for r in run_workload(name, runner, cfg, args, device, dtype)]
-            workloads += [name] * (len(runner.auto.history or []) - len(workloads))
-    history = [{"workload": w, **asdict(c)} for w, c in zip(workloads, runner.auto.history or [])]
+            workloads += [name] * (len(runner.history) - len(workloads))
+    history = [{"workload": w, **asdict(c)} for w, c in zip(workloads, runner.history)]
     return {"calibration": json.loads(costs.to_json()), "results": results,
             "auto_history": history}
 
@@ -339,9 +354,9 @@ def run_workload(
     runner.auto.plan_counts.clear()
     for group in [runner.tp_tower.tp, *runner.groups.values()]:
         group.counter[0] = 0
-    start = len(runner.auto.history or [])
+    start = len(runner.history)
     times, ends = time_interleaved(runner, batches, args, device)
-    rounds = rounds_of(runner.auto.history or [], start, ends)
+    rounds = rounds_of(runner.history, start, ends)
     runs = (args.warmup + args.repeat) * len(batches)
     n_items = sum(len(g) for _, g in batches) / len(batches)
     grids_list = [g for _, g in batches]

@@ -4,12 +4,13 @@
 
 It starts `launch.py` on the built-in tiny checkpoint with a KV pool small enough to force
 retraction, chunked prefill small enough to cut images, and (unless --fault-injection-rate 0)
-per-request faults injected by the suite's tests/fault_injection.py (through the scheduler's
-test seam, scheduler/input_checks.py), then sends for the given time (or a given number of
-requests per client, --requests), from several client threads with random arrivals: text and
-image requests (a few images, repeated; identical prompts), random max_tokens, streaming and
-not, extreme sampling values, invalid requests, and clients that hang up at every stage
-(waiting, prefill, decode, mid-stream).
+per-request faults injected by the suite's tests/fault_injection.py (the server is then started
+through the test-only entry point tests/fault_server.py, which hands the injector to launch.main
+and so through the scheduler's test seam, scheduler/input_checks.py), then sends for the given
+time (or a given number of requests per client, --requests), from several client threads with
+random arrivals: text and image requests (a few images, repeated; identical prompts), random
+max_tokens, streaming and not, extreme sampling values, invalid requests, and clients that hang
+up at every stage (waiting, prefill, decode, mid-stream).
 
 Checks, each a line of the summary and a non-zero exit when one fails:
 - the server stays up and /health answers 200 after the load;
@@ -42,10 +43,9 @@ import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ROOT / "tests"  # the fault injector: test code, not the product's
-sys.path.insert(0, str(TESTS))
+TESTS = ROOT / "tests"  # the fault injector, its server entry point, the attacks: test code
+sys.path[:0] = [str(ROOT), str(TESTS)]
 
-from fault_injection import fault_environment  # noqa: E402
 from hostile_load import AttackLoad  # noqa: E402
 
 from runtime.tiny_checkpoint import make_checkpoint  # noqa: E402
@@ -77,18 +77,18 @@ class LaunchedServer:
     """launch.py with the given flags, in its own session, so that every process it starts can be
     found, and checked gone, through its process group."""
 
-    def __init__(self, flags: list[str], log: Path, env: dict[str, str] | None = None):
+    def __init__(self, flags: list[str], log: Path, entry: Path = ROOT / "launch.py"):
+        """`entry`: the script that serves (launch.py, or tests/fault_server.py with faults)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(self.port), *flags]
+        cmd = [sys.executable, str(entry), "--port", str(self.port), *flags]
         self.proc = subprocess.Popen(
             cmd,
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=ROOT,
-            env=env,
         )
 
     def wait_healthy(self, timeout: float = 300) -> None:
@@ -150,14 +150,14 @@ def stress_flags(opts: argparse.Namespace, folder: Path) -> list[str]:
     return flags + (["--mm-enable-dp-encoder"] if opts.mm_enable_dp_encoder else [])
 
 
-def stress_environment(opts: argparse.Namespace) -> dict[str, str]:
-    """The server's environment: the faults, when asked for, installed into its scheduler ranks
-    (tests/ on their import path)."""
+def stress_server(opts: argparse.Namespace, folder: Path, log: Path) -> LaunchedServer:
+    """The server under load: launch.py, or with faults asked for, the suite's test-only entry
+    point that hands the fault injector to every scheduler rank."""
+    flags = stress_flags(opts, folder)
     if opts.fault_injection_rate <= 0:
-        return dict(os.environ)
-    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
-    faults = fault_environment(opts.fault_injection_rate, opts.seed)
-    return {**os.environ, "PYTHONPATH": path, **faults}
+        return LaunchedServer(flags, log)
+    faults = ["--fault-rate", str(opts.fault_injection_rate), "--fault-seed", str(opts.seed)]
+    return LaunchedServer([*faults, *flags], log, TESTS / "fault_server.py")
 
 
 # ---------------------------------------------------------------------- workload
@@ -369,7 +369,7 @@ def run(opts: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="tessera-stress-"))
     folder = make_checkpoint("qwen2_vl", work / "qwen2_vl")
     log = work / "server.log"
-    server = LaunchedServer(stress_flags(opts, folder), log, stress_environment(opts))
+    server = stress_server(opts, folder, log)
     try:
         server.wait_healthy()
         pool = prompts()

@@ -1,23 +1,19 @@
-"""The suite's fault injector, installed into scheduler ranks through the test seam of
+"""The suite's fault injector, handed to scheduler ranks through the test seam of
 scheduler/input_checks.py: with probability `rate` per request and step, the last TP rank's
 input check fails.
 
 In-process tests pass a `FaultInjector` to the `Scheduler`; tests and scripts that start ranks
-in other processes put `fault_environment(rate, seed)` into their environment (with this folder
-on the import path), and each rank builds its injector with `from_environment`.
+in other processes pass an `InjectorFactory` (picklable: it crosses to each rank) to
+`run_scheduler_process` (tests/scheduler_harness.py) or to `launch.main` (tests/fault_server.py,
+which scripts/stress.py starts instead of launch.py), and each rank builds its injector with it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 
-from scheduler.input_checks import TEST_FAULTS_ENV
 from scheduler.req import Req
-
-RATE_ENV = "TESSERA_TEST_FAULT_RATE"
-SEED_ENV = "TESSERA_TEST_FAULT_SEED"
 
 
 class InjectedFault(RuntimeError):
@@ -46,15 +42,17 @@ class FaultInjector:
             raise InjectedFault(f"injected fault (rate {self.rate})")
 
 
-def fault_environment(rate: float, seed: int) -> dict[str, str]:
-    """The environment variables that make scheduler ranks started under them inject faults."""
-    if not 0 <= rate <= 1:
-        raise ValueError("the fault injection rate must be in [0, 1]")
-    factory = f"{__name__}:{from_environment.__name__}"
-    return {TEST_FAULTS_ENV: factory, RATE_ENV: str(rate), SEED_ENV: str(seed)}
+@dataclass(frozen=True)
+class InjectorFactory:
+    """The `FaultsFactory` of scheduler/input_checks.py for `FaultInjector`s: every rank draws
+    alike, the last rank raises."""
 
+    rate: float
+    seed: int
 
-def from_environment(rank: int, tp_size: int) -> FaultInjector:
-    """The factory a rank calls (scheduler/input_checks.py): the last rank raises."""
-    rate, seed = float(os.environ[RATE_ENV]), int(os.environ[SEED_ENV])
-    return FaultInjector(rate, seed, raises_here=rank == tp_size - 1)
+    def __post_init__(self) -> None:
+        if not 0 <= self.rate <= 1:
+            raise ValueError("the fault injection rate must be in [0, 1]")
+
+    def __call__(self, rank: int, tp_size: int) -> FaultInjector:
+        return FaultInjector(self.rate, self.seed, raises_here=rank == tp_size - 1)

@@ -23,11 +23,16 @@ from runtime.io_struct import (
 )
 from runtime.server_args import ServerArgs
 from runtime.transport.frames import to_frames
+from scheduler.input_checks import FaultsFactory
 from scheduler.process import run_scheduler_process
 
 
 class SchedulerHarness:
-    def __init__(self, args: ServerArgs, ready_timeout: float = 180.0):
+    def __init__(
+        self, args: ServerArgs, ready_timeout: float = 180.0, faults: FaultsFactory | None = None
+    ):
+        """`faults`: each rank's injected faults (scheduler/input_checks.py), picklable."""
+        self.faults = faults
         self._tmp = tempfile.TemporaryDirectory(prefix="tessera-test-")
         self.args = dataclasses.replace(
             args, ipc_dir=self._tmp.name, device="cpu", attention_backend="torch"
@@ -52,7 +57,10 @@ class SchedulerHarness:
         for rank in range(self.args.tp_size):
             reader, writer = spawn.Pipe(duplex=False)
             proc = spawn.Process(
-                target=run_scheduler_process, args=(self.args, rank, init, writer), daemon=True
+                target=run_scheduler_process,
+                args=(self.args, rank, init, writer),
+                kwargs={"faults": self.faults},
+                daemon=True,
             )
             proc.start()
             self.procs.append(proc)

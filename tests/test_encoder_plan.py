@@ -4,11 +4,13 @@ every plan against the direct single-rank run on real Gloo ranks, and the start-
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -25,11 +27,11 @@ from runtime.layers.linear import (
 from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
 from vision import encoder_plan
+from vision.auto_encoder import AutoEncoder, CallObserver, run_planned_encoder
 from vision.dp_encoder import get_dp_encoder_lb_assignment, plan_dp_encoder
 from vision.encoder_calibration import PROBE_GRIDS, calibrate_encoder_costs, fit_free, fit_tp
 from vision.encoder_learner import EncoderLearner
 from vision.encoder_plan import (
-    AutoEncoder,
     EncoderCosts,
     EncoderPlan,
     Scale,
@@ -40,7 +42,6 @@ from vision.encoder_plan import (
     item_work,
     plan_encoder,
     plans_by_kind,
-    run_planned_encoder,
     tp_cost,
 )
 from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer, window_index
@@ -299,6 +300,17 @@ def test_an_untried_hybrid_is_costed_with_what_tp_and_dp_taught() -> None:
     assert costly.factor == pytest.approx(1.5)
 
 
+def test_the_planner_is_pure() -> None:
+    """The planner's module names no tensor library, collective or device (the runner,
+    vision/auto_encoder.py, does): every rank plans from numbers alone."""
+    tree = ast.parse(Path(encoder_plan.__file__).read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert names, "no imports parsed"
+    assert not {n for n in names if n.split(".")[0] == "torch" or "auto_encoder" in n}, names
+
+
 def test_a_video_spreads_its_frames_over_the_ranks() -> None:
     """A 4-frame video as one item: DP leaves a rank idle, so TP wins. Auto plans over frame
     units, and DP with two frames per rank beats both."""
@@ -493,6 +505,18 @@ AUTO_TRUTHS = {
 AUTO_CALLS = 96  # the two shapes taking turns: 48 calls each
 
 
+class Call(NamedTuple):
+    """One auto call as the observer saw it: the plan's kind and whether it explored."""
+
+    kind: str
+    explored: bool
+
+
+def record_into(calls: list[Call]) -> CallObserver:
+    """An AutoEncoder observer that appends each call's `Call` to `calls`."""
+    return lambda choice, _learner: calls.append(Call(choice.plan.kind, choice.explored))
+
+
 def auto_worker(tp: TPGroup) -> dict:
     """Every call through AutoEncoder on the fake device: per truth, the calls' plans and
     what was learned, and the largest error against the direct run as a fraction of the
@@ -510,13 +534,15 @@ def auto_worker(tp: TPGroup) -> dict:
             inputs[name] = (pixels, grids, direct, bound)
         for truth_name, truth in AUTO_TRUTHS.items():
             device = FakeDevice(tower, truth, tp.rank)
-            auto = AutoEncoder(device, tp, shape, COSTS, keep_history=True, timer=device.clock)
+            calls: list[Call] = []
+            auto = AutoEncoder(device, tp, shape, COSTS, observer=record_into(calls),
+                               timer=device.clock)
             errors, names = [], []
             for i in range(AUTO_CALLS):
                 names.append(list(AUTO_BATCHES)[i % 2])
                 pixels, grids, direct, bound = inputs[names[-1]]
                 errors.append(max_abs_diff(auto(pixels, grids), direct) / bound)
-            out[truth_name] = {"history": list(zip(names, auto.history)), "error": max(errors),
+            out[truth_name] = {"history": list(zip(names, calls)), "error": max(errors),
                                "explored": auto.learner.explored, "calls": auto.learner.calls}
     return out
 

@@ -1,7 +1,7 @@
 """One request's fault fails that request alone, on every TP rank alike (issue 10).
 
 Real scheduler ranks at tp 2 with the DP encoder, a small KV pool and chunked prefill, and the
-suite's fault injector (tests/fault_injection.py, installed through the test seam of
+suite's fault injector (tests/fault_injection.py, handed to each rank through the test seam of
 scheduler/input_checks.py): the last rank's input check fails some requests (before
 their prefill or in the middle of their decode). Rank 0 must report those as errors from rank 1,
 finish the rest correctly, and free everything: the ranks agreed, or the next collective would
@@ -10,20 +10,23 @@ hang."""
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from fault_injection import FaultInjector, fault_environment
+from fault_injection import FaultInjector, InjectorFactory
 from scheduler_harness import SchedulerHarness
 from vlm_cases import Checkpoint, gradient_image, noise_image
 
+from runtime.distributed import TPGroup
 from runtime.io_struct import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
-from scheduler.input_checks import TEST_FAULTS_ENV, check_item, load_test_faults
+from scheduler.input_checks import check_item
+from scheduler.process import build_scheduler, load_model
 
 NEW_TOKENS = 8
 
@@ -48,11 +51,9 @@ def request(case: object, rid: str) -> TokenizedGenerateReq:
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
 def test_injected_faults_fail_their_requests_only_at_tp2(
-    prompts: tuple[str, list], mixed: bool, monkeypatch: pytest.MonkeyPatch
+    prompts: tuple[str, list], mixed: bool
 ) -> None:
     folder, cases = prompts
-    for name, value in fault_environment(0.03, seed=1).items():
-        monkeypatch.setenv(name, value)  # read by the spawned ranks
     args = ServerArgs(
         model_path=folder,
         tp_size=2,
@@ -63,7 +64,7 @@ def test_injected_faults_fail_their_requests_only_at_tp2(
         enable_mixed_chunk=mixed,
     )
     reqs = [request(c, f"{c.name}-{k}") for k in range(6) for c in cases]
-    with SchedulerHarness(args) as h:
+    with SchedulerHarness(args, faults=InjectorFactory(0.03, seed=1)) as h:
         results = h.generate(reqs)
         info = h.info()
         assert all(p.is_alive() for p in h.procs)
@@ -125,15 +126,19 @@ def test_media_placeholders_must_hold_the_items_pad_value(
         check_item(item, prompt)
 
 
-def test_the_test_seam_installs_faults_only_when_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unset (production) no rank has faults; named, every rank builds its own injector and only
-    the last rank raises; a malformed name is refused loudly rather than ignored."""
-    monkeypatch.delenv(TEST_FAULTS_ENV, raising=False)
-    assert load_test_faults(0, 2) is None
-    for name, value in fault_environment(0.5, seed=7).items():
-        monkeypatch.setenv(name, value)
-    ranks = [load_test_faults(rank, 2) for rank in range(2)]
+def test_the_test_seam_installs_faults_only_when_passed(prompts: tuple[str, list]) -> None:
+    """Without a factory (production) a rank has no faults; with one, every rank builds its own
+    injector from it and only the last rank raises; a factory crosses to the ranks pickled, and
+    an impossible rate is refused loudly rather than ignored."""
+    folder, _ = prompts
+    args = ServerArgs(model_path=folder, device="cpu", attention_backend="torch")
+    model = load_model(args, TPGroup())
+    assert build_scheduler(args, TPGroup(), model).faults is None
+    factory = InjectorFactory(0.5, seed=7)
+    assert build_scheduler(args, TPGroup(), model, faults=factory).faults == FaultInjector(
+        0.5, 7, True
+    )
+    ranks = [pickle.loads(pickle.dumps(factory))(rank, 2) for rank in range(2)]
     assert ranks == [FaultInjector(0.5, 7, False), FaultInjector(0.5, 7, True)]
-    monkeypatch.setenv(TEST_FAULTS_ENV, "fault_injection")
-    with pytest.raises(ValueError, match="module:factory"):
-        load_test_faults(0, 1)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        InjectorFactory(1.5, seed=0)

@@ -19,11 +19,11 @@ from kernels.attention.flashinfer_backend import (
     PagedMetadata,
     as_pages,
     batch_metadata,
-    flashinfer_problem,
     paged_metadata,
     prefix_sums,
 )
 from kernels.attention.torch_backend import TorchAttentionBackend
+from kernels.availability import flashinfer_problem
 from kernels.ops import get_kernel_ops
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.memory_pool import KVPool, ReqToTokenPool

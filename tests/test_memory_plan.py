@@ -14,10 +14,12 @@ from runtime.memory_plan import (
     MemoryNeeds,
     activation_peak_bytes,
     comm_buffer_bytes,
+    kv_pool_tokens,
     memory_needs,
     plan_memory,
+    size_kv_pool,
 )
-from runtime.memory_pool import KVLayout, kv_pool_tokens
+from runtime.memory_pool import KVLayout
 from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
 from runtime.tiny_checkpoint import make_checkpoint
@@ -97,17 +99,43 @@ def test_needs_follow_the_flags(config: ModelConfig) -> None:
     assert tp2.comm_buffers > NCCL_ALLOWANCE
 
 
-def test_kv_pool_tokens_follow_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kv_pool_tokens_follow_the_plan() -> None:
     """On CUDA the pool gets the plan's KV bytes over the bytes per token (the device's numbers
-    stand in here); a fixed --max-total-tokens and CPU do not ask the device."""
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (FREE, TOTAL))
+    are given); a fixed --max-total-tokens and CPU do not need the device."""
     layout = KVLayout(28, 4, 128, torch.bfloat16)
     reserve = needs(encoder=256 * MIB, activations=20 * GIB)
-    tokens = kv_pool_tokens(layout, TPGroup(), None, True, 0.85, reserve)
+    cuda = ServerArgs(device="cuda", mem_fraction_static=0.85)
+    tokens, plan = kv_pool_tokens(cuda, reserve, layout.bytes_per_token, (FREE, TOTAL))
+    assert plan == plan_memory(TOTAL, FREE, reserve, 0.85)
     assert tokens == plan_memory(TOTAL, FREE, reserve, 0.85).kv // layout.bytes_per_token
     assert tokens == (FREE - 256 * MIB - 20 * GIB) // layout.bytes_per_token
-    assert kv_pool_tokens(layout, TPGroup(), 4096, True, 0.85, reserve) == 4096
-    assert kv_pool_tokens(layout, TPGroup(), None, False, 0.85, reserve) == 16384
+    fixed = dataclasses.replace(cuda, max_total_tokens=4096)
+    assert kv_pool_tokens(fixed, reserve, layout.bytes_per_token, None) == (4096, None)
+    cpu = ServerArgs(device="cpu", mem_fraction_static=0.85)
+    assert kv_pool_tokens(cpu, reserve, layout.bytes_per_token, None) == (16384, None)
+
+
+def test_size_kv_pool_asks_the_device_only_on_cuda(
+    config: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a rank calls: its model's weights and the layout's dtype make the needs, the
+    device's numbers (stood in here) the plan; on CPU or with --max-total-tokens the device is
+    never asked."""
+    asked: list[int] = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: asked.append(1) or (FREE, TOTAL))
+    model = torch.nn.Linear(8, 8)  # 288 bytes of weights
+    layout = KVLayout(28, 4, 128, torch.bfloat16)
+    model.config = config
+    cuda = ServerArgs(device="cuda", mem_fraction_static=0.85)
+    expected = plan_memory(TOTAL, FREE, memory_needs(config, 288, 2, cuda), 0.85)
+    assert size_kv_pool(cuda, model, layout, TPGroup()) == expected.kv_tokens(
+        layout.bytes_per_token
+    )
+    assert asked == [1]
+    fixed = dataclasses.replace(cuda, max_total_tokens=4096)
+    assert size_kv_pool(fixed, model, layout, TPGroup()) == 4096
+    assert size_kv_pool(ServerArgs(device="cpu"), model, layout, TPGroup()) == 16384
+    assert asked == [1]
 
 
 def test_default_plan_of_a_7b_shape(config: ModelConfig) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from device_check import DeviceRules
 from dist_utils import run_on_ranks
+from fault_injection import FaultInjector
 from runner_utils import extend
 from torch import nn
 
@@ -30,6 +31,7 @@ from scheduler.req import Req
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from vision.vlm import build_model
 
+FAULT_SEED = 1  # a seed whose faults hit some requests in their decode, not all
 PROMPTS = [[5, 17, 3, 99, 41, 8], [7, 7, 21, 64, 2], [11, 30, 4, 58, 9, 13, 77], [3, 1, 4, 1, 5]]
 
 
@@ -39,7 +41,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> nn.Module:
     return build_model(str(folder), TPGroup(), dtype="float32")
 
 
-def make_scheduler(model: nn.Module, overlap: bool, tp: TPGroup | None = None) -> Scheduler:
+def make_scheduler(
+    model: nn.Module, overlap: bool, tp: TPGroup | None = None, faults: FaultInjector | None = None
+) -> Scheduler:
     device = str(next(model.parameters()).device)  # on CUDA the steps replay captured graphs
     runner = ModelRunner(
         model, max_total_tokens=512, max_running_requests=6, max_context_len=96,
@@ -54,7 +58,9 @@ def make_scheduler(model: nn.Module, overlap: bool, tp: TPGroup | None = None) -
         enable_overlap=overlap,
     )
     radix = RadixCache(runner.kv_pool)
-    return Scheduler(cfg, tp or TPGroup(), runner, radix, EncoderCache(0), Sampler())
+    return Scheduler(
+        cfg, tp or TPGroup(), runner, radix, EncoderCache(0), Sampler(), faults=faults
+    )
 
 
 def request(i: int, new: int, **kw: object) -> TokenizedGenerateReq:
@@ -171,6 +177,25 @@ def test_sampled_requests_overlap_at_tp_1(model: nn.Module) -> None:
     assert sync_flight == 0 and flight > 8
     greedy_r0 = run(make_scheduler(model, False), {0: [request(0, 14)]})[0]["r0"]
     assert ours["r0"] != greedy_r0  # it really sampled
+
+
+def test_injected_faults_fail_their_requests_while_steps_overlap(model: nn.Module) -> None:
+    """The test seam's faults reach overlapped steps too: each step's requests are checked
+    before it is launched, a request hit in its decode fails alone (its step in flight is
+    dropped), the others keep the synchronous tokens, and nothing leaks."""
+    arrivals = {0: [request(i, 16) for i in range(len(PROMPTS))]}
+    plain, _, _ = run(make_scheduler(model, False), arrivals)
+    faults = FaultInjector(0.05, seed=FAULT_SEED, raises_here=True)
+    sched = make_scheduler(model, True, faults=faults)
+    tokens, fin, flight = run(sched, arrivals)
+    failed = {rid for rid, kind in fin.items() if kind == "error"}
+    assert failed and len(failed) < len(PROMPTS), fin
+    assert any(len(tokens.get(rid, [])) > 1 for rid in failed), "no fault hit a decode"
+    for rid, want in plain.items():
+        got = tokens.get(rid, [])
+        assert got == (want[: len(got)] if rid in failed else want), rid
+    assert sched.counters.failed == len(failed) == sched.counters.faults_injected
+    assert flight > 5  # the steps really overlapped
 
 
 class PoisonedModel(nn.Module):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +64,25 @@ def test_media_workers_are_resolved_at_parse_time() -> None:
         ServerArgs(device="cpu", media_workers=0).resolve()
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--media-workers", "many"])
+
+
+def test_the_flashinfer_check_imports_no_backend() -> None:
+    """Refusing --attention-backend flashinfer on CPU takes the pure check of
+    kernels/availability.py: no attention backend module is imported."""
+    code = (
+        "import sys\n"
+        "from runtime.server_args import ServerArgs\n"
+        "try:\n"
+        "    ServerArgs(device='cpu', attention_backend='flashinfer').resolve()\n"
+        "except ValueError as e:\n"
+        "    assert '--attention-backend flashinfer' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('not refused')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kernels.attention')))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,4 +1,4 @@
-"""Auto encoder mode: per encoder call, run the vision tower DP, TP, or a hybrid of both.
+"""Auto encoder mode's plan: per encoder call, the vision tower runs DP, TP, or a hybrid of both.
 
 Every rank holds the whole tower (as in DP mode). For each call every rank computes the same plan
 from the items' grids and one shared cost model:
@@ -16,6 +16,10 @@ size class really took, and a bounded share of calls explores a plan the model i
 (vision/encoder_learner.py). Every rank learns from the same agreed times in the same order, so
 every rank plans alike and the collectives line up.
 
+This module is the pure part: the cost model and the plan choice, with no tensor, collective or
+device in it. vision/auto_encoder.py runs the plans (`run_planned_encoder`) and holds the per-call
+loop that times them and feeds the learner (`AutoEncoder`).
+
 Collective rule (as in DP mode): every rank runs the same plan, so every rank joins the TP call's
 all-reduces and the DP part's all-gather, also a rank that gets no DP item. The DP part calls the
 tower without a shard, so it issues no TP collective inside the tower.
@@ -24,19 +28,12 @@ tower without a shard, so it issues no TP collective inside the tower.
 from __future__ import annotations
 
 import json
-import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
-import torch
-from torch import nn
-
-from runtime.distributed import TPGroup
 from runtime.model_config import VisionConfig
-from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model
-from vision.encoder_learner import Choice, EncoderLearner, size_class
+from vision.dp_encoder import get_dp_encoder_lb_assignment
 
 ENCODER_MODES = ("tp", "dp", "auto")
 
@@ -307,6 +304,11 @@ class Scale:
     tp: float = 1.0
     hybrid: float | None = None
 
+    @classmethod
+    def of_ratios(cls, ratios: Mapping[str, float]) -> Scale:
+        """The scale of a learner's ratios for one size class (`EncoderLearner.ratios_of`)."""
+        return cls(ratios.get("dp", 1.0), ratios.get("tp", 1.0), ratios.get("hybrid"))
+
     def of(self, kind: str) -> float:
         value = getattr(self, kind)
         return 1.0 if value is None else value
@@ -321,82 +323,6 @@ class Scale:
         return self.of(kind) * base, base
 
 
-@dataclass(frozen=True)
-class CallRecord:
-    """One auto call, for benchmarks: the plan's kind, whether it explored, and each kind's
-    learned ratio (median over every size class) when it was planned."""
-
-    kind: str
-    explored: bool
-    ratios: dict[str, float]
-
-
-class AutoEncoder:
-    """The auto mode's loop for each encoder call: plan, run, time, learn (the rule is in
-    vision/encoder_learner.py). The model and the benchmark both encode through it. Besides the
-    plans' own collectives it adds one small CPU all-reduce per `feedback_every` calls: the
-    slowest rank's time of each of those calls, which every rank then learns from in call
-    order, so every rank's learner holds the same state and picks the same plans. (One
-    all-reduce per call cost 0.4 ms at tp 2 and 5 ms at tp 4 on the 2-core CPU host: a sixth of
-    a call of 16 small images.) A size class's first calls and its tries of another plan are
-    shared at once (`EncoderLearner.eager`): the ranks agree on that from their common state.
-    `keep_history`: record every call (benchmarks only); `timer`: the clock calls are timed
-    with (tests pass a fake device's)."""
-
-    def __init__(
-        self, tower: nn.Module, tp: TPGroup, shape: TowerShape, costs: EncoderCosts,
-        feedback_every: int = 4, learner: EncoderLearner | None = None,
-        keep_history: bool = False, timer: Callable[[], float] = time.perf_counter,
-    ):  # fmt: skip
-        self.tower, self.tp, self.shape, self.costs = tower, tp, shape, costs
-        self.learner, self.timer = learner or EncoderLearner(), timer
-        self.feedback_every = feedback_every
-        self.plan_counts: Counter[str] = Counter()
-        self.history: list[CallRecord] | None = [] if keep_history else None
-        self._timed: list[tuple[Choice, float]] = []  # this rank's times, not yet shared
-
-    def plan(self, grids: Sequence[Sequence[int]]) -> EncoderPlan:
-        """The greedy plan over the call's frame units (see `frame_units`); no exploration,
-        nothing counted."""
-        units = frame_units(grids)
-        return plan_encoder(units, self.tp.size, self.shape, self.costs, self._scale(units))
-
-    def choose(self, units: list[list[int]]) -> Choice:
-        """This call's plan (greedy or exploring); counts the call in the learner."""
-        plans = plans_by_kind(units, self.tp.size, self.shape, self.costs, self._scale(units))
-        return self.learner.choose(size_class(units), plans)
-
-    def _scale(self, units: list[list[int]]) -> Scale:
-        ratios = self.learner.ratios_of(size_class(units))
-        return Scale(ratios.get("dp", 1.0), ratios.get("tp", 1.0), ratios.get("hybrid"))
-
-    def __call__(self, pixel_values: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
-        units = frame_units(grids)
-        choice = self.choose(units)
-        self._record(choice)
-        start = self.timer()
-        out = run_planned_encoder(self.tower, pixel_values, units, self.tp, choice.plan)
-        if out.is_cuda:
-            torch.cuda.synchronize()
-        self._timed.append((choice, self.timer() - start))
-        if len(self._timed) >= self.feedback_every or self.learner.eager(choice.klass):
-            self._learn()
-        return out
-
-    def _record(self, choice: Choice) -> None:
-        self.plan_counts[choice.plan.kind] += 1
-        if self.history is not None:
-            self.history.append(CallRecord(choice.plan.kind, choice.explored,
-                                           self.learner.ratios()))
-
-    def _learn(self) -> None:
-        local = torch.tensor([seconds for _, seconds in self._timed], dtype=torch.float64)
-        slowest = self.tp.all_reduce_cpu(local, "max").tolist()
-        for (choice, _), seconds in zip(self._timed, slowest):
-            self.learner.observe(choice, seconds)
-        self._timed.clear()
-
-
 def frame_units(grids: Sequence[Sequence[int]]) -> list[list[int]]:
     """The call's items cut into temporal patches: a (t, h, w) item becomes t units (1, h, w).
 
@@ -406,54 +332,3 @@ def frame_units(grids: Sequence[Sequence[int]]) -> list[list[int]]:
     units, a long video spreads over the ranks DP-style instead of leaving every rank but one
     idle (DP) or paying TP's per-layer all-reduces on every patch."""
     return [[1, int(h), int(w)] for t, h, w in grids for _ in range(int(t))]
-
-
-def run_planned_encoder(
-    tower: nn.Module,
-    pixel_values: torch.Tensor,
-    grid_thw_list: Sequence[Sequence[int]],
-    tp: TPGroup,
-    plan: EncoderPlan,
-) -> torch.Tensor:
-    """Encode every item as `plan` says; returns rows in the original item order.
-
-    `tower` holds full weights and takes `shard=` (vision/vit_common.py). Every rank must call
-    this with the same inputs and plan."""
-    grids = [[int(x) for x in g] for g in grid_thw_list]
-    merge = tower.spatial_merge_size
-    shard = tp if tp.size > 1 else None
-    if not plan.tp_items:  # all DP (or nothing): no copy of the pixels
-        return run_dp_sharded_mrope_vision_model(
-            tower, pixel_values, grids, tp, spatial_merge_size=merge,
-            assignment=plan.dp_ranks or None,
-        )
-    if not plan.dp_items:
-        return tower(pixel_values, _grid(grids, range(len(grids))), shard=shard)
-    return _run_hybrid(tower, pixel_values, grids, tp, plan)
-
-
-def _run_hybrid(
-    tower: nn.Module, pixel_values: torch.Tensor, grids: list[list[int]], tp: TPGroup,
-    plan: EncoderPlan,
-) -> torch.Tensor:
-    """The TP items in one sharded call on every rank, then the DP items balanced."""
-    merge = tower.spatial_merge_size
-    sizes = [t * h * w for t, h, w in grids]
-    items = pixel_values.split(sizes)
-    tp_out = tower(_cat(items, plan.tp_items), _grid(grids, plan.tp_items), shard=tp)
-    dp_out = run_dp_sharded_mrope_vision_model(
-        tower, _cat(items, plan.dp_items), [grids[i] for i in plan.dp_items], tp,
-        spatial_merge_size=merge, assignment=plan.dp_ranks or None,
-    )
-    rows: dict[int, torch.Tensor] = {}
-    for chosen, out in ((plan.tp_items, tp_out), (plan.dp_items, dp_out)):
-        rows.update(zip(chosen, out.split([sizes[i] // merge**2 for i in chosen])))
-    return torch.cat([rows[i] for i in range(len(grids))])
-
-
-def _cat(items: Sequence[torch.Tensor], chosen: Sequence[int]) -> torch.Tensor:
-    return torch.cat([items[i] for i in chosen])
-
-
-def _grid(grids: list[list[int]], chosen: Sequence[int]) -> torch.Tensor:
-    return torch.tensor([grids[i] for i in chosen], dtype=torch.long)

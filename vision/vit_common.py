@@ -11,7 +11,7 @@ full weights and issue no collective; with more ranks attention heads and MLP fe
 A tower built with full weights also takes a per-call `shard` (a `TPGroup`, or None): with a
 group, every parallel layer computes with that rank's slice of the full weights and the
 row-parallel layers all-reduce over it, so one module runs either data- or tensor-parallel per
-call (the auto encoder mode, vision/encoder_plan.py). With None it issues no collective at all.
+call (the auto encoder mode, vision/auto_encoder.py). With None it issues no collective at all.
 """
 
 from __future__ import annotations

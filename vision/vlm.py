@@ -10,7 +10,8 @@ decoder after its first layers (see vision/fusion.py).
 The vision tower runs in TP mode (sharded like the decoder, with per-layer all-reduce), in DP
 mode (a full replica on every rank; the batch's items are balanced over the ranks and the results
 all-gathered once), or in auto mode (a full replica; each encoder call runs DP, TP on slices of
-the full weights, or a hybrid, as vision/encoder_plan.py plans it).
+the full weights, or a hybrid, as vision/encoder_plan.py plans it and vision/auto_encoder.py
+runs it).
 """
 
 from __future__ import annotations
@@ -31,14 +32,10 @@ from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.model_loader import load_checkpoint, resolve_dtype
 from runtime.multimodal import ItemEncoder, MultimodalDataItem
 from runtime.server_args import CPU_LINEAR_PATHS
+from vision.auto_encoder import AutoEncoder
 from vision.dp_encoder import run_dp_sharded_mrope_vision_model
 from vision.encoder_calibration import calibrate_encoder_costs
-from vision.encoder_plan import (
-    ENCODER_MODES,
-    AutoEncoder,
-    EncoderCosts,
-    TowerShape,
-)
+from vision.encoder_plan import ENCODER_MODES, EncoderCosts, TowerShape
 from vision.fusion import fuse_embeddings
 from vision.vit_common import pad_vision_mlps
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from runtime.forward_batch import ForwardBatch
+from kernels.attention.batch_view import AttentionBatch
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,7 @@ class AttentionBackend(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         layer: AttentionLayer,
-        batch: ForwardBatch,
+        batch: AttentionBatch,
         kv_stored: bool = False,
     ) -> torch.Tensor:
         """Store k/v at batch.out_cache_loc (unless the caller already did: `kv_stored`, as
@@ -45,7 +44,7 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     layer: AttentionLayer,
-    batch: ForwardBatch,
+    batch: AttentionBatch,
     kv_stored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the step's new K/V ([tokens, kv_heads * head_dim]) at batch.out_cache_loc, unless

@@ -20,31 +20,16 @@ and a CPU machine never imports it (`--attention-backend flashinfer` is refused 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kernels.attention.base import AttentionLayer, store_kv
-
-if TYPE_CHECKING:
-    from runtime.forward_batch import ForwardBatch
+from kernels.attention.batch_view import AttentionBatch
+from kernels.availability import flashinfer_problem
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial results)
-
-
-def flashinfer_problem(device: str) -> str | None:
-    """Why the FlashInfer backend cannot run on `device` ("cuda" or "cpu"), None when it can.
-    Looks for the package without importing it."""
-    if device != "cuda":
-        return "--attention-backend flashinfer needs CUDA (--device cuda); use torch on CPU"
-    if importlib.util.find_spec("flashinfer") is None:
-        return (
-            "--attention-backend flashinfer needs the flashinfer package: "
-            "pip install -e '.[gpu]', or use --attention-backend triton"
-        )
-    return None
 
 
 @dataclass(frozen=True)
@@ -87,7 +72,7 @@ def paged_metadata(
     )
 
 
-def batch_metadata(batch: ForwardBatch) -> PagedMetadata:
+def batch_metadata(batch: AttentionBatch) -> PagedMetadata:
     return paged_metadata(
         batch.req_to_token, batch.req_pool_indices_list, batch.seq_lens_list,
         batch.extend_lens_list,
@@ -111,7 +96,7 @@ class FlashInferAttentionBackend:
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        self._planned: ForwardBatch | None = None
+        self._planned: AttentionBatch | None = None
 
     def forward(
         self,
@@ -119,7 +104,7 @@ class FlashInferAttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         layer: AttentionLayer,
-        batch: ForwardBatch,
+        batch: AttentionBatch,
         kv_stored: bool = False,
     ) -> torch.Tensor:
         k_buf, v_buf = store_kv(k, v, layer, batch, kv_stored)
@@ -130,7 +115,7 @@ class FlashInferAttentionBackend:
 
     def _plan(
         self,
-        batch: ForwardBatch,
+        batch: AttentionBatch,
         layer: AttentionLayer,
         q_dtype: torch.dtype,
         kv_dtype: torch.dtype,

@@ -20,14 +20,11 @@ the -inf mask alone keeps them out of the softmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.attention.base import AttentionLayer
-
-if TYPE_CHECKING:
-    from runtime.forward_batch import ForwardBatch
+from kernels.attention.batch_view import AttentionBatch
 
 DEFAULT_MAX_BYTES = 256 << 20  # the kept blocks of all layers together
 CAPACITY_STEP = 256  # columns are allocated in multiples of this
@@ -55,7 +52,7 @@ class RunningKV:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._blocks: _Blocks | None = None
-        self._batch: ForwardBatch | None = None
+        self._batch: AttentionBatch | None = None
         self._rebuild = True
         self._mask_view: torch.Tensor | None = None  # this step's mask, [rows*kv_heads, 1, width]
         self._new_keys: tuple[torch.Tensor, torch.Tensor] | None = None  # (request, column)
@@ -65,7 +62,7 @@ class RunningKV:
         """Forget the blocks (an extend ran: the next decode rebuilds)."""
         self._blocks, self._batch, self._mask_view = None, None, None
 
-    def covers(self, batch: ForwardBatch, layer: AttentionLayer) -> bool:
+    def covers(self, batch: AttentionBatch, layer: AttentionLayer) -> bool:
         """Whether this decode step can use kept blocks: a host pool (CPU), host lists (no
         static decode tables), and blocks within the byte budget."""
         if batch.decode_tables is not None or batch.kv_pool.device.type != "cpu":
@@ -81,7 +78,7 @@ class RunningKV:
         k: torch.Tensor,
         v: torch.Tensor,
         layer: AttentionLayer,
-        batch: ForwardBatch,
+        batch: AttentionBatch,
     ) -> torch.Tensor:
         """q: [requests, heads, head_dim]; k, v: this step's new rows, [requests, kv_heads *
         head_dim], already stored in the pool. Returns [requests, heads, head_dim]."""
@@ -96,7 +93,7 @@ class RunningKV:
         blocks.layers_done += 1
         return self._attend(blocks, q, layer)
 
-    def _start(self, batch: ForwardBatch, layer: AttentionLayer) -> None:
+    def _start(self, batch: AttentionBatch, layer: AttentionLayer) -> None:
         """First layer of a step: append to the kept blocks, or rebuild them."""
         rows, lens = tuple(batch.req_pool_indices_list), batch.seq_lens_list
         old = self._blocks
@@ -120,7 +117,7 @@ class RunningKV:
         self._batch = batch
         self._mask_view = _mask_view(self._blocks, layer.num_kv_heads, max(lens))
 
-    def _gather_layer(self, blocks: _Blocks, layer: AttentionLayer, batch: ForwardBatch) -> None:
+    def _gather_layer(self, blocks: _Blocks, layer: AttentionLayer, batch: AttentionBatch) -> None:
         """Copy this layer's keys of every request from the pool into the blocks."""
         assert self._slots is not None
         width = self._slots.shape[1]
@@ -180,7 +177,7 @@ def _blocks_for(
     return _Blocks(rows=rows, lens=lens, k_t=k_t, v=v, mask=mask, layers_done=0)
 
 
-def _held_slots(batch: ForwardBatch, rows: tuple[int, ...], lens: list[int]) -> torch.Tensor:
+def _held_slots(batch: AttentionBatch, rows: tuple[int, ...], lens: list[int]) -> torch.Tensor:
     """The pool slots of every request's keys, [requests, longest]; padding reads the request's
     first key (finite, masked)."""
     width = max(lens)

@@ -11,21 +11,17 @@ nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from kernels.attention.base import AttentionLayer, store_kv
+from kernels.attention.batch_view import AttentionBatch
 from kernels.attention.running_kv import RunningKV
-
-if TYPE_CHECKING:
-    from runtime.forward_batch import ForwardBatch
 
 
 class TorchAttentionBackend:
     def __init__(self) -> None:
-        self._decode_batch: ForwardBatch | None = None
+        self._decode_batch: AttentionBatch | None = None
         self._decode_index: tuple[torch.Tensor, torch.Tensor] | None = None
         self.running = RunningKV()
 
@@ -35,7 +31,7 @@ class TorchAttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         layer: AttentionLayer,
-        batch: ForwardBatch,
+        batch: AttentionBatch,
         kv_stored: bool = False,
     ) -> torch.Tensor:
         store_kv(k, v, layer, batch, kv_stored)
@@ -53,7 +49,7 @@ class TorchAttentionBackend:
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     def _extend(
-        self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self, q: torch.Tensor, out: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch
     ) -> int:
         """Attend the extend requests (not a mixed step's decode tail) one at a time into out;
         returns the number of tokens they cover."""
@@ -66,7 +62,7 @@ class TorchAttentionBackend:
             start += ext_len
         return start
 
-    def decode_index(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_index(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots [requests, longest], valid [requests, 1, 1, longest]) of the decoding requests
         (all of a decode batch, the tail of a mixed one), once per forward.
 
@@ -81,7 +77,9 @@ class TorchAttentionBackend:
             self._decode_batch = batch
         return self._decode_index
 
-    def _decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch
+    ) -> torch.Tensor:
         slots, valid = self.decode_index(batch)
         k, v = batch.kv_pool.get_kv(layer.layer_id, slots)  # [requests, longest, kv_heads, dim]
         requests, heads, dim = q.shape
@@ -100,7 +98,7 @@ class TorchAttentionBackend:
         return out.reshape(requests, heads, dim).to(q.dtype)
 
 
-def _decode_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _decode_rows(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(request rows, lengths, columns to gather) of the decoding requests, on the device: from
     the batch's decode tables when it has them (a static decode), else from its host lists."""
     tables = batch.decode_tables

@@ -20,16 +20,13 @@ is upcast to float32 so bf16 pools work in the interpreter too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention.base import AttentionLayer, store_kv
-
-if TYPE_CHECKING:
-    from runtime.forward_batch import ForwardBatch
+from kernels.attention.batch_view import AttentionBatch
 
 LOG2E = 1.4426950408889634
 # Start value of the running max: finite, so a fully masked block gives no NaN. A tl.constexpr,
@@ -49,7 +46,7 @@ class AttentionMetadata:
     max_extend_len: int
 
     @staticmethod
-    def from_batch(batch: ForwardBatch, device: torch.device) -> AttentionMetadata:
+    def from_batch(batch: AttentionBatch, device: torch.device) -> AttentionMetadata:
         if batch.decode_tables is not None:
             return AttentionMetadata.from_tables(batch)
         extend = batch.extend_lens_list
@@ -71,7 +68,7 @@ class AttentionMetadata:
 
 
     @staticmethod
-    def from_tables(batch: ForwardBatch) -> AttentionMetadata:
+    def from_tables(batch: AttentionBatch) -> AttentionMetadata:
         """A static decode's metadata, from its device tables alone (no host value read)."""
         tables = batch.decode_tables
         assert tables is not None
@@ -430,10 +427,10 @@ class TritonAttentionBackend:
     def __init__(self, block_m: int = 32, block_n: int = 32) -> None:
         self.block_m = block_m
         self.block_n = block_n
-        self._meta_batch: ForwardBatch | None = None
+        self._meta_batch: AttentionBatch | None = None
         self._meta: AttentionMetadata | None = None
 
-    def metadata(self, batch: ForwardBatch, device: torch.device) -> AttentionMetadata:
+    def metadata(self, batch: AttentionBatch, device: torch.device) -> AttentionMetadata:
         """Build the per-request tensors on the first layer of a forward; reuse them after."""
         if self._meta is None or self._meta_batch is not batch:
             self._meta = AttentionMetadata.from_batch(batch, device)
@@ -446,7 +443,7 @@ class TritonAttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         layer: AttentionLayer,
-        batch: ForwardBatch,
+        batch: AttentionBatch,
         kv_stored: bool = False,
     ) -> torch.Tensor:
         if layer.num_heads % layer.num_kv_heads:

@@ -6,7 +6,7 @@ layers split the input features and sum the partial products with one all-reduce
 A layer built with a one-rank group holds full weights and can still run one call tensor-parallel:
 `forward(x, shard=group)` computes with `group.rank`'s slice of those weights and, for
 row-parallel layers, all-reduces over `group`. This is how the vision tower in auto encoder mode
-runs either way per call (vision/encoder_plan.py). The slice is copied into one contiguous
+runs either way per call (vision/auto_encoder.py). The slice is copied into one contiguous
 weight at its first use and kept (`_shard_weight`): a matmul over a strided column slice, or one
 matmul per part of a split row slice (q, k, v), measured 7-14% slower on CPU. The copies cost
 1/size of the layer's weights more memory, once per shard a layer runs; the weights must be

@@ -22,6 +22,7 @@ from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import MRotaryEmbedding
+from runtime.memory_pool import KVLayout
 from runtime.model_config import TextConfig
 
 
@@ -163,6 +164,13 @@ class Qwen2ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What one KV slot holds for this rank's shard: every layer's local KV heads."""
+        attn = self.model.layers[0].self_attn.layer
+        dtype = next(self.parameters()).dtype
+        return KVLayout(len(self.model.layers), attn.num_kv_heads, self.cfg.head_dim, dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids.clamp(0, self.cfg.vocab_size - 1))
