@@ -440,8 +440,9 @@ class TokenizerManager:
 
     def check_choices(self, prompt_tokens: int, max_tokens: int | None, n: int) -> None:
         """The request's n choices must fit the KV pool together (`TokenBudget.choices_problem`,
-        the rule the scheduler applies again): a 400 naming n when they never can."""
-        if max_tokens is None:
+        the rule the scheduler applies again): a 400 naming n when they never can, while one
+        choice could (else the context check names the prompt and max_tokens)."""
+        if max_tokens is None or self.budget.problem(prompt_tokens, max_tokens):
             return
         problem = self.budget.choices_problem(prompt_tokens, max_tokens, n)
         if problem:
