@@ -120,6 +120,8 @@ class SchedulerCounters:
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
     retractions: int = 0
+    admission_preemptions: int = 0  # of the retractions: KV taken for a waiting request
+    recomputed_tokens: int = 0  # prompt and output tokens computed again after a retraction
     finished: int = 0
     aborted: int = 0
     refused: int = 0

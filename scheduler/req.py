@@ -63,6 +63,7 @@ class Req:
     finish_detail: str = ""
     sent_len: int = 0  # output tokens already reported to the detokenizer
     retractions: int = 0
+    waited: int = 0  # steps admission held it back since it last entered the waiting queue
     encoder_pins: frozenset[int] = frozenset()  # items pinned in the encoder cache mid-prefill
     refused: bool = False  # its error finish is a refusal (the client's to fix), not a fault
     refused_param: str | None = None  # the request field a refusal names

@@ -1,4 +1,5 @@
-"""Which waiting requests join the next prefill batch, and how many of their tokens.
+"""Which waiting requests join the next prefill batch, and how many of their tokens; which
+running request gives its KV back when the pool is full.
 
 Pure logic over numbers, so every rule is unit-tested without a model.
 """
@@ -15,14 +16,71 @@ NEW_TOKEN_RATIO = 0.5
 # Reservations are capped per request so one huge max_tokens does not block admission.
 RESERVE_CLIP = 512
 
+# A request retracted this many times is not retracted again while another one can be (decode
+# retracts it anyway when every running request has been: the pool must never stall), and is
+# never taken for another's admission: no request is recomputed over and over.
+MAX_RETRACTIONS = 2
+# Steps a waiting request is held back for lack of KV before it may take KV from a running
+# request that holds more than it needs (`admission_victim`); also how long a request behind
+# one that waits for KV waits before it may take free KV ahead of it.
+PREEMPT_AFTER_STEPS = 8
+# Requests behind one that waits for KV that admission tries in one step (bounds the work of a
+# step whatever the length of the queue).
+TRIES_BEHIND_A_WAIT = 4
+
 
 # A waiting request whose uncached prompt starts with this many tokens that a request of the
 # batch computes now waits one step, then finds them in the tree (see `batch_sharer`).
 IN_BATCH_SHARE_TOKENS = 32
 
 
-def decode_reserve(remaining_new_tokens: int) -> int:
+def decode_reserve(remaining_new_tokens: int, retracted: bool = False) -> int:
+    """KV kept for a request's next tokens: a share of its remaining budget, clipped, until it
+    has been retracted once; then all of it, so that the requests admitted after it cannot
+    squeeze it out again (it re-enters only when that much fits, see `PrefillAdder.add`)."""
+    if retracted:
+        return remaining_new_tokens
     return math.ceil(min(remaining_new_tokens, RESERVE_CLIP) * NEW_TOKEN_RATIO)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A running request as retraction sees it."""
+
+    held: int  # KV tokens it holds and computed itself (not its cached prefix)
+    arrival: int
+    retractions: int
+
+
+def retraction_victim(holders: Sequence[Holder]) -> int | None:
+    """The running request to retract when a decode step does not fit the KV pool: the one
+    that holds the most (it frees the most, and a small request is never pushed out for a big
+    one), ties to the newest arrival; among those retracted fewer than MAX_RETRACTIONS times
+    while there are any. None when nothing runs."""
+    fresh = [i for i, h in enumerate(holders) if h.retractions < MAX_RETRACTIONS]
+    return _largest(holders, fresh or list(range(len(holders))))
+
+
+def admission_victim(size: int, waited: int, holders: Sequence[Holder]) -> int | None:
+    """The running request that a waiting request takes KV from when admission holds it back
+    for lack of KV (preemption for admission): only once it has waited PREEMPT_AFTER_STEPS
+    steps, and only from a request that already holds twice the waiting one's whole `size` (its
+    prompt and remaining output) or more: a small request takes from a big one, never from one
+    of about its own size that is further along (that would only trade one for the other and
+    recompute it); and only from one retracted fewer than MAX_RETRACTIONS times. The largest
+    such; None: it waits."""
+    if waited < PREEMPT_AFTER_STEPS:
+        return None
+    fresh = [
+        i for i, h in enumerate(holders) if h.retractions < MAX_RETRACTIONS and h.held >= 2 * size
+    ]
+    return _largest(holders, fresh)
+
+
+def _largest(holders: Sequence[Holder], among: Sequence[int]) -> int | None:
+    if not among:
+        return None
+    return max(among, key=lambda i: (holders[i].held, holders[i].arrival))
 
 
 def may_share(key: Sequence[int], computed: Sequence[tuple[Sequence[int], int]]) -> bool:
@@ -89,11 +147,17 @@ class PrefillAdder:
     chunked: bool = False  # a request was cut in this batch: nothing may follow it
     ended: int | None = None  # the earliest arrival whose prompt ends in this batch
 
-    def add(self, extend_len: int, remaining_new_tokens: int, arrival: int = 0) -> int | None:
-        """Tokens of this request to compute now (all, or a chunk), or None if it must wait."""
-        if self.rem_reqs <= 0 or self.chunked or extend_len <= 0:
+    def add(
+        self, extend_len: int, remaining_new_tokens: int, arrival: int = 0, retracted: bool = False
+    ) -> int | None:
+        """Tokens of this request to compute now (all, or a chunk), or None if it must wait. A
+        retracted request enters only when all it still needs fits: its tokens to recompute
+        and its whole remaining output."""
+        if not self.open or extend_len <= 0:
             return None
-        reserve = decode_reserve(remaining_new_tokens)
+        reserve = decode_reserve(remaining_new_tokens, retracted)
+        if retracted and extend_len + reserve > self.rem_total:
+            return None
         whole = extend_len <= min(self.chunk_size, self.rem_input)
         if whole and extend_len + reserve <= self.rem_total:
             self.ended = arrival if self.ended is None else min(self.ended, arrival)
@@ -103,6 +167,17 @@ class PrefillAdder:
             return None
         self.chunked = True
         return self._take(room, 0)
+
+    @property
+    def open(self) -> bool:
+        """Another request may still join: a slot is left, no request was cut, prompt budget
+        is left. When admission fails while open, KV is what it lacks."""
+        return self.rem_reqs > 0 and not self.chunked and self.rem_input > 0
+
+    def grant(self, kv_tokens: int, slots: int = 0) -> None:
+        """KV (and request slots) a retraction gave back during admission."""
+        self.rem_total += kv_tokens
+        self.rem_reqs += slots
 
     def _take(self, tokens: int, reserve: int) -> int:
         self.rem_total -= tokens + reserve

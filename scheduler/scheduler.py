@@ -55,7 +55,17 @@ from scheduler.model_runner import ModelRunner
 from scheduler.overlap import InFlight, OverlapDecoder, continues
 from scheduler.radix_cache import RadixCache
 from scheduler.req import Req
-from scheduler.schedule_policy import PrefillAdder, batch_sharer, decode_reserve, may_share
+from scheduler.schedule_policy import (
+    PREEMPT_AFTER_STEPS,
+    TRIES_BEHIND_A_WAIT,
+    Holder,
+    PrefillAdder,
+    admission_victim,
+    batch_sharer,
+    decode_reserve,
+    may_share,
+    retraction_victim,
+)
 from vision.fusion import overlaps
 
 logger = get_logger(__name__)
@@ -187,7 +197,10 @@ class Scheduler:
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         """Admit a request: with n > 1, its n choices, the first of which prefills the prompt
-        while the others wait and then fork from its cached prefix (see `ready`)."""
+        while the others wait and then fork from its cached prefix (see `ready`). Choices that
+        can never fit the KV pool together are all refused."""
+        p = msg.sampling_params
+        problem = self.budget.choices_problem(len(msg.input_ids), p.max_new_tokens, p.n)
         first = None
         for index, params in enumerate(choice_params(msg.sampling_params)):
             self._arrivals += 1
@@ -198,7 +211,7 @@ class Scheduler:
             )
             req.index, req.fork_of = index, first
             first = first or req
-            self.queue_request(req)
+            self.queue_request(req, problem)
 
     def take_pixels(self, msg: ItemPixels) -> None:
         """The front end's answer to `PixelsWanted`: the waiting request gets its keyed items'
@@ -211,9 +224,9 @@ class Scheduler:
                     item.feature = msg.features[item.hash]
             req.wants_pixels = False
 
-    def queue_request(self, req: Req) -> None:
+    def queue_request(self, req: Req, problem: str = "") -> None:
         self._started.append(ReqStart.of(req.rid, req.params, req.index))
-        problem = self.refusal(req)
+        problem = problem or self.refusal(req)
         if problem:
             self.counters.refused += 1
             req.abort(FinishKind.ERROR, problem)
@@ -231,8 +244,13 @@ class Scheduler:
         for name, ids in req.params.token_ids_named().items():
             if any(not 0 <= t < self.cfg.vocab_size for t in ids):
                 return f"{name} names a token id outside the vocabulary [0, {self.cfg.vocab_size})"
-        budget = TokenBudget(self.cfg.context_length, self.cache.kv_total)
-        return budget.problem(req.prompt_len, req.params.max_new_tokens)
+        return self.budget.problem(req.prompt_len, req.params.max_new_tokens)
+
+    @property
+    def budget(self) -> TokenBudget:
+        """The front door's rule (runtime/token_budget.py), asked again as a guard."""
+        shared = not self.radix.disable
+        return TokenBudget(self.cfg.context_length, self.cache.kv_total, shared)
 
     def abort(self, rid: str, index: int | None = None) -> None:
         """End the request's choices (`index`: that choice only)."""
@@ -261,22 +279,73 @@ class Scheduler:
         adder, batch = self.make_adder(), PrefillBatch()
         if self.chunked is not None:
             chunked = self.chunked
-            n = adder.add(chunked.extend_len, chunked.remaining_new_tokens, chunked.arrival)
+            n = adder.add(*admission_size(chunked))
             if n is None:
                 return None  # the chunked request waits for KV; decode frees some meanwhile
             batch.add(chunked, n)
             batch.patches += chunked.patches_entered(chunked.kv_len, chunked.kv_len + n)
             self.chunked = None
-        for req in self.ordered_waiting():
-            if req.wants_pixels or not (ready(req) and self.grammar.is_ready(req)):
-                continue
-            if self.shares_batch_prefix(batch, req):
-                continue
-            if not self.admit_into(batch, req, adder):
-                break
+        considered = self.admit_waiting(batch, adder)
         taken = set(batch.reqs)
         self.waiting = [r for r in self.waiting if r not in taken]
+        for req in considered:
+            req.waited += req not in taken
         return batch or None
+
+    def admit_waiting(self, batch: PrefillBatch, adder: PrefillAdder) -> list[Req]:
+        """Admit the waiting requests that can run, in order, until the step is full; returns
+        those it considered. Once one waits for KV, the free KV is kept for it: a request
+        behind it is tried only after it has waited PREEMPT_AFTER_STEPS steps itself (then it
+        takes free KV, or preempts a larger holder), and only TRIES_BEHIND_A_WAIT of them."""
+        considered = [r for r in self.ordered_waiting() if self.can_run(r)]
+        waiting_for_kv, tries = False, 0
+        for req in considered:
+            if self.shares_batch_prefix(batch, req):
+                continue
+            if waiting_for_kv:
+                if req.waited < PREEMPT_AFTER_STEPS:
+                    continue
+                tries += 1
+                if tries > TRIES_BEHIND_A_WAIT:
+                    break
+            if self.admit_into(batch, req, adder) or self.preempt_for(batch, req, adder):
+                continue
+            if not adder.open:
+                break  # no slot or prompt budget left: nobody else can join this step
+            waiting_for_kv = True
+        return considered
+
+    def can_run(self, req: Req) -> bool:
+        """Not waiting for pixels, its first choice's prompt, or its grammar."""
+        return not req.wants_pixels and ready(req) and self.grammar.is_ready(req)
+
+    def preempt_for(self, batch: PrefillBatch, req: Req, adder: PrefillAdder) -> bool:
+        """Admission held `req` back for lack of KV: it takes KV from the running requests
+        that hold more than its whole size, prompt and remaining output (a small request from
+        a big one: `schedule_policy.admission_victim`, only once it has waited long enough),
+        one retraction at a time, until it is admitted; False when none is left to take from."""
+        if not adder.open:
+            return False
+        size = len(req.token_ids) + req.remaining_new_tokens
+        while (victim := admission_victim(size, req.waited, self.holders())) is not None:
+            self.take_kv_from(self.running[victim], adder)
+            if self.admit_into(batch, req, adder):
+                return True
+        return False
+
+    def take_kv_from(self, victim: Req, adder: PrefillAdder) -> None:
+        """Retract a running request during admission; the adder gets what that gives back:
+        its KV (now evictable in the tree), its reserve and its request slot."""
+        before = self.cache.free_or_evictable()
+        reserve = reserve_of(victim)
+        self.retract(victim)
+        self.counters.admission_preemptions += 1
+        adder.grant(self.cache.free_or_evictable() - before + reserve, slots=1)
+
+    def holders(self) -> list[Holder]:
+        """The running requests as retraction weighs them: the KV each computed itself (its
+        cached prefix, which other requests or its own forks may share, not counted)."""
+        return [Holder(r.kv_len - r.cached_tokens, r.arrival, r.retractions) for r in self.running]
 
     def shares_batch_prefix(self, batch: PrefillBatch, req: Req) -> bool:
         """The request's uncached prompt starts like one this step computes: it waits a step
@@ -307,7 +376,7 @@ class Scheduler:
             self.cache.unlock(req)
             return True  # it leads the next step's media; text prompts behind it go on now
         adder.rem_total -= locked  # its cached prefix is no longer evictable
-        n = adder.add(req.extend_len, req.remaining_new_tokens, req.arrival)
+        n = adder.add(*admission_size(req))
         if n is None:
             self.cache.unlock(req)
             return False
@@ -346,7 +415,7 @@ class Scheduler:
         return True
 
     def make_adder(self) -> PrefillAdder:
-        reserved = sum(decode_reserve(r.remaining_new_tokens) for r in self.running)
+        reserved = sum(reserve_of(r) for r in self.running)
         return PrefillAdder(
             rem_total=self.cache.free_or_evictable() - reserved,
             rem_input=self.prefill_budget(),
@@ -433,6 +502,7 @@ class Scheduler:
         self.counters.prefill_steps += 1
         self.counters.mixed_steps += bool(batch.decodes)
         self.counters.prompt_tokens_computed += sum(batch.lens)
+        self.counters.recomputed_tokens += sum(n for r, n in batch.chunks() if r.retractions)
 
     # ------------------------------------------------------------------ decode
     def run_decode(self) -> None:
@@ -504,16 +574,22 @@ class Scheduler:
             self.took_step(req)
 
     def make_room_for_decode(self) -> None:
-        """Retract the newest requests until one step of decode fits in KV."""
+        """Retract until one step of decode fits in KV: the request that holds the most first
+        (`schedule_policy.retraction_victim`), so a small request is not pushed out for a big
+        one."""
         while self.running and self.cache.free_or_evictable() < decode_tokens(self.running):
-            victim = max(self.running, key=lambda r: r.arrival)
-            self.retract(victim)
+            victim = retraction_victim(self.holders())
+            assert victim is not None
+            self.retract(self.running[victim])
 
     def retract(self, req: Req) -> None:
+        """Its KV goes to the tree (evictable), it waits again; it is recomputed from what the
+        tree still holds of it when all it needs fits (`PrefillAdder.add`)."""
         self.counters.retractions += 1
         self.running = [r for r in self.running if r is not req]
         self.cache.release(req)
         req.retractions += 1
+        req.waited = 0
         self.waiting.append(req)
         logger.debug("retracted %s after %d output tokens", req.rid, len(req.output_ids))
 
@@ -690,6 +766,16 @@ def decode_tokens(reqs: list[Req]) -> int:
     """KV slots the next decode step writes: one per request, a jump-forward run's length for
     a request that has one."""
     return sum(r.extend_len for r in reqs)
+
+
+def reserve_of(req: Req) -> int:
+    """The KV a running request keeps for its next tokens (`schedule_policy.decode_reserve`)."""
+    return decode_reserve(req.remaining_new_tokens, req.retractions > 0)
+
+
+def admission_size(req: Req) -> tuple[int, int, int, bool]:
+    """What `PrefillAdder.add` weighs for this request."""
+    return req.extend_len, req.remaining_new_tokens, req.arrival, req.retractions > 0
 
 
 def choice_params(p: SamplingParams) -> list[SamplingParams]:

@@ -188,6 +188,41 @@ def test_the_front_door_refuses_with_the_schedulers_rule(checkpoint: Path) -> No
     assert str(info.value) == TokenBudget(tm.context_length, 64).problem(10, 60)
 
 
+def choices(n: int, max_new_tokens: int | None) -> Any:
+    """`fixed` for a request with n choices."""
+    inner = fixed(max_new_tokens)
+
+    def make(room: int) -> SamplingParams:
+        return dataclasses.replace(inner(room), n=n)
+
+    make.seen = inner.seen
+    return make
+
+
+def test_choices_beyond_the_kv_pool_are_refused_naming_n(checkpoint: Path) -> None:
+    """n x max_tokens past the KV pool, where one choice would fit, is a 400 naming n: when the
+    outputs alone are too many, before the prompt is looked at (this one would be refused for
+    its text); else with the prompt counted once (the choices share it). Without max_tokens the
+    default cap is what leaves room for every choice."""
+    tm = manager(checkpoint, kv_total=1000)
+    bad_text = "typed <|image_pad|> by hand"
+    with pytest.raises(APIError) as info:
+        run(tm, GenerateInput("x", False, choices(64, 100), 100, 64, text=bad_text))
+    assert (info.value.status, info.value.param, info.value.code) == (400, "n", "kv_pool_exceeded")
+    ids = list(range(1, 101))
+    with pytest.raises(APIError) as info:  # one choice alone is too long: the context rule's
+        run(tm, GenerateInput("x", False, choices(64, 8000), 8000, 64, input_ids=ids))
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(APIError) as info:  # 100 + 10 x 100 > 1000
+        run(tm, GenerateInput("x", False, choices(10, 100), 100, 10, input_ids=ids))
+    assert info.value.param == "n"
+    assert str(info.value) == TokenBudget(tm.context_length, 1000).choices_problem(100, 100, 10)
+    run(tm, GenerateInput("x", False, choices(9, 100), 100, 9, input_ids=ids))  # 100 + 900
+    default = choices(9, None)
+    assert run(tm, GenerateInput("x", False, default, None, 9, input_ids=ids))
+    assert default.seen == [(1000 - 100) // 9]
+
+
 @pytest.mark.parametrize(
     "inp,param",
     [

@@ -1,7 +1,9 @@
-"""Prefill budget rules (pure)."""
+"""Prefill budget rules, retraction and preemption choices, the token budget (pure)."""
 
 from __future__ import annotations
 
+from runtime.token_budget import TokenBudget
+from scheduler import schedule_policy as policy
 from scheduler.schedule_policy import (
     IN_BATCH_SHARE_TOKENS,
     PrefillAdder,
@@ -114,3 +116,63 @@ def test_may_share_is_false_only_where_no_sharer_can_exist() -> None:
             assert all(batch_sharer(key, c, computed) is None for c in range(len(key)))
     assert may_share(key, held(key)) and not may_share(key, held([0, *key[1:]]))
     assert not may_share(key[: IN_BATCH_SHARE_TOKENS - 1], held(key))
+
+
+CAP, WAITED, H = policy.MAX_RETRACTIONS, policy.PREEMPT_AFTER_STEPS, policy.Holder
+
+
+def test_decode_retracts_the_largest_holder_not_the_newest() -> None:
+    holders = [H(900, 1, 0), H(30, 5, 0), H(900, 3, 0), H(10, 9, 0)]
+    assert policy.retraction_victim(holders) == 2  # the most KV; of two, the newer arrival
+    assert policy.retraction_victim([]) is None
+
+
+def test_a_request_retracted_often_enough_goes_only_when_nothing_else_can() -> None:
+    tired = H(900, 1, CAP)
+    assert policy.retraction_victim([tired, H(20, 2, 0)]) == 1
+    assert policy.retraction_victim([tired, H(20, 2, CAP)]) == 0  # decode never stalls
+
+
+def test_admission_takes_kv_only_after_waiting_and_only_from_a_bigger_holder() -> None:
+    victim = policy.admission_victim
+    holders = [H(400, 1, 0), H(900, 2, 0), H(60, 3, 0)]
+    assert victim(28, WAITED - 1, holders) is None  # not yet
+    assert victim(28, WAITED, holders) == 1  # the largest
+    assert victim(450, WAITED, holders) == 1  # 900 >= 2 x 450
+    assert victim(460, WAITED, holders) is None  # nobody holds twice its size
+    tired = [H(900, 2, CAP), H(400, 1, 0)]
+    assert victim(28, WAITED, tired) == 1
+    assert victim(28, WAITED, tired[:1]) is None
+
+
+def test_a_retracted_request_reserves_and_needs_all_its_remaining_output() -> None:
+    assert decode_reserve(3000, retracted=True) == 3000
+    assert decode_reserve(3000) == decode_reserve(512)
+    a = adder(total=300, chunk=64)
+    assert a.add(50, 260, retracted=True) is None  # 50 + 260 > 300: not even a chunk
+    assert a.rem_total == 300
+    assert a.add(50, 250, retracted=True) == 50
+    assert a.rem_total == 0
+
+
+def test_an_open_adder_fails_only_for_kv() -> None:
+    a = adder(total=10, reqs=2)
+    assert a.add(30, 100) is None and a.open  # KV is what it lacks
+    a.grant(100, slots=0)
+    assert a.add(30, 100) == 30
+    b = adder(reqs=1)
+    assert b.add(5, 0) == 5 and not b.open  # no slot left: nothing else can join
+
+
+def test_choices_must_fit_the_kv_pool_together() -> None:
+    """The n choices share the prompt's KV with the radix cache on (prompt + n x max_tokens),
+    each holds its own without it (n x (prompt + max_tokens))."""
+    shared, own = TokenBudget(4096, 1000), TokenBudget(4096, 1000, shared_prompt=False)
+    assert shared.choices_problem(100, 100, 9) == ""  # 100 + 900
+    assert "n=10" in shared.choices_problem(100, 100, 10)  # 100 + 1000
+    assert own.choices_problem(100, 100, 5) == ""  # 5 x 200
+    assert own.choices_problem(100, 100, 6) != ""
+    assert shared.choices_problem(0, 8000, 64) != ""  # refused before the prompt is known
+    assert shared.choices_problem(100, 950, 1) == ""  # one choice: `problem`'s rule
+    assert shared.room(100, 9) == 100 and own.room(100, 5) == 100
+    assert shared.room(100) == 900 == shared.room(100, 1)

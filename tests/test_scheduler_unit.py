@@ -1,8 +1,10 @@
-"""Scheduler decisions in-process on one rank (no ZMQ): retraction order and its outputs, and
-encoder-cache pins held across the chunks of an image."""
+"""Scheduler decisions in-process on one rank (no ZMQ): retraction order and its outputs, a
+small request's admission while big ones fill the KV pool, and encoder-cache pins held across
+the chunks of an image."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from runtime.tiny_checkpoint import make_checkpoint
 from scheduler import model_runner
 from scheduler.process import build_scheduler
 from scheduler.req import Req
+from scheduler.schedule_policy import MAX_RETRACTIONS, PREEMPT_AFTER_STEPS
 from scheduler.scheduler import Scheduler
 from vision.vlm import build_model
 
@@ -41,6 +44,8 @@ def make_scheduler(
     decode_threads: int = 0,
     encoder_patches: int = 0,
     mixed: bool = False,
+    context: int = 200,
+    max_running: int = 8,
 ) -> Scheduler:
     args = ServerArgs(
         device="cpu",
@@ -48,28 +53,30 @@ def make_scheduler(
         max_encoder_patches_per_step=encoder_patches,
         enable_mixed_chunk=mixed,
         max_total_tokens=kv_tokens,
-        max_running_requests=8,
+        max_running_requests=max_running,
         max_prefill_tokens=512,
         chunked_prefill_size=chunk,
-        context_length=200,
+        context_length=context,
         mm_cache_size_mb=encoder_cache_mb,
         disable_radix_cache=not radix,
     )
     return build_scheduler(args, TPGroup(), model)
 
 
-def prompts() -> list[TokenizedGenerateReq]:
+def prompts(lengths: tuple[int, ...] = (20, 20, 20)) -> list[TokenizedGenerateReq]:
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
     return [
-        TokenizedGenerateReq(f"r{i}", [(i * 37 + j * 11) % 360 + 1 for j in range(20)], params)
-        for i in range(3)
+        TokenizedGenerateReq(f"r{i}", [(i * 37 + j * 11) % 360 + 1 for j in range(n)], params)
+        for i, n in enumerate(lengths)
     ]
 
 
-def run(scheduler: Scheduler) -> tuple[dict[str, list[int]], list[str]]:
+def run(
+    scheduler: Scheduler, lengths: tuple[int, ...] = (20, 20, 20)
+) -> tuple[dict[str, list[int]], list[str]]:
     outputs: dict[str, list[int]] = {}
     retracted: list[str] = []
-    result = scheduler.step(prompts())
+    result = scheduler.step(prompts(lengths))
     while True:
         for out in result.outputs:
             outputs.setdefault(out.rid, []).extend(out.new_token_ids)
@@ -91,15 +98,127 @@ def test_the_factory_takes_the_mixed_steps_setting_from_server_args(model) -> No
     assert make_scheduler(model, 500, mixed=False).cfg.enable_mixed_chunk is False
 
 
-def test_retracts_newest_first_and_outputs_do_not_change(model) -> None:
-    roomy, _ = run(make_scheduler(model, 1000))
-    tight = make_scheduler(model, 130)  # 3 x (20 prompt + 40 output) does not fit
-    outputs, retracted = run(tight)
+def test_retracts_the_largest_holder_first_and_outputs_do_not_change(model) -> None:
+    lengths = (40, 20, 20)
+    roomy, _ = run(make_scheduler(model, 1000), lengths)
+    tight = make_scheduler(model, 150)  # 40 + 20 + 20 prompt + 3 x 40 output does not fit
+    outputs, retracted = run(tight, lengths)
     assert tight.counters.retractions > 0
-    assert retracted[0] == "r2"  # the latest arrival goes first
+    assert retracted[0] == "r0"  # the one holding the most goes first, not the latest arrival
     assert outputs == roomy
-    kv = tight.runner.kv_pool
-    assert kv.available_size + tight.radix.evictable_size == kv.size
+    assert_idle_and_clean(tight)
+
+
+def assert_idle_and_clean(scheduler: Scheduler) -> None:
+    kv = scheduler.runner.kv_pool
+    assert kv.available_size + scheduler.radix.evictable_size == kv.size
+    assert scheduler.radix.protected_size == 0
+
+
+def generate_req(
+    rid: str, prompt_len: int, new: int, n: int = 1, seed: int = 0
+) -> TokenizedGenerateReq:
+    params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True, n=n)
+    ids = [(seed * 37 + j * 11) % 360 + 1 for j in range(prompt_len)]
+    return TokenizedGenerateReq(rid, ids, params)
+
+
+@dataclass
+class Trace:
+    """What a scheduler did with its requests, step by step."""
+
+    tokens: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    first_step: dict[str, int] = field(default_factory=dict)  # rid -> step of its first token
+    sent_at: dict[str, int] = field(default_factory=dict)
+    finishes: dict[tuple[str, int], dict] = field(default_factory=dict)
+    reqs: dict[int, Req] = field(default_factory=dict)  # every Req seen, by id (identity)
+
+
+def drive(scheduler: Scheduler, first: list, later=None, max_steps: int = 5000) -> Trace:
+    """Step until idle; `later(step, scheduler)` returns the requests to send at that step."""
+    trace, step, msgs = Trace(), 0, first
+    while step == 0 or not scheduler.idle:
+        assert step < max_steps, "the scheduler did not finish"
+        for msg in msgs:
+            trace.sent_at[msg.rid] = step
+        result = scheduler.step(msgs)
+        for out in result.outputs:
+            key = (out.rid, out.index)
+            trace.tokens.setdefault(key, []).extend(out.new_token_ids)
+            if out.new_token_ids:
+                trace.first_step.setdefault(out.rid, step)
+            if out.finish_reason:
+                trace.finishes[key] = out.finish_reason.to_json()
+        for req in [*scheduler.running, *scheduler.waiting]:
+            trace.reqs[id(req)] = req
+        step += 1
+        msgs = later(step, scheduler) if later else []
+    return trace
+
+
+def test_a_small_request_is_admitted_within_bounded_steps_while_big_ones_fill_the_pool(
+    model,
+) -> None:
+    """Four requests of 40 + 400 tokens in a 1,000-token pool; once it is full (the first
+    retraction), a 20 + 8 one arrives. It waits PREEMPT_AFTER_STEPS steps for free KV, then
+    takes KV from the largest holder (before: it waited for a big one to end, about 270 steps,
+    and the newest request was the first to go). Outputs are those of a roomy pool."""
+    bigs = [generate_req(f"big{i}", 40, 400, seed=i) for i in range(4)]
+    small = generate_req("small", 20, 8, seed=99)
+    sent: list[int] = []
+
+    def once_full(step: int, scheduler: Scheduler) -> list:
+        if sent or scheduler.counters.retractions == 0:
+            return []
+        sent.append(step)
+        return [small]
+
+    tight = make_scheduler(model, 1000, context=1000, max_running=16)
+    trace = drive(tight, bigs, once_full)
+    waited = trace.first_step["small"] - trace.sent_at["small"]
+    assert waited <= PREEMPT_AFTER_STEPS + 2, waited
+    assert tight.counters.admission_preemptions >= 1
+    roomy = drive(make_scheduler(model, 4000, context=1000, max_running=16), [*bigs, small])
+    assert trace.tokens == roomy.tokens
+    assert max(r.retractions for r in trace.reqs.values()) <= MAX_RETRACTIONS
+    assert_idle_and_clean(tight)
+
+
+def test_retractions_and_recomputed_tokens_stay_bounded(model) -> None:
+    """Two long requests and four choices of a third in a 1,000-token pool: no request is
+    retracted more than MAX_RETRACTIONS times, and what is computed again stays under that
+    many times the largest request (before: one was retracted three times, and 2,800 tokens
+    were computed again, 2,400 more than in a roomy pool)."""
+    msgs = [
+        generate_req("r0", 96, 63, n=4, seed=1),
+        generate_req("r1", 175, 446, seed=2),
+        generate_req("r2", 187, 383, seed=3),
+    ]
+    roomy_scheduler = make_scheduler(model, 8000, context=1000, max_running=16)
+    roomy = drive(roomy_scheduler, msgs)
+    tight = make_scheduler(model, 1000, context=1000, max_running=16)
+    trace = drive(tight, msgs)
+    assert tight.counters.retractions > 0
+    assert max(r.retractions for r in trace.reqs.values()) <= MAX_RETRACTIONS
+    again = tight.counters.prompt_tokens_computed - roomy_scheduler.counters.prompt_tokens_computed
+    assert again <= MAX_RETRACTIONS * (187 + 383), again
+    assert trace.tokens == roomy.tokens
+    assert_idle_and_clean(tight)
+
+
+def test_choices_that_cannot_fit_the_pool_together_are_refused(model) -> None:
+    """n x max_tokens beyond the KV pool (the choices share the prompt): every choice is
+    refused at once, naming n, and nothing runs; choices that fit together run."""
+    tight = make_scheduler(model, 1000, context=1000, max_running=16)
+    trace = drive(tight, [generate_req("many", 20, 150, n=8)])  # 20 + 8 x 150 > 1000
+    assert len(trace.finishes) == 8
+    for finish in trace.finishes.values():
+        assert finish["type"] == "error" and finish["status"] == 400
+        assert "n=8" in finish["detail"]
+    assert tight.counters.prompt_tokens_computed == 0
+    fits = drive(tight, [generate_req("fits", 20, 150, n=6)])  # 20 + 6 x 150 <= 1000
+    assert {f["type"] for f in fits.finishes.values()} == {"length"}
+    assert_idle_and_clean(tight)
 
 
 def test_an_image_cut_by_chunks_stays_pinned_until_its_last_row(model, folder: Path) -> None:

@@ -145,6 +145,7 @@ class GenerateInput:
     stream: bool
     sampling: Callable[[int], SamplingParams]  # room left for output -> the request's params
     max_tokens: int | None = None  # the client's output cap, when it gave one
+    n: int = 1  # choices (each up to max_tokens): they must fit the KV pool together
     messages: list[dict[str, Any]] | None = None
     text: str | None = None
     input_ids: list[int] | None = None
@@ -172,7 +173,8 @@ class TokenizerManager:
         self.pixels = PixelLedger(args.mm_cache_size_mb > 0, mm.shm_dir if mm else None)
         self.context_length = context_length(args, self.config)
         # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
-        self.budget = TokenBudget(self.context_length, kv_total or self.context_length)
+        shared = not args.disable_radix_cache  # a request's choices share its prompt's KV
+        self.budget = TokenBudget(self.context_length, kv_total or self.context_length, shared)
         self.states: dict[str, ReqState] = {}
         self.metrics = ServingMetrics()
         self.fatal: str | None = None  # set when the server is going down: new requests get 503
@@ -282,8 +284,9 @@ class TokenizerManager:
     async def tokenize_request(self, inp: GenerateInput) -> TokenizedGenerateReq:
         """The one path from a parsed request to what the scheduler receives: the prompt, the
         media count and budgets, media preparation, placeholder expansion, the context check."""
+        self.check_choices(0, inp.max_tokens, inp.n)  # before any work: outputs alone too many
         ids, media = await self.prompt_ids(inp)
-        params = inp.sampling(max(1, self.budget.room(len(ids))))
+        params = inp.sampling(max(1, self.budget.room(len(ids), inp.n)))
         if params.grammar is not None:  # the scheduler compiles the checked, prepared form
             params.grammar = await self.grammar.check(params.grammar)
         with self.metrics.timed("build"):
@@ -426,6 +429,16 @@ class TokenizerManager:
     def encode_long(self, prompt: str) -> list[int]:
         return self._long_tokenizer(prompt)["input_ids"]
 
+    def check_choices(self, prompt_tokens: int, max_tokens: int | None, n: int) -> None:
+        """The request's n choices must fit the KV pool together (`TokenBudget.choices_problem`,
+        the rule the scheduler applies again): a 400 naming n when they never can, while one
+        choice could (else the context check names the prompt and max_tokens)."""
+        if max_tokens is None or self.budget.problem(prompt_tokens, max_tokens):
+            return
+        problem = self.budget.choices_problem(prompt_tokens, max_tokens, n)
+        if problem:
+            raise APIError(problem, param="n", code="kv_pool_exceeded")
+
     def too_long(self, what: str) -> APIError:
         return APIError(
             f"{what} cannot fit the {self.budget.limit} tokens one request may hold (context "
@@ -468,6 +481,7 @@ class TokenizerManager:
         problem = self.budget.problem(len(input_ids), params.max_new_tokens)
         if problem:
             raise APIError(problem, param="messages", code="context_length_exceeded")
+        self.check_choices(len(input_ids), params.max_new_tokens, params.n)
         ids, mm = build_multimodal_inputs(input_ids, media, self.config)
         if params.bad_words:
             params.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)

@@ -295,6 +295,7 @@ class ChatServing(OpenAIServing[ChatCompletionRequest]):
             req.stream,
             lambda room: self.sampling(req, cap, room, engine),
             cap,
+            req.n,
             messages=[hf_message(i, m) for i, m in enumerate(req.messages)],
             template_kwargs=template_kwargs(req),
             mm_processor_kwargs=req.mm_processor_kwargs,

@@ -110,6 +110,7 @@ class CompletionServing(OpenAIServing[CompletionRequest]):
             req.stream,
             lambda room: self.sampling(req, room, engine),
             req.max_tokens,
+            req.n,
             text=text,
             input_ids=ids,
         )
