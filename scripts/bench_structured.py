@@ -89,10 +89,10 @@ class MaskTimer:
 
         def timed(reqs: Any, vocab: int) -> Any:
             start = time.perf_counter()
-            mask = inner(reqs, vocab)
+            mask, faults = inner(reqs, vocab)
             self.seconds += time.perf_counter() - start
             self.rows += 0 if mask is None else int(mask.rows.numel())
-            return mask
+            return mask, faults
 
         scheduler.grammar.mask = timed  # type: ignore[method-assign]
 
