@@ -83,3 +83,14 @@ def test_scheduler_metrics_carry_each_replicas_label() -> None:
     assert got["tessera_kv_free_tokens[0]"] == 60 and got["tessera_kv_free_tokens[1]"] == 100
     assert got["tessera_scheduler_decode_steps_total[0]"] == 9
     assert got["tessera_scheduler_decode_steps_total[1]"] == 4
+
+
+def test_replicas_server_infos_add_up_field_by_field() -> None:
+    other = ServerInfo(
+        kv_total=50, kv_free=50, kv_evictable=0, kv_protected=0, running=0, waiting=1,
+        counters=SchedulerCounters(decode_steps=1), encoder_plans={"dp": 2}, replica=1,
+    )  # fmt: skip
+    total = ServerInfo.total([info(), other])
+    assert (total.kv_total, total.kv_free, total.waiting) == (150, 110, 3)
+    assert total.counters.decode_steps == 10 and total.encoder_cache.hits == 5
+    assert total.encoder_plans == {"dp": 2} and ServerInfo.total([other]) is other
