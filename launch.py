@@ -101,13 +101,34 @@ class Supervisor:
 
         args = self.args
         per_node = args.tp_size // args.nnodes
-        init = f"tcp://{args.dist_init_addr or f'127.0.0.1:{free_port()}'}"
-        for rank in range(args.node_rank * per_node, (args.node_rank + 1) * per_node):
-            name = f"scheduler-TP{rank}"
-            self.spawn(name, run_scheduler_process, args, rank, init, faults=self.faults)
+        for replica in range(args.dp_size):
+            # each replica is a TP group of its own: its own c10d store
+            init = f"tcp://{args.dist_init_addr or f'127.0.0.1:{free_port()}'}"
+            for rank in range(args.node_rank * per_node, (args.node_rank + 1) * per_node):
+                name = rank_name(args, replica, rank)
+                kwargs = {"faults": self.faults, "replica": replica}
+                self.spawn(name, run_scheduler_process, args, rank, init, **kwargs)
         if args.node_rank == 0:
+            # one detokenizer for every replica: its state is per request (ids are unique
+            # across replicas) and its work per token, so replicas share it as they share the
+            # TokenizerManager; one process fewer per replica on the CPU the ranks need
             self.spawn("detokenizer", run_detokenizer_process, args)
         self.wait_ready()
+
+    def replica_pids(self) -> dict[int, list[int]]:
+        """Each replica's scheduler rank processes, by replica."""
+        out: dict[int, list[int]] = {}
+        for replica in range(self.args.dp_size):
+            prefix = rank_name(self.args, replica, 0).removesuffix("TP0")
+            pids = [p.pid for name, p, _ in self.children if name.startswith(prefix + "TP")]
+            out[replica] = pids
+        return out
+
+    def kv_total(self) -> int | None:
+        """The smallest replica's KV pool: what one request may hold wherever it runs."""
+        names = [rank_name(self.args, r, 0) for r in range(self.args.dp_size)]
+        sizes = [self.ready_info[n].kv_total for n in names if n in self.ready_info]
+        return min((s for s in sizes if s is not None), default=None)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.args.ready_timeout
@@ -161,6 +182,13 @@ class Supervisor:
                 proc.join()
 
 
+def rank_name(args: ServerArgs, replica: int, rank: int) -> str:
+    """A scheduler rank's process name, as the log and the supervisor say it."""
+    if args.dp_size == 1:
+        return f"scheduler-TP{rank}"
+    return f"scheduler-DP{replica}-TP{rank}"
+
+
 def fail_everything(loop: asyncio.AbstractEventLoop, tm: object, mm: object, reason: str) -> None:
     """A child died: every client in flight gets a 503 error, then the media workers stop."""
     done = threading.Event()
@@ -180,8 +208,9 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor, sock: socket.sock
 
     from tokenizer_manager.front_end import build_front_end
 
-    first_rank = supervisor.ready_info.get("scheduler-TP0")
-    front = build_front_end(args, kv_total=first_rank.kv_total if first_rank else None)
+    front = build_front_end(
+        args, kv_total=supervisor.kv_total(), replica_pids=supervisor.replica_pids
+    )
     loop = asyncio.get_running_loop()
     try:
         await front.start()

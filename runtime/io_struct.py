@@ -10,6 +10,7 @@ as a `ReadyReport`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -175,6 +176,31 @@ class ServerInfo:
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     encoder_plans: dict[str, int] = field(default_factory=dict)  # auto encoder mode: per kind
     gc_frozen: int = 0  # objects this rank froze once ready (runtime/allocator.py)
+    replica: int = 0  # the data-parallel replica whose entry rank answered
+
+    @classmethod
+    def total(cls, infos: list[ServerInfo]) -> ServerInfo:
+        """Several replicas' counters and sizes added up, field by field (one: its own)."""
+        if len(infos) == 1:
+            return infos[0]
+        if not infos:
+            return cls(0, 0, 0, 0, 0, 0)
+        return dataclasses.replace(added(infos), replica=0)
+
+
+def added(objs: list) -> object:
+    """Dataclasses of one type summed field by field: numbers added, dicts by key, nested
+    dataclasses likewise."""
+    first, values = objs[0], {}
+    for f in dataclasses.fields(first):
+        column = [getattr(o, f.name) for o in objs]
+        if dataclasses.is_dataclass(column[0]):
+            values[f.name] = added(column)
+        elif isinstance(column[0], dict):
+            values[f.name] = {k: sum(d.get(k, 0) for d in column) for d in column for k in d}
+        else:
+            values[f.name] = sum(column)
+    return type(first)(**values)
 
 
 @dataclass
@@ -236,6 +262,7 @@ class BatchTokenOut:
 class FlushCacheOut:
     success: bool
     message: str = ""
+    replica: int = 0  # the data-parallel replica whose entry rank answered
 
 
 @dataclass

@@ -36,6 +36,31 @@ def _count_or_auto(text: str) -> int | str:
 class ServerArgs:
     model_path: str | None = _opt("checkpoint folder; default: a generated tiny Qwen2-VL")
     tp_size: int = _opt("tensor-parallel ranks", default=1, flag="--tp")
+    dp_size: int = _opt(
+        "data-parallel replicas, each a TP group of --tp ranks with its own KV pool and caches "
+        "(on GPUs replica r takes devices r*tp .. (r+1)*tp-1), behind one front end",
+        default=1,
+        flag="--dp",
+        aliases=("--dp-size", "--data-parallel-size"),
+    )
+    dp_policy: str = _opt(
+        "which replica takes a request: cache_aware (the longest cached prefix, image pad "
+        "values included, unless the replicas' loads are out of balance), round_robin, or "
+        "shortest_queue (the fewest tokens in flight)",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin", "shortest_queue"],
+    )
+    dp_cache_threshold: float = _opt(
+        "cache_aware: a cached prefix counts only when it covers more than this share of the "
+        "prompt (else the least loaded replica)",
+        default=0.3,
+    )
+    dp_balance_abs_tokens: int = _opt(
+        "cache_aware: the loads (tokens in flight) are out of balance, and the least loaded "
+        "replica takes the request, when the largest is this many above the smallest and "
+        "--dp-balance-rel times it", default=4096
+    )
+    dp_balance_rel: float = _opt("cache_aware: see --dp-balance-abs-tokens", default=1.5)
     mm_enable_dp_encoder_flag: bool = _opt(
         "run the vision encoder data-parallel (same as --mm-encoder-mode dp)",
         default=False,
@@ -276,13 +301,24 @@ class ServerArgs:
         unless turned off."""
         return not self.disable_overlap_schedule and self.decode_graph_bs > 0
 
+    @property
+    def ranks_per_node(self) -> int:
+        """Scheduler ranks on this node: every replica's TP ranks (or this node's share of the
+        one TP group across --nnodes)."""
+        return self.dp_size * self.tp_size // self.nnodes
+
     def ipc_name(self, what: str) -> str:
         """A ZMQ ipc path in a private folder: never a TCP port (invariant 15)."""
         return f"ipc://{os.path.join(self.ipc_dir or tempfile.gettempdir(), f'tessera-{what}')}"
 
+    def scheduler_ipc(self, replica: int) -> str:
+        """Where replica `replica`'s entry rank takes its requests."""
+        return self.ipc_name(f"scheduler-dp{replica}")
+
     @property
     def scheduler_input_ipc(self) -> str:
-        return self.ipc_name("scheduler")
+        """Replica 0's input (the only one with --dp 1)."""
+        return self.scheduler_ipc(0)
 
     @property
     def detokenizer_ipc(self) -> str:
@@ -298,6 +334,7 @@ class ServerArgs:
         for f in dataclasses.fields(cls):
             meta = dict(f.metadata)
             flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+            aliases = meta.pop("aliases", ())
             if f.type == "bool":
                 if f.default is True and "off_flag" not in meta:  # else nothing could turn it off
                     raise TypeError(f"ServerArgs.{f.name} is on by default and needs an off_flag")
@@ -308,7 +345,7 @@ class ServerArgs:
                 continue
             kind = meta.pop("type", None) or {"int": int, "float": float}.get(str(f.type), str)
             default = None if meta.get("action") == "append" else f.default
-            parser.add_argument(flag, dest=f.name, type=kind, default=default, **meta)
+            parser.add_argument(flag, *aliases, dest=f.name, type=kind, default=default, **meta)
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
@@ -319,7 +356,7 @@ class ServerArgs:
 
     def resolve(self) -> ServerArgs:
         """Fill "auto" values and check the settings; returns a new frozen object."""
-        device = resolve_device(self.device, self.tp_size, _cuda_count())
+        device = resolve_device(self.device, self.tp_size, _cuda_count(), self.dp_size)
         backend = self.attention_backend
         if backend == "auto":
             backend = "torch" if device == "cpu" else _best_gpu_backend()
@@ -341,7 +378,7 @@ class ServerArgs:
     def _media_workers(self, device: str) -> int | str:
         if self.media_workers != "auto":
             return self.media_workers
-        node_ranks = max(1, self.tp_size // self.nnodes)
+        node_ranks = max(1, self.ranks_per_node)
         return auto_media_workers(len(usable_cpus()), node_ranks, device == "cuda")
 
     def _read_api_key(self) -> tuple[str, ...]:
@@ -367,10 +404,19 @@ class ServerArgs:
         object.__setattr__(self, "mm_enable_dp_encoder_flag", False)
 
     def check(self) -> None:
-        positive = ["tp_size", "chunked_prefill_size", "max_prefill_tokens", "max_running_requests"]
+        positive = ["tp_size", "dp_size", "chunked_prefill_size", "max_prefill_tokens"]
+        positive.append("max_running_requests")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError(
+                "--dp with --nnodes is not built: serve one replica per node behind a router"
+            )
+        if not 0 <= self.dp_cache_threshold <= 1:
+            raise ValueError("--dp-cache-threshold must be between 0 and 1")
+        if self.dp_balance_abs_tokens < 0 or self.dp_balance_rel < 1:
+            raise ValueError("--dp-balance-abs-tokens must be >= 0 and --dp-balance-rel >= 1")
         if self.max_content_parts < 1:
             raise ValueError("--max-content-parts must be at least 1")
         if self.max_queued_requests < 1:
@@ -433,22 +479,25 @@ def _as_keys(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]
     return keys
 
 
-def resolve_device(requested: str, tp_size: int, visible_gpus: int) -> str:
+def resolve_device(requested: str, tp_size: int, visible_gpus: int, dp_size: int = 1) -> str:
     """"cuda" or "cpu" for --device `requested` with `visible_gpus` CUDA devices.
 
-    Every rank needs a GPU of its own: --device cuda with fewer is an error; --device auto takes
-    the GPUs when there are enough, runs on CPU when there are none, and says so with a warning
-    when there are some but fewer than --tp (CPU is then surely not what was meant)."""
+    Every rank of every replica needs a GPU of its own (replica r's ranks take devices r*tp ..
+    (r+1)*tp-1): --device cuda with fewer is an error; --device auto takes the GPUs when there
+    are enough, runs on CPU when there are none, and says so with a warning when there are some
+    but fewer than --dp x --tp (CPU is then surely not what was meant)."""
     if requested == "cpu":
         return "cpu"
-    if visible_gpus >= tp_size:
+    needed = tp_size * dp_size
+    if visible_gpus >= needed:
         return "cuda"
-    shortfall = f"--tp {tp_size} needs {tp_size} GPUs but {visible_gpus} are visible"
+    asked = f"--tp {tp_size}" if dp_size == 1 else f"--dp {dp_size} x --tp {tp_size}"
+    shortfall = f"{asked} needs {needed} GPUs but {visible_gpus} are visible"
     if requested == "cuda":
-        raise ValueError(f"--device cuda: {shortfall} (CUDA_VISIBLE_DEVICES, --tp)")
+        raise ValueError(f"--device cuda: {shortfall} (CUDA_VISIBLE_DEVICES, --dp, --tp)")
     if visible_gpus:
         logger.warning(
-            "--device auto: %s; running on CPU. Give --tp %d or less, make more GPUs visible, "
+            "--device auto: %s; running on CPU. Ask for %d GPUs or fewer, make more visible, "
             "or --device cpu to mean it.", shortfall, visible_gpus
         )
     return "cpu"

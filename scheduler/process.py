@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from functools import partial
 from multiprocessing.connection import Connection
@@ -16,9 +17,11 @@ from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group
 from runtime.grammar import checkpoint_compiler
 from runtime.io_struct import (
     BatchTokenOut,
+    FlushCacheOut,
     RankBroadcast,
     ReadyReport,
     SchedulerRequest,
+    ServerInfo,
     ShutdownReq,
 )
 from runtime.logging_utils import configure_logging, get_logger
@@ -46,12 +49,15 @@ IDLE_POLL_MS = 20
 
 
 class SchedulerChannel:
-    """Rank 0's sockets: requests in (bound), outputs out to the detokenizer (connected)."""
+    """Rank 0's sockets: requests in (bound, one address per replica), outputs out to the
+    detokenizer (connected; every replica's entry rank sends to the one detokenizer). Replies
+    to control requests are stamped with the replica they come from."""
 
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, replica: int = 0):
+        self.replica = replica
         self.ctx = zmq.Context()
         self.recv_sock = self.ctx.socket(zmq.PULL)
-        self.recv_sock.bind(args.scheduler_input_ipc)
+        self.recv_sock.bind(args.scheduler_ipc(replica))
         self.send_sock = self.ctx.socket(zmq.PUSH)
         self.send_sock.connect(args.detokenizer_ipc)
 
@@ -71,6 +77,8 @@ class SchedulerChannel:
         if result.outputs or result.started:
             self.send_sock.send_pyobj(BatchTokenOut(result.outputs, result.started))
         for reply in result.replies:
+            if isinstance(reply, ServerInfo | FlushCacheOut):
+                reply = dataclasses.replace(reply, replica=self.replica)
             self.send_sock.send_pyobj(reply)
 
     def close(self) -> None:
@@ -198,27 +206,38 @@ def step_or_die(scheduler: Scheduler, tp: TPGroup, msgs: list[SchedulerRequest])
         raise
 
 
+def device_index(args: ServerArgs, replica: int, tp_rank: int, visible: int) -> int:
+    """The CUDA device of TP rank `tp_rank` of replica `replica` (of `visible` devices; with
+    --nnodes, this node's share of the ranks)."""
+    return (replica * args.tp_size + tp_rank) % visible
+
+
 def run_scheduler_process(
     args: ServerArgs,
     tp_rank: int,
     dist_init_method: str,
     ready: Connection,
     faults: FaultsFactory | None = None,
+    replica: int = 0,
 ) -> None:
-    """Entry point of one TP rank: load the shard, report ready (or why not), then loop.
-    `faults`: testing only (scheduler/input_checks.py)."""
+    """Entry point of TP rank `tp_rank` of data-parallel replica `replica`: load the shard,
+    report ready (or why not), then loop. Each replica is a TP group of its own (its own
+    `dist_init_method`); on CUDA its ranks take devices replica*tp .. (replica+1)*tp-1, on CPU
+    every rank of every replica an equal share of the cores. `faults`: testing only
+    (scheduler/input_checks.py)."""
     exit_with_parent()
-    configure_logging(args.log_level, prefix=f"TP{tp_rank}")
+    prefix = f"TP{tp_rank}" if args.dp_size == 1 else f"DP{replica}-TP{tp_rank}"
+    configure_logging(args.log_level, prefix=prefix)
     keep_freed_memory()
     if not args.use_cuda:
-        torch.set_num_threads(threads_per_rank(args.tp_size))
+        torch.set_num_threads(threads_per_rank(args.ranks_per_node))
     else:
-        torch.cuda.set_device(tp_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device_index(args, replica, tp_rank, torch.cuda.device_count()))
     channel = None
     try:
         tp = init_tp_group(tp_rank, args.tp_size, dist_init_method, use_cuda=args.use_cuda)
         scheduler = build_scheduler(args, tp, faults=faults)
-        channel = SchedulerChannel(args) if tp.is_first else None
+        channel = SchedulerChannel(args, replica) if tp.is_first else None
         ready.send(
             ReadyReport(
                 "ready",

@@ -49,7 +49,7 @@ class FakeManager(SimpleNamespace):
         return TokenizedGenerateReq(inp.rid, [1, 2, 3], params, None, inp.stream)
 
     async def generate(
-        self, req: TokenizedGenerateReq, arrival: float | None = None
+        self, req: TokenizedGenerateReq, arrival: float | None = None, route: object = None
     ) -> AsyncIterator[StrOutput]:
         for i, text in enumerate(self.reply):
             last = i == len(self.reply) - 1

@@ -69,7 +69,9 @@ def test_one_failed_prompt_fails_the_request_and_closes_the_others() -> None:
     http, fake = http_and_fake()
     closed: list[str] = []
 
-    async def generate(req: TokenizedGenerateReq, arrival: float | None = None) -> AsyncIterator:
+    async def generate(
+        req: TokenizedGenerateReq, arrival: float | None = None, route: object = None
+    ) -> AsyncIterator:
         try:
             yield StrOutput(req.rid, "x", [1], 3, 1, 0)
             if req.rid.endswith("-1"):

@@ -49,3 +49,10 @@ def test_server_args_resolve_warns(
     assert any("2 GPUs but 1 are visible" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="1 are visible"):
         ServerArgs(tp_size=2, device="cuda", ipc_dir=str(tmp_path / "ipc")).resolve()
+
+
+def test_replicas_need_dp_times_tp_gpus() -> None:
+    """--dp 4 --tp 2: replica r takes devices 2r and 2r+1, so eight are needed."""
+    assert resolve_device("auto", 2, 8, dp_size=4) == "cuda"
+    with pytest.raises(ValueError, match="--dp 4 x --tp 2 needs 8 GPUs but 6 are visible"):
+        resolve_device("cuda", 2, 6, dp_size=4)

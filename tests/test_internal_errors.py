@@ -35,7 +35,7 @@ class FailsMidStream(Fake):
     """The first output arrives (the stream begins), then the output path fails."""
 
     async def generate(
-        self, req: TokenizedGenerateReq, arrival: float | None = None
+        self, req: TokenizedGenerateReq, arrival: float | None = None, route: object = None
     ) -> AsyncIterator[StrOutput]:
         yield StrOutput(req.rid, "ok", [7], 3, 1, 0, None)
         raise RuntimeError("lost the detokenizer's output")

@@ -317,7 +317,9 @@ def test_every_route_goes_through_tokenize_request() -> None:
         seen.append(inp)
         return TokenizedGenerateReq(inp.rid, [1, 2], inp.sampling(100), None, inp.stream)
 
-    async def generate(req: TokenizedGenerateReq, arrival: float | None = None) -> Any:
+    async def generate(
+        req: TokenizedGenerateReq, arrival: float | None = None, route: object = None
+    ) -> Any:
         yield StrOutput(req.rid, "ok", [3], 2, 1, 0, Finish(FinishKind.STOP))
 
     args = ServerArgs(model_path="/models/demo")

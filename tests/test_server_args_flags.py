@@ -86,3 +86,13 @@ def test_the_flashinfer_check_imports_no_backend() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_dp_takes_each_spelling_and_replicas_get_their_own_inputs() -> None:
+    for flag in ("--dp", "--dp-size", "--data-parallel-size"):
+        args = ServerArgs.from_cli([flag, "3", "--tp", "2", "--device", "cpu"])
+        assert args.dp_size == 3 and args.ranks_per_node == 6
+    assert len({args.scheduler_ipc(r) for r in range(3)}) == 3
+    assert args.scheduler_input_ipc == args.scheduler_ipc(0)
+    with pytest.raises(ValueError, match="--dp with --nnodes"):
+        ServerArgs.from_cli(["--dp", "2", "--tp", "2", "--nnodes", "2", "--device", "cpu"])

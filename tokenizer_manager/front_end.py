@@ -60,13 +60,15 @@ def build_front_end(
     args: ServerArgs,
     kv_total: int | None = None,
     media: MediaFactory | None = AsyncMMDataProcessor.from_server_args,
+    replica_pids: Callable[[], dict[int, list[int]]] | None = None,
 ) -> FrontEnd:
     """Everything the main process serves with, from resolved `args`. `kv_total` is the
-    scheduler's KV pool (a request may hold no more); `media` makes the media processor from
-    the args (None: a text-only front end)."""
+    smallest replica's KV pool (a request may hold no more); `media` makes the media processor
+    from the args (None: a text-only front end); `replica_pids` says each replica's rank
+    processes (the supervisor's, for /server_info)."""
     mm = media(args) if media is not None else None
     try:
-        tm = TokenizerManager(args, mm, kv_total=kv_total)
+        tm = TokenizerManager(args, mm, kv_total=kv_total, replica_pids=replica_pids)
         return FrontEnd(args, mm, tm, create_app(tm))
     except BaseException:
         if mm is not None:

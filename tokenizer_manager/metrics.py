@@ -5,7 +5,8 @@ request: receive, parse, template, tokenize, media, build, send, queue, encoder,
 first_token, decode; the main process times its own, the scheduler measures queue, encoder and
 prefill and sends them with the first token) are observed in the main process as
 outputs arrive; the scheduler's gauges and counters
-(KV pool, queue, caches) are read from the entry rank's `ServerInfo` when `/metrics` is scraped.
+(KV pool, queue, caches) are read from each replica's entry rank's `ServerInfo` when `/metrics`
+is scraped, and carry a `replica` label.
 Each server owns one registry, so tests can run several servers in one process.
 """
 
@@ -32,39 +33,51 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class SchedulerSnapshot:
-    """A collector that reports the last ServerInfo it was given (set just before a scrape)."""
+    """A collector that reports the last ServerInfo of each replica it was given (set just
+    before a scrape): every gauge and counter carries a `replica` label."""
 
     def __init__(self) -> None:
-        self.info: Any = None
+        self.infos: list[Any] = []
         self.api: dict[str, int] = {}
 
     def collect(self) -> Iterator[Metric]:
-        info = self.info
-        if info is not None:
-            yield from _gauges(info)
-            yield from _counters("tessera_scheduler", "scheduler counter", vars(info.counters))
-            cache = vars(info.encoder_cache)
-            yield from _counters("tessera_encoder_cache", "encoder cache", cache)
-        yield from _counters("tessera_api", "HTTP API counter", self.api)
+        if self.infos:
+            yield from _gauges(self.infos)
+            counters = [vars(info.counters) for info in self.infos]
+            yield from _counters("tessera_scheduler", "scheduler counter", counters)
+            caches = [vars(info.encoder_cache) for info in self.infos]
+            yield from _counters("tessera_encoder_cache", "encoder cache", caches)
+        yield from _counters("tessera_api", "HTTP API counter", [self.api], label=False)
 
 
-def _gauges(info: Any) -> Iterator[Metric]:
-    values = {
-        "kv_total_tokens": info.kv_total,
-        "kv_free_tokens": info.kv_free,
-        "kv_evictable_tokens": info.kv_evictable,
-        "kv_protected_tokens": info.kv_protected,
-        "running_requests": info.running,
-        "waiting_requests": info.waiting,
+def _gauges(infos: list[Any]) -> Iterator[Metric]:
+    names = {
+        "kv_total_tokens": "kv_total",
+        "kv_free_tokens": "kv_free",
+        "kv_evictable_tokens": "kv_evictable",
+        "kv_protected_tokens": "kv_protected",
+        "running_requests": "running",
+        "waiting_requests": "waiting",
     }
-    for name, value in values.items():
-        yield GaugeMetricFamily(f"tessera_{name}", name.replace("_", " "), value=value)
+    for name, field_name in names.items():
+        family = GaugeMetricFamily(f"tessera_{name}", name.replace("_", " "), labels=["replica"])
+        for info in infos:
+            family.add_metric([str(info.replica)], getattr(info, field_name))
+        yield family
 
 
-def _counters(prefix: str, doc: str, table: dict[str, Any]) -> Iterator[Metric]:
-    for name, value in table.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            yield CounterMetricFamily(f"{prefix}_{name}", f"{doc}: {name}", value=value)
+def _counters(
+    prefix: str, doc: str, tables: list[dict[str, Any]], label: bool = True
+) -> Iterator[Metric]:
+    """One counter family per numeric field; with `label`, table i is replica i's."""
+    for name, value in tables[0].items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        labels = ["replica"] if label else []
+        family = CounterMetricFamily(f"{prefix}_{name}", f"{doc}: {name}", labels=labels)
+        for replica, table in enumerate(tables):
+            family.add_metric([str(replica)] if label else [], table[name])
+        yield family
 
 
 class ServingMetrics:
@@ -104,8 +117,9 @@ class ServingMetrics:
         finally:
             self.stage.labels(stage).observe(time.perf_counter() - start)
 
-    def render(self, info: Any, api: dict[str, int]) -> bytes:
-        self.snapshot.info, self.snapshot.api = info, api
+    def render(self, infos: list[Any], api: dict[str, int]) -> bytes:
+        """The text of a scrape: `infos` are the replicas' ServerInfo, in replica order."""
+        self.snapshot.infos, self.snapshot.api = infos, api
         return generate_latest(self.registry)
 
 

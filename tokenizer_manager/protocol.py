@@ -175,7 +175,8 @@ class SamplingFields(BaseModel):
         default=None, min_length=1, max_length=RID_MAX, pattern=RID_CHARS
     )
     rid: str | None = Field(default=None, min_length=1, max_length=RID_MAX, pattern=RID_CHARS)
-    user: str | None = None
+    user: str | None = None  # also the session a request keeps to (api/fields.route_of)
+    data_parallel_rank: int | None = Field(default=None, ge=0)  # the replica (--dp) to run on
 
     @field_validator("stream_options")
     @classmethod
@@ -245,6 +246,7 @@ class GenerateRequest(BaseModel):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    data_parallel_rank: int | None = Field(default=None, ge=0)  # the replica (--dp) to run on
 
 
 # ---------------------------------------------------------------------- refusals
@@ -278,7 +280,6 @@ COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "bootstrap_host": ((), DISAGG),
     "bootstrap_port": ((), DISAGG),
     "bootstrap_room": ((), DISAGG),
-    "data_parallel_rank": ((), "there is one data-parallel rank"),
     "lora_path": ((), "LoRA adapters are not supported"),
     "session_params": ((), "sessions are not supported"),
     "return_hidden_states": ((), "hidden states are not returned"),

@@ -2,8 +2,11 @@
 
 It lives in the main process next to the HTTP server (asyncio). Media are fetched in an I/O thread
 pool and preprocessed in a CPU process pool (AsyncMMDataProcessor); each item is hashed once here.
-Requests go to the scheduler's entry rank over ZMQ; detokenized text comes back from the
-detokenizer and is routed to the waiting request by rid.
+Each request goes to one data-parallel replica's entry rank over ZMQ (the `Dispatcher` picks
+which, from its token ids with the image pad values in them); detokenized text comes back from
+the one detokenizer every replica sends to, and is routed to the waiting request by rid. What
+the front end assumes a replica holds (the pixels it was sent: a `PixelLedger` each) is kept
+per replica.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget, context_length
 from runtime.transport.frames import to_frames
 from runtime.transport.shm import SharedTensor
+from tokenizer_manager.dispatcher import Balance, Dispatcher, Route
 from tokenizer_manager.grammar_check import GrammarCheck
 from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.media.multimodal_inputs import (
@@ -113,6 +117,19 @@ def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
     raise ValueError(f"no chat template in {model_path}")
 
 
+def replica_summary(info: ServerInfo) -> dict[str, object]:
+    """One replica's KV, queue and cache use from its entry rank's report."""
+    kv = ("kv_total", "kv_free", "kv_evictable", "kv_protected", "running", "waiting")
+    return {k: getattr(info, k) for k in kv} | {
+        "cached_prompt_tokens": info.counters.cached_prompt_tokens,
+        "prompt_tokens_computed": info.counters.prompt_tokens_computed,
+        "finished": info.counters.finished,
+        "encoder_cache_hits": info.encoder_cache.hits,
+        "encoder_cache_misses": info.encoder_cache.misses,
+        "encoder_cache_pins": info.encoder_cache.pins,
+    }
+
+
 def _client_error(check: Callable[..., None], *args: Any, param: str = "messages") -> None:
     """Run a prompt check; its ValueError is the client's 400, naming `param`."""
     try:
@@ -129,6 +146,9 @@ class ReqState:
     started: bool = False  # an output arrived: no longer queued
     n: int = 1  # choices
     ended: set[int] = field(default_factory=set)  # choices that have ended
+    replica: int = 0  # the data-parallel replica it runs on
+    load: int = 0  # its tokens so far (prompt and outputs): its share of the replica's load
+    output_ids: list[int] = field(default_factory=list)  # the first choice's, as they came
 
     def end(self, index: int) -> None:
         self.ended.add(index)
@@ -161,27 +181,35 @@ class TokenizerManager:
         args: ServerArgs,
         mm: AsyncMMDataProcessor | None = None,
         kv_total: int | None = None,
+        replica_pids: Callable[[], dict[int, list[int]]] | None = None,
     ):
+        """`kv_total`: the smallest replica's KV pool; `replica_pids`: each replica's rank
+        processes, as the supervisor knows them now (for /server_info)."""
         from transformers import AutoTokenizer
 
         self.args = args
+        self.replica_pids = replica_pids
         self.config = ModelConfig.from_dir(args.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.chat_template = load_chat_template(args.model_path, self.tokenizer)
         self.mm = mm
-        # pixels go to the ranks only when their encoder caches may lack the item
-        self.pixels = PixelLedger(args.mm_cache_size_mb > 0, mm.shm_dir if mm else None)
+        # pixels go to a replica's ranks only when their encoder caches may lack the item
+        keyed, shm = args.mm_cache_size_mb > 0, mm.shm_dir if mm else None
+        self.pixels = [PixelLedger(keyed, shm) for _ in range(args.dp_size)]
         self.context_length = context_length(args, self.config)
         # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
         shared = not args.disable_radix_cache  # a request's choices share its prompt's KV
         self.budget = TokenBudget(self.context_length, kv_total or self.context_length, shared)
+        balance = Balance(args.dp_cache_threshold, args.dp_balance_abs_tokens, args.dp_balance_rel)
+        # each replica's prefix tree is bounded by what its KV pool can cache
+        self.dispatcher = Dispatcher(args.dp_size, args.dp_policy, self.budget.kv_tokens, balance)
         self.states: dict[str, ReqState] = {}
         self.metrics = ServingMetrics()
         self.fatal: str | None = None  # set when the server is going down: new requests get 503
         self.client_rids: set[str] = set()  # ids of the requests in flight, as clients know them
         self._serial = itertools.count()
         self.last_progress = time.monotonic()  # when the detokenizer last sent anything
-        self._replies: dict[type, asyncio.Future] = {}
+        self._replies: dict[tuple[type, int], asyncio.Future] = {}  # by type and replica
         self._reply_lock = asyncio.Lock()
         self._ctx = zmq.asyncio.Context()
         self._recv_task: asyncio.Task | None = None
@@ -202,8 +230,11 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self._to_scheduler = self._ctx.socket(zmq.PUSH)
-        self._to_scheduler.connect(self.args.scheduler_input_ipc)
+        self._to_scheduler = []
+        for replica in range(self.args.dp_size):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.connect(self.args.scheduler_ipc(replica))
+            self._to_scheduler.append(sock)
         self._from_detok = self._ctx.socket(zmq.PULL)
         self._from_detok.bind(self.args.tokenizer_ipc)
         self._recv_task = asyncio.create_task(self._recv_loop())
@@ -239,17 +270,19 @@ class TokenizerManager:
             case FlushCacheOut() | ServerInfo():
                 self._reply(msg)
             case PixelsWanted(rid=rid, hashes=hashes):
-                answer = self.pixels.answer(rid, hashes)
+                state = self.states.get(rid)
+                answer = state and self.pixels[state.replica].answer(rid, hashes)
                 if answer is not None:
-                    self._send(answer)
+                    self._send(answer, state.replica)
             case ShutdownReq():
                 logger.info("the detokenizer has shut down")
             case _:
                 raise UnknownMessage(msg, "detokenizer -> tokenizer")
 
     def _reply(self, msg: FlushCacheOut | ServerInfo) -> None:
-        """The answer to the control request waiting for this type (see `_ask`)."""
-        future = self._replies.pop(type(msg), None)
+        """The answer to the control request waiting for this type from this replica (see
+        `_ask`)."""
+        future = self._replies.pop((type(msg), msg.replica), None)
         if future is not None and not future.done():
             future.set_result(msg)
 
@@ -258,11 +291,15 @@ class TokenizerManager:
         if state is None or out.index in state.ended:
             return
         state.started = True
+        state.load += len(out.token_ids)
+        self.dispatcher.progressed(state.replica, len(out.token_ids))
+        if out.index == 0:
+            state.output_ids += out.token_ids
         if out.finish_reason is not None:
             state.end(out.index)
             # A stop string or a detokenizer failure ends the choice before the scheduler does.
             if out.finish_reason.matched is not None or out.finish_reason.is_error:
-                self._send(AbortReq(out.rid, out.index))
+                self._send(AbortReq(out.rid, out.index), state.replica)
         state.queue.put_nowait(out)
 
     def fail_all(self, reason: str) -> None:
@@ -274,9 +311,9 @@ class TokenizerManager:
                 state.end(index)
                 state.queue.put_nowait(StrOutput(rid, "", [], 0, 0, 0, finish, index=index))
 
-    def _send(self, msg: ToScheduler) -> None:
+    def _send(self, msg: ToScheduler, replica: int) -> None:
         shared: list[SharedTensor] = []
-        self._to_scheduler.send_multipart(to_frames(msg, shared), copy=False)
+        self._to_scheduler[replica].send_multipart(to_frames(msg, shared), copy=False)
         for handle in shared:  # the scheduler ranks own these files now
             handle.hand_off()
 
@@ -489,12 +526,12 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ requests
     async def generate(
-        self, req: TokenizedGenerateReq, arrival: float | None = None
+        self, req: TokenizedGenerateReq, arrival: float | None = None, route: Route = Route()
     ) -> AsyncIterator[StrOutput]:
-        """Send to the scheduler and yield outputs until finished; abort if abandoned.
-        `arrival` (perf_counter) is when the HTTP request came in: latencies count from it.
-        With n > 1 the outputs of the n choices interleave (`StrOutput.index`); it ends when
-        every choice has.
+        """Send to a replica's scheduler (the dispatcher's choice, or the one `route` names)
+        and yield outputs until finished; abort if abandoned. `arrival` (perf_counter) is when
+        the HTTP request came in: latencies count from it. With n > 1 the outputs of the n
+        choices interleave (`StrOutput.index`); it ends when every choice has.
 
         Inside the server the request gets a unique id (the client's id plus a serial number), so
         a client that reuses an id after its request ended never meets that request's leftovers
@@ -502,13 +539,16 @@ class TokenizerManager:
         self.check_admission(req.rid)
         if not self.running():
             self.last_progress = time.monotonic()
+        replica = self.choose_replica(req.input_ids, route)
         rid = f"{req.rid}-{next(self._serial)}"
         timeline = RequestTimeline(self.metrics, arrival or time.perf_counter())
         n = req.sampling_params.n
-        state = self.states[rid] = ReqState(timeline, n=n)
+        state = self.states[rid] = ReqState(timeline, n=n, replica=replica)
+        state.load = len(req.input_ids)
         self.client_rids.add(req.rid)
-        self.pixels.hold(rid, req.mm_inputs)
-        self._send(dataclasses.replace(req, rid=rid))
+        self.pixels[replica].hold(rid, req.mm_inputs)
+        self.dispatcher.sent(replica, req.input_ids)
+        self._send(dataclasses.replace(req, rid=rid), replica)
         timeline.stage("send", time.perf_counter() - timeline.arrival)  # arrival -> scheduler
         try:
             ended = 0
@@ -523,10 +563,18 @@ class TokenizerManager:
                 yield out
         finally:
             if not state.finished:
-                self._send(AbortReq(rid))
+                self._send(AbortReq(rid), replica)
             self.states.pop(rid, None)
-            self.pixels.release(rid)
+            self.pixels[replica].release(rid)
+            self.dispatcher.ended(replica, [*req.input_ids, *state.output_ids], state.load)
             self.client_rids.discard(req.rid)
+
+    def choose_replica(self, ids: list[int], route: Route) -> int:
+        """The replica for a prompt of `ids` (503 when none serves, or the one named)."""
+        try:
+            return self.dispatcher.choose(ids, route)
+        except LookupError as e:
+            raise APIError(str(e), status=503, code="replica_unavailable", retry_after=1) from e
 
     def check_admission(self, rid: str) -> None:
         """503 while shutting down or when too many requests wait; 409 for an id in flight."""
@@ -550,7 +598,10 @@ class TokenizerManager:
 
     def media_info(self) -> dict[str, object] | None:
         """/server_info's media: the processed-item cache and the pixels sent to the ranks."""
-        return None if self.mm is None else self.mm.info() | self.pixels.info()
+        if self.mm is None:
+            return None
+        ledgers = [ledger.info() for ledger in self.pixels]
+        return self.mm.info() | {k: sum(info[k] for info in ledgers) for k in ledgers[0]}
 
     def stalled(self) -> bool:
         """Requests are running and nothing came back for --health-stall-timeout seconds. A
@@ -564,15 +615,49 @@ class TokenizerManager:
     def running(self) -> bool:
         return any(not state.finished for state in self.states.values())
 
-    async def _ask(self, msg: ToScheduler, reply: type, timeout: float = 30.0) -> Any:
+    async def _ask(self, msg: ToScheduler, reply: type, timeout: float = 30.0) -> list[Any]:
+        """Ask every replica that serves; their replies, in replica order."""
+        replicas = [r for r, view in enumerate(self.dispatcher.replicas) if view.up]
         async with self._reply_lock:
-            future = asyncio.get_running_loop().create_future()
-            self._replies[reply] = future
-            self._send(msg)
-            return await asyncio.wait_for(future, timeout)
+            loop = asyncio.get_running_loop()
+            futures = [loop.create_future() for _ in replicas]
+            for replica, future in zip(replicas, futures, strict=True):
+                self._replies[(reply, replica)] = future
+                self._send(msg, replica)
+            return await asyncio.wait_for(asyncio.gather(*futures), timeout)
 
-    async def server_info(self) -> ServerInfo:
+    def replicas_info(self, infos: list[ServerInfo]) -> list[dict[str, object]]:
+        """/server_info's replicas: each one's state as the front end sees it (up, requests
+        routed, load, prefix tree) and as its entry rank reports it (KV, queue, caches)."""
+        reported = {info.replica: info for info in infos}
+        pids = self.replica_pids() if self.replica_pids is not None else {}
+        out = []
+        for replica in range(self.args.dp_size):
+            entry: dict[str, object] = {"replica": replica, **self.dispatcher.info(replica)}
+            entry["pids"] = pids.get(replica, [])
+            info = reported.get(replica)
+            if info is not None:
+                entry |= replica_summary(info)
+            entry["pixels"] = self.pixels[replica].info()
+            out.append(entry)
+        return out
+
+    async def server_infos(self) -> list[ServerInfo]:
+        """Each serving replica's counters (its entry rank's), in replica order."""
         return await self._ask(GetServerInfoReq(), ServerInfo)
 
+    async def server_info(self) -> ServerInfo:
+        """The replicas' counters added up (one replica: its own)."""
+        return ServerInfo.total(await self.server_infos())
+
     async def flush_cache(self) -> FlushCacheOut:
-        return await self._ask(FlushCacheReq(), FlushCacheOut)
+        """Flush every replica (each refuses while it runs requests); the dispatcher forgets
+        what the flushed ones cached."""
+        outs = await self._ask(FlushCacheReq(), FlushCacheOut)
+        for out in outs:
+            if out.success:
+                self.dispatcher.flushed(out.replica)
+        refused = [f"replica {o.replica}: {o.message}" for o in outs if not o.success]
+        if self.args.dp_size == 1 or not refused:
+            return outs[0] if len(outs) == 1 else FlushCacheOut(not refused)
+        return FlushCacheOut(False, "; ".join(refused))

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from runtime.io_struct import StrOutput
 from runtime.model_config import GenerationDefaults
 from runtime.sampling_params import SamplingParams
-from tokenizer_manager.api.fields import UnknownFields
+from tokenizer_manager.api.fields import UnknownFields, route_of
 from tokenizer_manager.api.outputs import collect_all, first_outputs
 from tokenizer_manager.api.sse import EventStream, StreamWriter, sse
 from tokenizer_manager.api.usage import UsageRecorder
@@ -74,13 +74,17 @@ class Serving(ABC, Generic[R]):
         self.ctx = ctx
         self.usage = ctx.usage
 
-    async def handle(self, req: R, arrival: float, scope: str = "") -> Response:
-        """`scope`: the caller's media scope (client media ids are its own)."""
+    async def handle(
+        self, req: R, arrival: float, scope: str = "", session: str | None = None
+    ) -> Response:
+        """`scope`: the caller's media scope (client media ids are its own); `session`: the
+        client's session header (its requests keep to one replica)."""
+        route = route_of(req, session, self.tm.args.dp_size)
         rid, inputs = self.to_inputs(req)
         for inp in inputs:
             inp.media_scope = scope
         tokenized = [await self.tm.tokenize_request(inp) for inp in inputs]  # all checked first
-        streams = [self.tm.generate(t, arrival) for t in tokenized]
+        streams = [self.tm.generate(t, arrival, route) for t in tokenized]
         firsts = await first_outputs(streams)
         n = tokenized[0].sampling_params.n
         if inputs[0].stream:

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from runtime.logging_utils import get_logger
 from runtime.sampling_params import SamplingParams
+from tokenizer_manager.dispatcher import Route
 from tokenizer_manager.protocol import INFORMATIONAL, APIError
 
 logger = get_logger(__name__)
@@ -69,3 +70,18 @@ def engine_value(name: str, attribute: str, value: Any) -> dict[str, Any]:
     if not sampler_has(attribute):
         raise unsupported(name, "not built yet")
     return {attribute: value}
+
+
+def route_of(req: BaseModel, session: str | None, replicas: int) -> Route:
+    """Where the request asks to run: `data_parallel_rank` (a 400 naming it when there is no
+    such replica), and its session: the `X-Session-Id` header, else the `user` field."""
+    rank = field_value(req, "data_parallel_rank")
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < replicas):
+        raise APIError(
+            f"data_parallel_rank {rank!r}: this server has {replicas} replica"
+            f"{'s' if replicas > 1 else ''} (0 to {replicas - 1})",
+            param="data_parallel_rank",
+            code="invalid_data_parallel_rank",
+        )
+    user = field_value(req, "user")
+    return Route(rank, session or (user if isinstance(user, str) and user else None))

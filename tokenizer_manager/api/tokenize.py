@@ -29,7 +29,10 @@ class TokenizeServing:
         self.tm = tm
         self.ctx = ctx
 
-    async def handle(self, req: TokenizeRequest, arrival: float, scope: str = "") -> JSONResponse:
+    async def handle(
+        self, req: TokenizeRequest, arrival: float, scope: str = "", session: str | None = None
+    ) -> JSONResponse:
+        """`session` (a routing header) does not apply: nothing runs on a replica."""
         ids = await self.ids(req, scope)
         body = {
             "count": len(ids),
@@ -78,7 +81,7 @@ class DetokenizeServing:
         self.ctx = ctx
 
     async def handle(
-        self, req: DetokenizeRequest, arrival: float, scope: str = ""
+        self, req: DetokenizeRequest, arrival: float, scope: str = "", session: str | None = None
     ) -> JSONResponse:
         check_model(self.tm, req.model)
         self.ctx.unknown.check(req, ())

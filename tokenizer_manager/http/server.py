@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from runtime.allocator import frozen_startup_objects
+from runtime.io_struct import ServerInfo
 from runtime.logging_utils import get_logger
 from runtime.model_config import GenerationDefaults
 from tokenizer_manager.api.base import ApiContext, model_name
@@ -48,6 +49,7 @@ from tokenizer_manager.tokenizer_manager import TokenizerManager
 logger = get_logger(__name__)
 
 DISCONNECT_POLL = 0.5  # seconds between checks that the client is still there
+SESSION_HEADER = "x-session-id"  # a client session's requests keep to one replica (--dp)
 
 
 def create_app(tm: TokenizerManager) -> FastAPI:
@@ -147,13 +149,16 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        info = await tm.server_info()
+        infos = await tm.server_infos()
         return {
             "model": model_name(tm),
             "tp_size": tm.args.tp_size,
+            "dp_size": tm.args.dp_size,
+            "dp_policy": tm.args.dp_policy,
             "mm_enable_dp_encoder": tm.args.mm_enable_dp_encoder,
             "mm_encoder_mode": tm.args.mm_encoder_mode,
-            **asdict(info),
+            **{k: v for k, v in asdict(ServerInfo.total(infos)).items() if k != "replica"},
+            "replicas": tm.replicas_info(infos),
             "media": tm.media_info(),
             "grammar": tm.grammar.info(),
             "api": vars(app.state.counters) | {"in_flight": len(tm.states)},
@@ -163,7 +168,7 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         api = dict(vars(app.state.counters))
-        text = tm.metrics.render(await tm.server_info(), api)
+        text = tm.metrics.render(await tm.server_infos(), api)
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/flush_cache")
@@ -176,7 +181,9 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
 
 class Handler(Protocol):
-    async def handle(self, req: Any, arrival: float, scope: str = "") -> Response: ...
+    async def handle(
+        self, req: Any, arrival: float, scope: str = "", session: str | None = None
+    ) -> Response: ...
 
 
 def add_api_route(app: FastAPI, path: str, model: type, serving: Handler) -> None:
@@ -186,7 +193,9 @@ def add_api_route(app: FastAPI, path: str, model: type, serving: Handler) -> Non
         app.state.counters.requests += 1
         req = await parse_body(request, model)
         scope = getattr(request.state, "media_scope", "")
-        return await until_disconnect(request, serving.handle(req, request.state.arrival, scope))
+        session = request.headers.get(SESSION_HEADER) or None
+        work = serving.handle(req, request.state.arrival, scope, session)
+        return await until_disconnect(request, work)
 
     app.add_api_route(path, route, methods=["POST"], name=path)
 

@@ -1,0 +1,152 @@
+"""tokenizer_manager/dispatcher.py: the routing policies (pure), the per-replica prefix tree and
+the dispatcher that keeps each replica's view."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenizer_manager.dispatcher import (
+    Balance,
+    Dispatcher,
+    PrefixTree,
+    Route,
+    cache_aware,
+    common_prefix,
+    round_robin,
+    shortest_queue,
+)
+
+PAD = 1_000_000 + 12345  # an image pad value (MM_PAD_SHIFT_VALUE + digest bits)
+OTHER_PAD = 1_000_000 + 67890  # another image's
+
+
+def test_common_prefix_agrees_with_a_plain_scan() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.randrange(40))]
+        b = a[: rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(9))]
+        plain = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == plain
+
+
+def test_the_tree_matches_the_longest_prefix_it_was_given() -> None:
+    tree = PrefixTree(max_tokens=1000)
+    tree.insert([1, 2, 3, 4, 5])
+    tree.insert([1, 2, 9])
+    assert tree.tokens == 6  # 1 2 | 3 4 5 | 9
+    assert tree.match([1, 2, 3, 4, 5, 6]) == 5
+    assert tree.match([1, 2, 3, 7]) == 3
+    assert tree.match([1, 2, 9, 9]) == 3
+    assert tree.match([2, 1]) == 0
+    assert tree.match([1]) == 1
+
+
+def test_image_pad_values_are_part_of_the_key() -> None:
+    """The same text around another image shares only the text before the image."""
+    tree = PrefixTree(max_tokens=1000)
+    prompt = [7, 8, *[PAD] * 16, 9, 10]
+    tree.insert(prompt)
+    assert tree.match(prompt) == len(prompt)
+    assert tree.match([7, 8, *[OTHER_PAD] * 16, 9, 10]) == 2
+
+
+def test_the_tree_forgets_least_recently_used_branches_past_its_bound() -> None:
+    tree = PrefixTree(max_tokens=30)
+    old, warm, new = [1] + [10] * 10, [2] + [20] * 10, [3] + [30] * 10
+    tree.insert(old)
+    tree.insert(warm)
+    tree.insert(old)  # old is used again: warm is now the least recently used
+    tree.insert(new)  # 33 tokens > 30: forget down to 27
+    assert tree.tokens <= 27
+    assert tree.match(warm) == 0
+    assert tree.match(old) == len(old) and tree.match(new) == len(new)
+
+
+def test_a_shared_prefix_outlives_its_branches() -> None:
+    tree = PrefixTree(max_tokens=20)
+    system = list(range(8))
+    tree.insert([*system, 100, 101])
+    tree.insert([*system, 200, 201])
+    tree.insert([*system, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310])
+    assert tree.tokens <= 18
+    assert tree.match([*system, 999]) == len(system)  # the prefix everyone shares stays
+    tree.clear()
+    assert tree.tokens == 0 and tree.match(system) == 0
+
+
+def test_round_robin_skips_replicas_that_are_down() -> None:
+    up = [True, False, True]
+    assert [round_robin(t, up) for t in range(4)] == [0, 2, 2, 0]
+    with pytest.raises(LookupError):
+        round_robin(0, [False, False])
+
+
+def test_shortest_queue_takes_the_least_loaded_serving_replica() -> None:
+    assert shortest_queue([50, 10, 10], [True, True, True]) == 1  # ties: the lowest index
+    assert shortest_queue([50, 10, 5], [True, True, False]) == 1
+
+
+def test_cache_aware_follows_the_longest_match_while_loads_are_balanced() -> None:
+    b = Balance(cache_threshold=0.3, abs_tokens=100, rel=1.5)
+    up = [True, True]
+    assert cache_aware([0, 80], [90, 0], [0, 500], up, 100, b) == 1
+    assert cache_aware([80, 0], [90, 0], [500, 0], up, 100, b) == 0  # 90 apart: balanced
+    # out of balance (abs and rel both past): the least loaded, whatever it caches
+    assert cache_aware([80, 0], [400, 0], [500, 0], up, 100, b) == 1
+    assert cache_aware([80, 0], [400, 299], [500, 0], up, 100, b) == 0  # 400 < 1.5 x 299
+    # a match of no more than 30% of the prompt counts as none: least loaded, then most room
+    assert cache_aware([30, 0], [10, 10], [500, 100], up, 100, b) == 1
+    assert cache_aware([0, 0], [0, 0], [0, 0], up, 100, b) == 0
+    assert cache_aware([90, 0], [0, 0], [100, 0], [False, True], 100, b) == 1
+
+
+def test_a_resent_conversation_stays_where_its_prefix_is() -> None:
+    """cache_aware: each turn (the previous turns, their answers, a new question, the image
+    resent) goes to the replica the first went to, and another image's conversation to the
+    idle replica; round_robin does not keep them."""
+    for policy, kept in (("cache_aware", True), ("round_robin", False)):
+        d = Dispatcher(2, policy, tree_tokens=10_000)
+        ids, where = [1, 2, *[PAD] * 20, 3], []
+        for turn in range(3):
+            where.append(d.choose(ids))
+            d.sent(where[-1], ids)
+            d.progressed(where[-1], 2)
+            ids = [*ids, 40 + turn, 41]
+            d.ended(where[-1], ids, len(ids))
+            ids = [*ids, 5, 6]
+        assert (where == [where[0]] * 3) is kept, policy
+    d = Dispatcher(2, "cache_aware", tree_tokens=10_000)
+    first = [1, 2, *[PAD] * 20, 3]
+    d.sent(d.choose(first), first)
+    d.ended(0, first, len(first))  # both idle now
+    assert d.choose([*first, 4]) == 0
+    assert d.choose([1, 2, *[OTHER_PAD] * 20, 3, 4]) == 1  # its image is cached nowhere
+
+
+def test_a_request_may_name_its_replica_or_keep_to_its_session() -> None:
+    d = Dispatcher(3, "round_robin", tree_tokens=100)
+    assert d.choose([1], Route(rank=2)) == 2
+    first = d.choose([1], Route(session="s"))
+    assert [d.choose([1], Route(session="s")) for _ in range(3)] == [first] * 3
+    d.set_up(first, False)
+    moved = d.choose([1], Route(session="s"))
+    assert moved != first and d.choose([1], Route(session="s")) == moved
+    with pytest.raises(LookupError):
+        d.choose([1], Route(rank=first))
+
+
+def test_the_dispatcher_counts_load_and_routed_requests() -> None:
+    d = Dispatcher(2, "shortest_queue", tree_tokens=100)
+    r = d.choose([1, 2, 3])
+    d.sent(r, [1, 2, 3])
+    d.progressed(r, 2)
+    assert d.info(r) == {
+        "up": True, "routed": 1, "in_flight": 1, "load_tokens": 5, "tree_tokens": 0
+    }  # fmt: skip
+    assert d.choose([4]) != r  # the other one is idle
+    d.ended(r, [1, 2, 3, 7, 8], 5)
+    assert d.info(r)["load_tokens"] == 0 and d.info(r)["in_flight"] == 0
+    with pytest.raises(ValueError, match="dp-policy"):
+        Dispatcher(2, "random", tree_tokens=100)
