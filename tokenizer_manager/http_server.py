@@ -43,6 +43,7 @@ from tokenizer_manager.protocol import (
     TokenizeRequest,
     now,
 )
+from tokenizer_manager.router_routes import add_router_routes, worker_identity
 from tokenizer_manager.tokenizer_manager import TokenizerManager
 
 logger = get_logger(__name__)
@@ -62,6 +63,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     )
     install_error_handlers(app)
     add_info_routes(app, tm)
+    add_router_routes(app, tm)
     add_api_route(app, "/v1/chat/completions", ChatCompletionRequest, ChatServing(tm, ctx))
     add_api_route(app, "/v1/completions", CompletionRequest, CompletionServing(tm, ctx))
     add_api_route(app, "/generate", GenerateRequest, GenerateServing(tm, ctx))
@@ -146,10 +148,12 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return {"object": "list", "data": [card]}
 
     @app.get("/server_info")
+    @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         info = await tm.server_info()
         return {
             "model": model_name(tm),
+            **worker_identity(tm),
             "tp_size": tm.args.tp_size,
             "mm_enable_dp_encoder": tm.args.mm_enable_dp_encoder,
             "mm_encoder_mode": tm.args.mm_encoder_mode,
