@@ -53,6 +53,7 @@ setup(
             "aiohttp>=3.9",  # scripts/bench_serving.py's client
             "decord>=0.6.0; platform_machine == 'x86_64'",  # the video tests' reference reader
             "jsonschema>=4",  # tests/test_grammar.py validates constrained outputs
+            "sglang-router>=0.3",  # tests/test_router.py runs the router in front of two servers
         ],
         "gpu": ["triton>=3.0", "flashinfer-python"],
     },

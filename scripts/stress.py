@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import io
 import json
 import os
@@ -119,11 +120,15 @@ class LaunchedServer:
         return out
 
     def group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return False
+        return group_alive(self.proc.pid)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group `pgid` is still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, 0)
         return True
+    return False
 
 
 def stop_and_time(server: LaunchedServer) -> float:

@@ -202,6 +202,7 @@ class ChatCompletionRequest(SamplingFields):
     mm_processor_kwargs: dict[str, Any] | None = None  # checked in media/settings.py
     include_reasoning: bool = True  # vLLM; with --reasoning-parser
     separate_reasoning: bool = True  # SGLang; with --reasoning-parser
+    stream_reasoning: bool = True  # SGLang; false: the thinking streams in one piece
 
 
 class CompletionRequest(SamplingFields):
@@ -246,6 +247,15 @@ class GenerateRequest(BaseModel):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    model: str | None = None  # sglang-router sends null
+    log_metrics: bool = True  # every request is counted in /metrics; false is refused
+    # sglang-router sends the fields below at these defaults; a value that asks for something
+    # is a 400 (NATIVE_TOP_REFUSED)
+    return_hidden_states: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+    background: bool = False
+    no_logs: bool = False
     data_parallel_rank: int | None = Field(default=None, ge=0)  # the replica (--dp) to run on
 
 
@@ -302,7 +312,6 @@ CHAT_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template": ((), "the server's chat template is used"),
     "reasoning_effort": ((), "the served chat templates take no reasoning effort"),
     "reasoning": ((), "the served chat templates take no reasoning effort"),
-    "stream_reasoning": ((True,), "reasoning is streamed as it comes"),
     "audio": ((), "audio output is not supported"),
     "modalities": ((["text"],), "only text output is supported"),
     "prediction": ((), "predicted outputs are not supported"),
@@ -317,6 +326,15 @@ COMPLETION_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((), "suffix (fill-in-the-middle) is not supported"),
     "prompt_embeds": ((), "prompt embeddings are not accepted"),
     "mm_processor_kwargs": ((), "completion prompts carry no media"),
+}
+
+# /generate's own fields that sglang-router forwards (at values that ask for nothing)
+NATIVE_TOP_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "return_hidden_states": COMMON_REFUSED["return_hidden_states"],
+    "return_bytes": ((), "output text is returned as text"),
+    "return_entropy": ((), "token entropies are not returned"),
+    "background": ((), "requests are served while the client waits"),
+    "no_logs": ((), "request logging is not configurable per request"),
 }
 
 TOKENIZE_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {

@@ -29,8 +29,12 @@ def model_name(tm: TokenizerManager) -> str:
     return tm.args.served_model_name or Path(tm.args.model_path).name
 
 
+# sglang-router's stand-in for a request that names no model (it forwards every request with one)
+ROUTER_NO_MODEL = "unknown"
+
+
 def check_model(tm: TokenizerManager, name: str | None) -> None:
-    if name not in (None, "", model_name(tm), tm.args.model_path):
+    if name not in (None, "", ROUTER_NO_MODEL, model_name(tm), tm.args.model_path):
         raise APIError(
             f"model {name!r} is not served here; this server serves {model_name(tm)!r}",
             param="model",

@@ -123,6 +123,7 @@ class ReplyShape:
 
     reasoning: str | None = None
     include_reasoning: bool = True
+    stream_reasoning: bool = True  # false: a stream sends the thinking once its section closes
     tools: bool = False
     parallel: bool = True  # parallel_tool_calls: false keeps the first call only
 
@@ -131,6 +132,7 @@ def reply_shape(req: ChatCompletionRequest, rule: str | None) -> ReplyShape:
     return ReplyShape(
         reasoning=rule if req.separate_reasoning else None,
         include_reasoning=req.include_reasoning,
+        stream_reasoning=req.stream_reasoning,
         tools=bool(req.tools) and req.tool_choice != "none",
         parallel=req.parallel_tool_calls is not False,
     )
@@ -152,6 +154,7 @@ class ReplySplitter:
         self.shape = shape
         self.thinking = ReasoningStream(shape.reasoning) if shape.reasoning else None
         self.tools = ToolCallStream() if shape.tools else None
+        self.held = ""  # thinking not sent yet (stream_reasoning false)
 
     @property
     def called(self) -> bool:
@@ -161,6 +164,7 @@ class ReplySplitter:
         reasoning, content = "", text
         if self.thinking is not None:
             reasoning, content = pair_sum(self.thinking.feed(text), self.thinking, last)
+            reasoning = self.pace(reasoning, last)
         out: dict[str, Any] = {}
         if reasoning and self.shape.include_reasoning:
             out["reasoning_content"] = reasoning
@@ -168,6 +172,17 @@ class ReplySplitter:
             content = self.tools.feed(content) + (self.tools.finish() if last else "")
             out |= self.call_deltas()
         return ({"content": content} if content else {}) | out
+
+    def pace(self, reasoning: str, last: bool) -> str:
+        """The thinking to send now: as it comes, or (stream_reasoning false) all of it in one
+        delta once its section closes."""
+        if self.shape.stream_reasoning:
+            return reasoning
+        self.held += reasoning
+        if not (last or self.thinking.over):
+            return ""
+        out, self.held = self.held, ""
+        return out
 
     def call_deltas(self) -> dict[str, Any]:
         fresh = self.tools.new_calls()

@@ -9,11 +9,12 @@ from runtime.io_struct import StrOutput
 from runtime.model_config import GenerationDefaults
 from runtime.multimodal import Modality
 from runtime.sampling_params import MAX_LOGPROBS, SamplingParams
-from tokenizer_manager.api.base import Serving, checked
+from tokenizer_manager.api.base import Serving, check_model, checked
 from tokenizer_manager.api.fields import (
     Refusals,
     asks_nothing,
     engine_value,
+    refuse_fields,
     sampler_has,
     unsupported,
 )
@@ -21,8 +22,8 @@ from tokenizer_manager.api.logprobs import native_logprobs
 from tokenizer_manager.api.openai_common import ENGINE_FIELDS
 from tokenizer_manager.api.structured import NATIVE_READERS, read_constraint
 from tokenizer_manager.media.mm_processor import MediaRef
-from tokenizer_manager.protocol import APIError, GenerateRequest, new_id
-from tokenizer_manager.tokenizer_manager import GenerateInput
+from tokenizer_manager.protocol import NATIVE_TOP_REFUSED, APIError, GenerateRequest, new_id
+from tokenizer_manager.tokenizer_manager import GenerateInput, TokenizerManager
 
 NATIVE_SAMPLING = {
     "max_new_tokens",
@@ -133,8 +134,18 @@ class NativeStream:
         return []
 
 
+def check_native_fields(tm: TokenizerManager, req: GenerateRequest) -> None:
+    """The fields sglang-router adds to every /generate body: honoured at their defaults,
+    a 400 naming the field otherwise."""
+    check_model(tm, req.model)
+    refuse_fields(req, NATIVE_TOP_REFUSED)
+    if not req.log_metrics:
+        raise unsupported("log_metrics", "every request is counted in /metrics")
+
+
 class GenerateServing(Serving[GenerateRequest]):
     def to_input(self, req: GenerateRequest) -> GenerateInput:
+        check_native_fields(self.tm, req)
         if (req.text is None) == (req.input_ids is None):
             raise APIError("give exactly one of text and input_ids", param="text")
         images = [req.image_data] if isinstance(req.image_data, str) else req.image_data or []

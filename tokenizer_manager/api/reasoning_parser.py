@@ -41,6 +41,11 @@ class ReasoningStream:
             return "", text
         return "", ""
 
+    @property
+    def over(self) -> bool:
+        """The thinking section (if any) has closed: what follows is content."""
+        return self._state == "content"
+
     def _decide(self) -> None:
         if self.rule == "deepseek_r1" or self._text.startswith(THINK_START):
             if THINK_START.startswith(self._text):

@@ -34,6 +34,7 @@ from tokenizer_manager.api.generate import GenerateServing
 from tokenizer_manager.api.outputs import cancel_when
 from tokenizer_manager.api.tokenize import DetokenizeServing, TokenizeServing
 from tokenizer_manager.api.usage import ApiCounters, UsageRecorder
+from tokenizer_manager.http.router_routes import add_router_routes, worker_identity
 from tokenizer_manager.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenizer_manager.protocol import (
     APIError,
@@ -64,6 +65,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     )
     install_error_handlers(app)
     add_info_routes(app, tm)
+    add_router_routes(app, tm)
     add_api_route(app, "/v1/chat/completions", ChatCompletionRequest, ChatServing(tm, ctx))
     add_api_route(app, "/v1/completions", CompletionRequest, CompletionServing(tm, ctx))
     add_api_route(app, "/generate", GenerateRequest, GenerateServing(tm, ctx))
@@ -148,10 +150,12 @@ def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
         return {"object": "list", "data": [card]}
 
     @app.get("/server_info")
+    @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         infos = await tm.server_infos()
         return {
             "model": model_name(tm),
+            **worker_identity(tm),
             "tp_size": tm.args.tp_size,
             "dp_size": tm.args.dp_size,
             "dp_policy": tm.args.dp_policy,
