@@ -232,6 +232,15 @@ def old_layout_name(name: str) -> str:
     raise AssertionError(name)  # fmt: skip
 
 
+def test_hf_loads_the_tiny_checkpoint_without_missing_keys(folders: dict[str, Path]) -> None:
+    from runtime.tiny_checkpoint import hf_model_class
+
+    for folder in folders.values():
+        _, info = hf_model_class("internvl").from_pretrained(folder, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], folder
+        assert not info["mismatched_keys"] and not info["error_msgs"], folder
+
+
 def test_both_layouts_load_the_same_model(folder: Path, tmp_path: Path) -> None:
     old = tmp_path / "old"
     shutil.copytree(folder, old)
