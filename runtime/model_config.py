@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,13 @@ class VisionConfig:
     num_position_embeddings: int = 0  # Qwen3-VL: learned position table, a square grid
     deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks that feed DeepStack
     patch_bias: bool = False  # Qwen3-VL's patch embedding has a bias
+    # Towers with a class token and fixed-size tiles (InternViT): the tile side in pixels, the
+    # norm kind ("layer_norm" / "rms_norm") and its eps, RMSNorm over q and k, q/k/v bias
+    image_size: int = 0
+    norm_type: str = "layer_norm"
+    norm_eps: float = 1e-6
+    qk_norm: bool = False
+    attention_bias: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -110,41 +118,55 @@ class ModelConfig:
         path = Path(model_path) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"no config.json in {model_path}")
-        config = cls.from_dict(json.loads(path.read_text()))
+        config = cls.from_dict(json.loads(path.read_text()), added_tokens(model_path))
         more = _eos_ids(read_generation_config(model_path))
         eos = config.eos_token_ids + tuple(t for t in more if t not in config.eos_token_ids)
         return dataclasses.replace(config, eos_token_ids=eos)
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> ModelConfig:
+    def from_dict(cls, cfg: dict, tokens: Mapping[str, int] | None = None) -> ModelConfig:
+        """`tokens`: the tokenizer's special token ids by string, for the media token ids a
+        config.json leaves to the tokenizer (InternVL's names only its image token)."""
         family = family_for(cfg)
         text = TextConfig(**family.text_fields(cfg.get("text_config") or cfg, cfg))
-        vision = VisionConfig(**family.vision_fields(cfg["vision_config"], text.hidden_size))
-        token, keys = _token_ids(cfg), family.tokens
+        vision = VisionConfig(**family.vision_fields(cfg["vision_config"], text.hidden_size, cfg))
+        token, keys = _token_ids(cfg, tokens or {}), family.tokens
         return cls(
             arch=family.name,
             text=text,
             vision=vision,
-            image_token_id=token(keys.image_id_key),
-            video_token_id=token(keys.video_id_key),
-            vision_start_token_id=token(keys.start_id_key),
-            vision_end_token_id=token(keys.end_id_key),
+            image_token_id=token(keys.image_id_key, keys.image_pad),
+            video_token_id=token(keys.video_id_key, keys.video_pad),
+            vision_start_token_id=token(keys.start_id_key, keys.start),
+            vision_end_token_id=token(keys.end_id_key, keys.end),
             eos_token_ids=_eos_ids(cfg),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             raw=cfg,
         )
 
 
-def _token_ids(cfg: dict):
-    def get(name: str) -> int:
+def _token_ids(cfg: dict, tokens: Mapping[str, int]) -> Callable[[str, str], int]:
+    def get(name: str, token: str) -> int:
         value = cfg.get(name)
         if value is None and isinstance(cfg.get("text_config"), dict):
             value = cfg["text_config"].get(name)
         if value is None:
-            raise ModelConfigError(f"config.json lacks {name}")
+            value = tokens.get(token)
+        if value is None:
+            raise ModelConfigError(f"config.json lacks {name} and the tokenizer lacks {token}")
         return int(value)
 
     return get
+
+
+def added_tokens(model_path: str | Path) -> dict[str, int]:
+    """The special tokens tokenizer_config.json declares (`added_tokens_decoder`), by string;
+    {} without the file."""
+    path = Path(model_path) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    decoder = json.loads(path.read_text()).get("added_tokens_decoder") or {}
+    return {entry["content"]: int(i) for i, entry in decoder.items()}
 
 
 def _eos_ids(cfg: dict) -> tuple[int, ...]:

@@ -1,5 +1,5 @@
-"""Write a random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint folder: the checkpoint tessera's tests
-build and the one `launch.py` serves when no --model-path is given.
+"""Write a random Qwen2-VL / Qwen2.5-VL / Qwen3-VL / InternVL 3 checkpoint folder: the checkpoint
+tessera's tests build and the one `launch.py` serves when no --model-path is given.
 
 The folder looks like a published Instruct repository: the published config.json layout (flat for
 Qwen2-VL / Qwen2.5-VL, nested `text_config` for Qwen3-VL), safetensors with the published tensor
@@ -15,6 +15,7 @@ Usage (scripts/make_tiny_checkpoint.py is the command-line wrapper of `main`):
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/tiny-qwen2-vl
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /data/q25-7b --preset 7b
     python scripts/make_tiny_checkpoint.py --arch qwen3_vl --out /tmp/tiny-qwen3-vl
+    python scripts/make_tiny_checkpoint.py --arch internvl --out /tmp/tiny-internvl
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/vit-heavy --preset vit-heavy
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /tmp/vit-hd64 --preset vit-hd64
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/hd64 --preset hd64
@@ -137,8 +138,9 @@ MAX_SHARD_BYTES = 4 * 1024**3
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def build_tokenizer() -> Tokenizer:
-    """Train the byte-level BPE on the built-in corpus and append the special tokens."""
+def build_tokenizer(extra: tuple[str, ...] = ()) -> Tokenizer:
+    """Train the byte-level BPE on the built-in corpus and append the special tokens (the
+    shared ones, then a family's `extra` ones)."""
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -157,25 +159,40 @@ def build_tokenizer() -> Tokenizer:
     tok.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
     if tok.get_vocab_size() != BPE_VOCAB_SIZE:
         raise RuntimeError(f"BPE training gave {tok.get_vocab_size()} tokens")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    specials = (*SPECIAL_TOKENS, *extra)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return tok
 
 
 def special_ids(tok: Tokenizer) -> dict[str, int]:
-    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    """The tokenizer's special tokens (the shared ones and any family's) by string."""
+    return {t.content: i for i, t in sorted(tok.get_added_tokens_decoder().items())}
 
 
-def save_tokenizer(tok: Tokenizer, out: Path) -> None:
-    """Write tokenizer.json, vocab.json, merges.txt and tokenizer_config.json."""
+def family_tokenizer(arch: str) -> Tokenizer:
+    """The tiny tokenizer of family `arch`: the shared special tokens and its own."""
+    return build_tokenizer(tuple(token for _, token in get_family(arch).tiny.special_tokens))
+
+
+def save_tokenizer(tok: Tokenizer, out: Path, family: Family | None = None) -> None:
+    """Write tokenizer.json, vocab.json, merges.txt and tokenizer_config.json (with the chat
+    template and named special tokens of `family`; Qwen2-VL's by default)."""
+    family = family or get_family("qwen2_vl")
     tok.save(str(out / "tokenizer.json"))
     model = json.loads(tok.to_str())["model"]
     write_json(out / "vocab.json", model["vocab"], indent=None)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-    write_json(out / "tokenizer_config.json", tokenizer_config(tok))
+    named = dict(family.tiny.special_tokens)
+    config = {**tokenizer_config(tok, chat_template(family)), **named}
+    write_json(out / "tokenizer_config.json", config)
 
 
-def tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
+def chat_template(family: Family) -> str:
+    return family.tiny.chat_template or CHAT_TEMPLATE
+
+
+def tokenizer_config(tok: Tokenizer, template: str = CHAT_TEMPLATE) -> dict[str, Any]:
     added = {
         str(i): {
             "content": t,
@@ -190,9 +207,9 @@ def tokenizer_config(tok: Tokenizer) -> dict[str, Any]:
     return {
         "add_prefix_space": False,
         "added_tokens_decoder": added,
-        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "additional_special_tokens": list(special_ids(tok))[1:],
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
@@ -260,7 +277,8 @@ def canonical_name(name: str) -> str:
 
 def is_norm(name: str) -> bool:
     parts = name.split(".")
-    return any(p.endswith("norm") or p in ("norm1", "norm2", "ln_q") for p in parts)
+    norms = ("norm1", "norm2", "ln_q")
+    return any(p.endswith("norm") or p.startswith("layernorm") or p in norms for p in parts)
 
 
 # Gains on top of 1/sqrt(fan_in), tuned so that greedy outputs depend on the image and the prompt:
@@ -278,6 +296,7 @@ GAINS = {
 EMBED_STD = 0.3
 POS_EMBED_STD = 0.5  # Qwen3-VL's learned vision position table: large enough to matter
 TIED_EMBED_STD = 0.375
+LAYER_SCALE = (1.0, 0.2)  # (mean, std) of a per-channel scale on a block's branch output
 # Output rows of the special tokens and of the unused vocabulary tail get this fraction of the
 # usual std: still random (so a misloaded row shows in the logits), but never the greedy choice.
 QUIET_ROW_SCALE = 0.1
@@ -293,8 +312,12 @@ def init_stats(name: str, shape: tuple[int, ...], tied: bool) -> tuple[float, fl
     name = canonical_name(name)
     if is_norm(name):
         return (1.0, 0.1) if name.endswith("weight") else (0.0, 0.1)
-    if name.endswith("pos_embed.weight"):
+    if name.endswith(("pos_embed.weight", "position_embeddings")):
         return 0.0, POS_EMBED_STD
+    if name.endswith("cls_token"):
+        return 0.0, EMBED_STD
+    if name.rsplit(".", 1)[-1] in ("lambda_1", "lambda_2"):  # InternViT's layer scales
+        return LAYER_SCALE
     if name.endswith("bias"):
         return 0.0, 0.1
     if name == "model.embed_tokens.weight":
@@ -455,15 +478,16 @@ def make_checkpoint(
         raise ValueError(f"unknown arch/preset {arch!r}/{preset!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
+    family = get_family(arch)
+    tok = family_tokenizer(arch)
     ids = special_ids(tok)
     dtype = torch.float32 if preset in SMALL_PRESETS else torch.bfloat16
     flat = checkpoint_config(arch, preset, ids, str(dtype).removeprefix("torch."))
     remove_old_weights(out)
-    save_tokenizer(tok, out)
+    save_tokenizer(tok, out, family)
     write_json(out / "config.json", flat)
-    write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
-    write_processor_configs(get_family(arch), preset, out)
+    write_json(out / "chat_template.json", {"chat_template": chat_template(family)})
+    write_processor_configs(family, preset, out)
     save_generation_config(out, {**generation_config(preset, ids), **(generation or {})})
     if preset in SMALL_PRESETS:
         model = build_model(arch, flat, seed)

@@ -22,7 +22,9 @@ FAMILY_MODULES = sorted(
 
 @pytest.fixture(scope="module")
 def ids() -> dict[str, int]:
-    return special_ids(build_tokenizer())
+    """Every family's special tokens: the shared ones, then each family's own."""
+    extra = [token for family in FAMILIES.values() for _, token in family.tiny.special_tokens]
+    return special_ids(build_tokenizer(tuple(extra)))
 
 
 def config_of(name: str, ids: dict[str, int]) -> dict:
@@ -62,10 +64,10 @@ def test_config_finds_its_family_in_both_layouts(name: str, ids: dict[str, int])
     nested = published if "text_config" in published else nested_layout(published)
     for cfg in (published, nested):
         assert family_for(cfg) is FAMILIES[name]
-        assert ModelConfig.from_dict(cfg).arch == name
+        assert ModelConfig.from_dict(cfg, ids).arch == name
         by_type = {k: v for k, v in cfg.items() if k != "architectures"}
         assert family_for(by_type) is FAMILIES[name]
-    assert ModelConfig.from_dict(nested) == ModelConfig.from_dict(published)
+    assert ModelConfig.from_dict(nested, ids) == ModelConfig.from_dict(published, ids)
 
 
 def test_unknown_architecture_names_the_supported_ones() -> None:
@@ -83,9 +85,9 @@ def test_a_fourth_family_is_picked_up_by_config_parsing(
 ) -> None:
     seen: list[dict] = []
 
-    def vision_fields(v: dict, text_hidden: int) -> dict:
+    def vision_fields(v: dict, text_hidden: int, top: dict) -> dict:
         seen.append(v)
-        return get_family("qwen2_vl").vision_fields(v, text_hidden)
+        return get_family("qwen2_vl").vision_fields(v, text_hidden, top)
 
     config = with_fake_family(monkeypatch, ids, vision_fields=vision_fields, timestamped_video=True)
     assert config.arch == "fake_vl" and config.family is families.FAMILIES["fake_vl"]
@@ -135,7 +137,7 @@ def with_fake_family(
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_media_tokens_are_the_tokenizers_and_the_configs(name: str, ids: dict[str, int]) -> None:
-    config = ModelConfig.from_dict(config_of(name, ids))
+    config = ModelConfig.from_dict(config_of(name, ids), ids)
     tokens = config.family.tokens
     assert ids[tokens.image_pad] == config.image_token_id
     assert ids[tokens.video_pad] == config.video_token_id

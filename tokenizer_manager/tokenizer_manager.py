@@ -52,6 +52,7 @@ from runtime.transport.frames import to_frames
 from runtime.transport.shm import SharedTensor
 from tokenizer_manager.dispatcher import Balance, Dispatcher, Route
 from tokenizer_manager.grammar_check import GrammarCheck
+from tokenizer_manager.media.limits import media_param
 from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
 from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,
@@ -405,6 +406,14 @@ class TokenizerManager:
             )
         if refs and self.mm is None:
             raise APIError("this server has no media processor", status=500)
+        family = self.config.family
+        for ref in refs:
+            if ref.modality not in family.modalities:
+                raise APIError(
+                    f"{family.name} checkpoints take no {ref.modality.value} input",
+                    param=media_param(ref.modality),
+                    code="unsupported_media",
+                )
 
     def checked_ids(self, ids: list[int]) -> list[int]:
         if len(ids) >= self.budget.limit:  # before walking them on the event loop

@@ -8,10 +8,10 @@ whose rows also carry DeepStack levels has them split off by the fusion step and
 decoder after its first layers (see vision/fusion.py).
 
 The vision tower runs in TP mode (sharded like the decoder, with per-layer all-reduce), in DP
-mode (a full replica on every rank; the batch's items are balanced over the ranks and the results
-all-gathered once), or in auto mode (a full replica; each encoder call runs DP, TP on slices of
-the full weights, or a hybrid, as vision/encoder_plan.py plans it and vision/auto_encoder.py
-runs it).
+mode (a full replica on every rank; the batch's frames, a video's temporal patches or an image's
+tiles, are balanced over the ranks and the results all-gathered once), or in auto mode (a full
+replica; each encoder call runs DP, TP on slices of the full weights, or a hybrid, as
+vision/encoder_plan.py plans it and vision/auto_encoder.py runs it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from runtime.server_args import CPU_LINEAR_PATHS
 from vision.auto_encoder import AutoEncoder
 from vision.dp_encoder import run_dp_sharded_mrope_vision_model
 from vision.encoder_calibration import calibrate_encoder_costs
-from vision.encoder_plan import ENCODER_MODES, EncoderCosts, TowerShape
+from vision.encoder_plan import ENCODER_MODES, EncoderCosts, TowerShape, frame_units
 from vision.fusion import fuse_embeddings
 from vision.vit_common import pad_vision_mlps
 
@@ -118,10 +118,10 @@ class VisionLanguageModel(nn.Module):
         if self.encoder_mode == "tp":  # the tower's patch embedding reads the blocks in place
             return self.visual(blocks, torch.tensor(grids, dtype=torch.long))
         pixels = torch.cat(blocks).to(self.visual.dtype)
-        if self.encoder_mode == "dp":
+        if self.encoder_mode == "dp":  # balanced by frames (tiles), as auto mode plans
             merge = self.config.vision.spatial_merge_size
             return run_dp_sharded_mrope_vision_model(
-                self.visual, pixels, grids, self.tp, spatial_merge_size=merge
+                self.visual, pixels, frame_units(grids), self.tp, spatial_merge_size=merge
             )
         if self.auto_encoder is None:
             raise RuntimeError("auto encoder mode needs set_encoder_costs() before encoding")

@@ -48,6 +48,9 @@ class MediaTokens:
     video_id_key: str = "video_token_id"
     start_id_key: str = "vision_start_token_id"
     end_id_key: str = "vision_end_token_id"
+    # True: the chat template writes start, pad, end and the processor repeats the pad; False:
+    # the template writes the pad alone and the processor wraps the repeated pads in start/end.
+    template_wraps: bool = True
 
     def config_ids(self, ids: dict[str, int]) -> dict[str, int]:
         """The config.json id fields of these tokens, given the tokenizer's ids by string."""
@@ -62,8 +65,17 @@ class MediaTokens:
         return self.image_pad if modality == Modality.IMAGE else self.video_pad
 
     def wrapped(self, modality: Modality) -> str:
-        """One item's run as the chat template writes it: start, the pad, end."""
+        """One item's run as the chat template writes it: start, the pad, end (or the pad
+        alone, where the processor places start and end: `template_wraps`)."""
+        if not self.template_wraps:
+            return self.pad(modality)
         return self.start + self.pad(modality) + self.end
+
+    def expanded(self, modality: Modality, count: int) -> str:
+        """The prompt text of an item of `count` tokens: its pads, wrapped in start/end where
+        the template does not write them."""
+        pads = self.pad(modality) * count
+        return pads if self.template_wraps else self.start + pads + self.end
 
     @property
     def pads(self) -> tuple[str, str]:
@@ -97,6 +109,18 @@ class PositionKind:
 
 
 @dataclass(frozen=True)
+class Tiling:
+    """A family that cuts an image into fixed-size square tiles (the processor's tile side,
+    min and max tile counts) instead of resizing it. Each tile is one frame of the item's grid,
+    (tiles, side / patch, side / patch), encoded alone.
+
+    count(height, width, side, min_tiles, max_tiles): how many tiles an image of that size
+        takes, a thumbnail included (pure; what a header alone is charged)."""
+
+    count: Callable[[int, int, int, int, int], int]
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family's entry in the registry (runtime/families/__init__.py).
 
@@ -104,7 +128,8 @@ class Family:
     architectures: the config.json `architectures` names it serves.
     text_fields(text, top): `TextConfig` fields from the text part of config.json (`text_config`,
         or the whole config when flat) and the whole config.
-    vision_fields(vision, text_hidden): `VisionConfig` fields from `vision_config`.
+    vision_fields(vision, text_hidden, top): `VisionConfig` fields from `vision_config` (and the
+        whole config `top`, for a tower setting kept at its top level).
     tower_class / decoder_class / model_class: "module:Class" of its vision tower (floor 3,
         vision/), its decoder (floor 2, runtime/models/) and the composite that joins them
         (vision/vlm.py's by default), resolved where the model is built.
@@ -124,12 +149,14 @@ class Family:
         whose settings (pixel bounds per clip, frame counts) are read from that file alone.
     timestamped_video: every temporal patch of a video is its own `<t seconds>`-stamped run of
         placeholders in the prompt, with its own position grid (t = 1).
+    tiling: how the family tiles images (`Tiling`), or None where `resize` sizes them.
+    modalities: the media kinds its checkpoints take; a request with another is refused.
     """
 
     name: str
     architectures: tuple[str, ...]
     text_fields: Callable[[dict, dict], Fields]
-    vision_fields: Callable[[dict, int], Fields]
+    vision_fields: Callable[[dict, int, dict], Fields]
     tower_class: str
     decoder_class: str
     checkpoint_name: Callable[[str], str]
@@ -142,6 +169,8 @@ class Family:
     image_attention: str = "causal"
     model_class: str = "vision.vlm:VisionLanguageModel"
     timestamped_video: bool = False
+    tiling: Tiling | None = None
+    modalities: tuple[Modality, ...] = (Modality.IMAGE, Modality.VIDEO)
 
     def __post_init__(self) -> None:
         if self.image_attention not in IMAGE_ATTENTION_RULES:

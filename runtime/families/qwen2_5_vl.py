@@ -11,7 +11,7 @@ from runtime.families.base import Fields, PositionKind
 from runtime.families.tiny import TinyCheckpoint
 
 
-def vision_fields(v: dict, text_hidden: int) -> Fields:
+def vision_fields(v: dict, text_hidden: int, top: dict | None = None) -> Fields:
     return dict(
         embed_dim=int(v["hidden_size"]),
         intermediate_size=int(v["intermediate_size"]),

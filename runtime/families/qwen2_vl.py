@@ -28,11 +28,18 @@ def text_fields(text: dict, top: dict, qk_norm: bool = False) -> Fields:
     """`text`: the text fields (text_config, or the whole config when flat); `top`: the config.
     `qk_norm` (Qwen3's decoder) also turns the q/k/v bias off unless the config says otherwise."""
     theta, section, interleaved = rope_fields(text)
+    fields = decoder_fields(text, top, qk_norm)
+    if 2 * sum(section) != fields["head_dim"]:
+        raise ModelConfigError(f"mrope_section {section} does not cover head_dim "
+                               f"{fields['head_dim']}")
+    return {**fields, "rope_theta": theta, "mrope_section": section,
+            "mrope_interleaved": interleaved}
+
+
+def decoder_fields(text: dict, top: dict, qk_norm: bool = False) -> Fields:
+    """The Qwen2 / Qwen3 decoder's fields other than its rotary ones."""
     tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
     heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
-    if 2 * sum(section) != head_dim:
-        raise ModelConfigError(f"mrope_section {section} does not cover head_dim {head_dim}")
     return dict(
         hidden_size=int(text["hidden_size"]),
         num_hidden_layers=int(text["num_hidden_layers"]),
@@ -41,12 +48,9 @@ def text_fields(text: dict, top: dict, qk_norm: bool = False) -> Fields:
         intermediate_size=int(text["intermediate_size"]),
         vocab_size=int(text["vocab_size"]),
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        mrope_section=section,
         max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(tie),
-        head_dim=head_dim,
-        mrope_interleaved=interleaved,
+        head_dim=int(text.get("head_dim") or text["hidden_size"] // heads),
         qk_norm=qk_norm,
         attention_bias=bool(text.get("attention_bias", not qk_norm)),
     )
@@ -64,7 +68,7 @@ def vision_common(v: dict) -> Fields:
     )
 
 
-def vision_fields(v: dict, text_hidden: int) -> Fields:
+def vision_fields(v: dict, text_hidden: int, top: dict | None = None) -> Fields:
     embed = int(v["embed_dim"])
     return dict(
         embed_dim=embed,

@@ -16,7 +16,7 @@ ARCHITECTURE = "Qwen3VLForConditionalGeneration"
 TOKENS = qwen2_vl.FAMILY.tokens
 
 
-def vision_fields(v: dict, text_hidden: int) -> Fields:
+def vision_fields(v: dict, text_hidden: int, top: dict | None = None) -> Fields:
     positions = int(v.get("num_position_embeddings", 2304))
     if round(positions**0.5) ** 2 != positions:
         raise ModelConfigError(f"num_position_embeddings {positions} is not a square grid")

@@ -9,7 +9,7 @@ from typing import Any
 
 # Presets built in float32 from a transformers model in memory; the others are streamed in
 # bfloat16 (a family's large preset, shaped like a published checkpoint).
-SMALL_PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m")
+SMALL_PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m", "qk-norm")
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class TinyCheckpoint:
         first architecture).
     published_name(name): transformers' in-memory parameter name -> the published tensor name.
     video_preprocessor(preset): video_preprocessor_config.json, for a family that has one.
+    special_tokens: the family's own special tokens as (tokenizer_config.json key, token), added
+        to the tiny tokenizer after the shared (Qwen) ones and named in its config by that key.
+    chat_template: the family's chat template (None: the shared Qwen2-VL-Instruct one).
     """
 
     presets: tuple[str, ...]
@@ -31,3 +34,5 @@ class TinyCheckpoint:
     hf_config_class: str
     published_name: Callable[[str], str]
     video_preprocessor: Callable[[str], dict[str, Any]] | None = None
+    special_tokens: tuple[tuple[str, str], ...] = ()
+    chat_template: str | None = None

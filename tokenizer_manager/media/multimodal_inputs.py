@@ -102,7 +102,7 @@ def placeholder_text(media: PreparedMedia, config: ModelConfig) -> str:
     tokens = config.family.tokens
     pad = tokens.pad(media.modality)
     if media.modality != Modality.VIDEO or not config.timestamped_video:
-        return pad * count(media.grid_thw, merge)
+        return tokens.expanded(media.modality, count(media.grid_thw, merge))
     t, h, w = media.grid_thw
     times = media.frame_times or tuple(float(i) for i in range(t))
     if len(times) != t:
@@ -137,9 +137,10 @@ def expand_placeholder_ids(
     ids: list[int], media: list[PreparedMedia], config: ModelConfig
 ) -> list[int] | None:
     """`ids` of the unexpanded prompt with each item's one placeholder token repeated to its
-    token count: the ids of `expand_placeholders`' text without tokenizing it again (the
-    placeholders are special tokens, so the text around them tokenizes alike). None where only
-    text can say it: timestamped videos, whose timestamps are text.
+    token count (and wrapped in start/end where the template does not write them): the ids of
+    `expand_placeholders`' text without tokenizing it again (the placeholders are special
+    tokens, so the text around them tokenizes alike). None where only text can say it:
+    timestamped videos, whose timestamps are text.
 
     Raises ValueError when the placeholders do not match the media in number or kind."""
     if config.timestamped_video and any(m.modality == Modality.VIDEO for m in media):
@@ -150,11 +151,13 @@ def expand_placeholder_ids(
         raise ValueError(f"prompt has a media placeholder count other than {len(media)} items")
     out, start = [], 0
     merge = config.vision.spatial_merge_size
+    wrap = [] if config.family.tokens.template_wraps else [config.vision_start_token_id]
     for at, item in zip(found, media):
         if kinds[ids[at]] != item.modality:
             raise ValueError("media placeholders out of order")
-        out += ids[start:at]
+        out += ids[start:at] + wrap
         out += [ids[at]] * config.family.item_tokens(item.grid_thw, merge)
+        out += [config.vision_end_token_id] if wrap else []
         start = at + 1
     return out + ids[start:]
 

@@ -60,6 +60,9 @@ def checked_settings(raw: dict[str, Any] | None, spec: ProcessorSpec) -> dict[st
     if unknown:
         message = f"unknown key(s) {', '.join(unknown)}; supported: {', '.join(KEYS)}"
         raise APIError(f"{PARAM}: {message}", param=f"{PARAM}.{unknown[0]}", code="invalid_value")
+    tiled = next((k for k in PIXEL_KEYS if k in raw and spec.model_family.tiling), None)
+    if tiled is not None:
+        raise _bad(tiled, f"{spec.family} checkpoints tile images; pixel bounds do not apply")
     low, high = pixel_range(spec)
     settings: dict[str, Any] = {k: _integer(k, raw[k], low, high) for k in PIXEL_KEYS if k in raw}
     frames = (*FRAME_KEYS, "num_frames")

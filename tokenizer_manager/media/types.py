@@ -68,19 +68,30 @@ class ProcessorSpec:
     def model_family(self) -> Family:
         return get_family(self.family)
 
-    def image_cost(self, height: int, width: int) -> tuple[int, int]:
-        """(tokens, decoded bytes bound) of an image of this size, from its header alone.
-
-        Tokens follow the family's resize rule and token count; the bytes count the decoded RGBA
-        image and the float32 patches (two temporal copies of each pixel).
-        """
+    def image_grid(self, height: int, width: int) -> tuple[int, int, int]:
+        """The patch grid of an image of this size: (tiles, side, side) for a family that tiles
+        (`Family.tiling`), else (1, h, w) of its resize rule's target size."""
         image, family = self.image, self.model_family
+        if family.tiling is not None:
+            bounds = (image.tile_size, image.min_tiles, image.max_tiles)
+            side = image.tile_size // image.patch_size
+            return family.tiling.count(height, width, *bounds), side, side
         try:
             h, w = family.resize(height, width, self.factor, image.min_pixels, image.max_pixels)
         except ValueError as exc:
             raise MediaError(str(exc), param="image_url", code="invalid_media_size") from exc
-        grid = (1, h // image.patch_size, w // image.patch_size)
-        return family.item_tokens(grid, image.merge_size), height * width * 4 + h * w * 3 * 2 * 4
+        return 1, h // image.patch_size, w // image.patch_size
+
+    def image_cost(self, height: int, width: int) -> tuple[int, int]:
+        """(tokens, decoded bytes bound) of an image of this size, from its header alone.
+
+        Tokens follow the family's resize or tiling rule and token count; the bytes count the
+        decoded RGBA image and the float32 patches (two temporal copies of each pixel).
+        """
+        grid = self.image_grid(height, width)
+        pixels = grid[0] * grid[1] * grid[2] * self.image.patch_size**2
+        tokens = self.model_family.item_tokens(grid, self.image.merge_size)
+        return tokens, height * width * 4 + pixels * 3 * 2 * 4
 
     def video_bytes_bound(self) -> int:
         """Decoded bytes a video may take at most: its sampled frames as float32, twice."""

@@ -180,6 +180,16 @@ def patchify(
     return np.ascontiguousarray(rows, dtype=np.float32), grid
 
 
+def tile_patches(tiles: np.ndarray, patch_size: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Square tiles float [n, C, S, S] -> (patches [n * (S/p)**2, C*p*p], (n, S/p, S/p)): each
+    tile's patches in row-major order, each row (channel, patch row, patch col). Pure."""
+    count, channels, size, _ = tiles.shape
+    side = size // patch_size
+    blocks = tiles.reshape(count, channels, side, patch_size, side, patch_size)
+    rows = blocks.transpose(0, 2, 4, 1, 3, 5).reshape(count * side * side, -1)
+    return np.ascontiguousarray(rows, dtype=np.float32), (count, side, side)
+
+
 # ---------------------------------------------------------------------------------------------
 # Settings from a checkpoint
 # ---------------------------------------------------------------------------------------------
@@ -202,6 +212,10 @@ class VideoProcessingConfig:
     max_frames: int = 768
     clip_budget: bool = False  # Qwen3-VL: pixel bounds per clip, frame count not rounded
     num_frames: int | None = None  # a request's fixed frame count (instead of fps)
+    # A tiling family's images (`Family.tiling`): the tile side (`size.height`) and tile counts
+    tile_size: int = 0
+    min_tiles: int = 1
+    max_tiles: int = 1
 
     @classmethod
     def from_preprocessor_config(
@@ -212,7 +226,7 @@ class VideoProcessingConfig:
         Pixel bounds come from `min_pixels` / `max_pixels` or `size.shortest_edge` /
         `size.longest_edge`; keyword overrides win over the file.
         """
-        values = {**_pixel_bounds(config), **_known_keys(config), **overrides}
+        values = {**_pixel_bounds(config), **_tiles(config), **_known_keys(config), **overrides}
         for key in ("image_mean", "image_std"):
             if key in values:
                 values[key] = tuple(float(x) for x in values[key])
@@ -254,6 +268,15 @@ _CONFIG_KEYS = (
 
 def _known_keys(config: Mapping[str, Any]) -> dict[str, Any]:
     return {key: config[key] for key in _CONFIG_KEYS if config.get(key) is not None}
+
+
+def _tiles(config: Mapping[str, Any]) -> dict[str, int]:
+    """Tile settings of a square `size` {height, width} with `min_patches` / `max_patches`."""
+    size = config.get("size") or {}
+    if "height" not in size or size.get("width") != size["height"]:
+        return {}
+    keys = {"tile_size": size["height"], "min_tiles": config.get("min_patches", 1)}
+    return {**keys, "max_tiles": config.get("max_patches", 1)}
 
 
 def _pixel_bounds(config: Mapping[str, Any]) -> dict[str, int]:

@@ -49,6 +49,7 @@ from tokenizer_manager.media.video_processor import (
     resize_frame,
     sample_frame_indices,
     second_per_grid_t,
+    tile_patches,
 )
 
 logger = get_logger(__name__)
@@ -108,12 +109,30 @@ def process_image_bytes(
     data = input_bytes(data)
     image = decode_image(data, limits)
     check_media_shape(image.height, image.width, "image_url")
+    tiled = spec.model_family.tiling is not None
+    pixels, grid = tiled_image(image, spec) if tiled else resized_image(image, spec)
+    if grid != spec.image_grid(image.height, image.width):  # what its header was charged
+        raise RuntimeError(f"the image processor gave grid {grid}, the family's rule another")
+    digest = media_digest(Modality.IMAGE, data, spec)
+    return ProcessedMedia(Modality.IMAGE, export_pixels(pixels, out_path), grid, digest=digest)
+
+
+def resized_image(image: Any, spec: ProcessorSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """The processor's patches of the image resized within the spec's pixel bounds."""
     size = {"shortest_edge": spec.image.min_pixels, "longest_edge": spec.image.max_pixels}
     out = image_processor(spec.model_path)(images=[image], return_tensors="np", size=size)
     pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-    grid = tuple(int(x) for x in out["image_grid_thw"][0])
-    digest = media_digest(Modality.IMAGE, data, spec)
-    return ProcessedMedia(Modality.IMAGE, export_pixels(pixels, out_path), grid, digest=digest)
+    return pixels, tuple(int(x) for x in out["image_grid_thw"][0])
+
+
+def tiled_image(image: Any, spec: ProcessorSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """The processor's tiles of the image (a tiling family's: `Family.tiling`), as patch rows."""
+    cfg = spec.image
+    tiles = image_processor(spec.model_path)(
+        images=[image], crop_to_patches=True, min_patches=cfg.min_tiles,
+        max_patches=cfg.max_tiles, return_tensors="np",
+    )  # fmt: skip
+    return tile_patches(tiles["pixel_values"], cfg.patch_size)
 
 
 # ---------------------------------------------------------------------------------------------
