@@ -4,7 +4,8 @@ fail with their own 503 error (JSON, or an error event in a stream), replica 0's
 greedy text taken before, /health stays 200, /server_info shows replica 1 restarting then up
 with one restart, a request pinned to it is served again, every process of the dead replica is
 gone and no other process was lost or added, and each replica is idle-clean afterwards. With
-its restarts spent a replica stays down, and the death of the last one stops the server."""
+its restarts spent a replica stays down, and the death of the last one stops the server. With
+--tp 2 a replica is ended and restarted whole, also when one of its ranks hangs (a stall)."""
 
 from __future__ import annotations
 
@@ -177,27 +178,42 @@ def test_a_replica_with_no_restarts_left_stays_down_and_the_last_stops_the_serve
         srv.stop()
 
 
-def test_a_replica_that_stalls_is_killed_and_restarted(folder: str, tmp_path: Path) -> None:
-    """Replica 1's rank frozen (SIGSTOP) with a request in flight: after
-    --health-stall-timeout without output the front end has it killed; the request fails with
-    its 503, the replica restarts, and /health is 200 throughout (replica 0 serves)."""
+
+def test_a_replica_of_two_ranks_is_ended_whole_and_one_that_stalls_is_restarted(
+    folder: str, tmp_path: Path
+) -> None:
+    """--dp 2 --tp 2. Replica 1's second rank killed: its entry rank is ended with it (its
+    collectives are broken) and both come back as new processes. Then its new second rank
+    frozen (SIGSTOP) with a request in flight: after --health-stall-timeout without output the
+    front end has the replica killed; the request fails with its 503, the replica restarts, and
+    /health is 200 throughout (replica 0 serves)."""
     log = tmp_path / "server.log"
-    flags = ["--dp", "2", "--health-stall-timeout", "4"]
+    flags = ["--dp", "2", "--tp", "2", "--health-stall-timeout", "5"]
     teardown = serve_then_check_teardown(OneRankServer(folder, log, *flags))
     srv = next(teardown)
     try:
-        frozen = replica(srv, 1)["pids"][0]
-        os.kill(frozen, signal.SIGSTOP)
+        old = replica(srv, 1)["pids"]
+        os.kill(old[1], signal.SIGKILL)
+        assert wait_until(lambda: replica(srv, 1)["restarts"] == 1, 120)
+        assert wait_until(lambda: replica(srv, 1)["state"] == "up", 240)
+        assert all(wait_until(lambda p=p: process_dead(p)) for p in old)
+        new = replica(srv, 1)["pids"]
+        assert len(new) == 2 and not set(new) & set(old)
+        assert "replica 1 failed: scheduler-DP1-TP1 exited unexpectedly with code -9" in (
+            log.read_text()
+        )
+
+        os.kill(new[1], signal.SIGSTOP)
         stuck: list[httpx.Response] = []
         threads = in_threads([lambda: stuck.append(post(srv, body(PROMPTS[0], 8, 1)))])
-        assert wait_until(lambda: replica(srv, 1)["state"] == "restarting", 120)
+        assert wait_until(lambda: replica(srv, 1)["restarts"] == 2, 120)
         assert httpx.get(srv.url + "/health", timeout=60).status_code == 200
         assert post(srv, body(PROMPTS[1], 4, 0)).status_code == 200
         threads[0].join(120)
-        assert stuck[0].status_code == 503 and "no output for 4s" in stuck[0].text
-        assert wait_until(lambda: replica(srv, 1)["state"] == "up", 120)
+        assert stuck[0].status_code == 503 and "no output for 5s" in stuck[0].text
+        assert wait_until(lambda: replica(srv, 1)["state"] == "up", 240)
         assert post(srv, body(PROMPTS[1], 4, 1)).status_code == 200
-        assert wait_until(lambda: process_dead(frozen))
-        assert "replica 1 stalled (no output for 4s with requests in flight)" in log.read_text()
+        assert all(wait_until(lambda p=p: process_dead(p)) for p in new)
+        assert "replica 1 stalled (no output for 5s with requests in flight)" in log.read_text()
     finally:
         next(teardown, None)
