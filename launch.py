@@ -10,12 +10,14 @@ import asyncio
 import dataclasses
 import multiprocessing as mp
 import os
+import queue
 import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
@@ -23,11 +25,13 @@ from typing import TYPE_CHECKING
 
 from runtime.allocator import freeze_startup_objects, keep_freed_memory
 from runtime.logging_utils import configure_logging, get_logger
+from runtime.replica_health import ReplicaHealth, RestartPolicy
 from runtime.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from runtime.io_struct import ReadyReport  # unpickled from the children's pipes
     from scheduler.input_checks import FaultsFactory
+    from tokenizer_manager.tokenizer_manager import TokenizerManager
 
 logger = get_logger("tessera.launch")
 
@@ -74,55 +78,96 @@ def ensure_tiny_checkpoint() -> str:
     return str(folder)
 
 
+Child = tuple[str, mp.Process, Connection]  # a child process: its name, itself, its ready pipe
+
+
 class Supervisor:
     """Owns the child processes: start, wait for ready acks, watch, and tear down. `faults`:
-    testing only, handed to every scheduler rank (scheduler/input_checks.py)."""
+    testing only, handed to every scheduler rank (scheduler/input_checks.py).
+
+    With --dp > 1 a replica may die alone (invariant 20): when any of its ranks exits, the
+    others are ended (their collectives are broken), the front end fails the requests it held
+    (`on_replica` hooks), and it is started again as `runtime.replica_health` rules (bounded
+    tries, with backoff), by one long-lived thread: a child's kernel death signal follows the
+    thread that started it, so no child is started from a thread that ends. The death of the
+    detokenizer, of any rank with --dp 1, or of the last replica with its restarts spent stops
+    the server."""
 
     def __init__(self, args: ServerArgs, faults: FaultsFactory | None = None):
         self.args, self.faults = args, faults
         self.ctx = mp.get_context("spawn")
-        self.children: list[tuple[str, mp.Process, Connection]] = []
+        self.children: list[Child] = []  # the children watched (not a replica being restarted)
         self.ready_info: dict[str, ReadyReport] = {}
         self._fatal_hooks: list[Callable[[str], None]] = []
-        self._stopping = False
+        self._replica_hooks: list[ReplicaHooks] = []
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # children, _starting and health: the watch, the
+        # restarts and the front end's questions run in three threads
+        policy = RestartPolicy(args.replica_max_restarts, args.replica_restart_window)
+        self.health = [ReplicaHealth(policy) for _ in range(args.dp_size)]
+        self._replica_of: dict[str, int] = {}  # a scheduler rank's name -> its replica
+        self._starting: list[Child] = []  # a restarted replica's ranks, until ready
+        self._killed: dict[int, str] = {}  # why a replica was killed (`kill`)
+        self._restarts: queue.Queue[tuple[int, list[Child], float | None]] = queue.Queue()
 
-    def spawn(self, name: str, target, *args: object, **kwargs: object) -> None:
+    def spawn(self, name: str, target, *args: object, **kwargs: object) -> Child:
         reader, writer = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(
             target=target, args=(*args, writer), kwargs=kwargs, name=name, daemon=True
         )
         proc.start()
+        writer.close()  # the child's end: its death then reads as EOF on `reader`
         logger.info("started %s (pid %d)", name, proc.pid)
-        self.children.append((name, proc, reader))
+        return name, proc, reader
 
     def start(self) -> None:
         from runtime.detokenizer import run_detokenizer_process
+
+        for replica in range(self.args.dp_size):
+            self.children += self.spawn_replica(replica)
+        if self.args.node_rank == 0:
+            # one detokenizer for every replica: its state is per request (ids are unique
+            # across replicas) and its work per token, so replicas share it as they share the
+            # TokenizerManager; one process fewer per replica on the CPU the ranks need
+            self.children.append(self.spawn("detokenizer", run_detokenizer_process, self.args))
+        self.wait_ready(self.children)
+        logger.info("all %d child processes are ready", len(self.children))
+
+    def spawn_replica(self, replica: int) -> list[Child]:
+        """Start this node's ranks of `replica`: a TP group of its own, its own c10d store."""
         from scheduler.process import run_scheduler_process
 
         args = self.args
         per_node = args.tp_size // args.nnodes
-        for replica in range(args.dp_size):
-            # each replica is a TP group of its own: its own c10d store
-            init = f"tcp://{args.dist_init_addr or f'127.0.0.1:{free_port()}'}"
-            for rank in range(args.node_rank * per_node, (args.node_rank + 1) * per_node):
-                name = rank_name(args, replica, rank)
-                kwargs = {"faults": self.faults, "replica": replica}
-                self.spawn(name, run_scheduler_process, args, rank, init, **kwargs)
-        if args.node_rank == 0:
-            # one detokenizer for every replica: its state is per request (ids are unique
-            # across replicas) and its work per token, so replicas share it as they share the
-            # TokenizerManager; one process fewer per replica on the CPU the ranks need
-            self.spawn("detokenizer", run_detokenizer_process, args)
-        self.wait_ready()
+        init = f"tcp://{args.dist_init_addr or f'127.0.0.1:{free_port()}'}"
+        kwargs = {"faults": self.faults, "replica": replica}
+        ranks = []
+        for rank in range(args.node_rank * per_node, (args.node_rank + 1) * per_node):
+            name = rank_name(args, replica, rank)
+            self._replica_of[name] = replica
+            ranks.append(self.spawn(name, run_scheduler_process, args, rank, init, **kwargs))
+        return ranks
 
-    def replica_pids(self) -> dict[int, list[int]]:
-        """Each replica's scheduler rank processes, by replica."""
-        out: dict[int, list[int]] = {}
-        for replica in range(self.args.dp_size):
-            prefix = rank_name(self.args, replica, 0).removesuffix("TP0")
-            pids = [p.pid for name, p, _ in self.children if name.startswith(prefix + "TP")]
-            out[replica] = pids
+    def status(self) -> dict[int, dict[str, object]]:
+        """Each replica's state, restarts and rank processes (for /server_info)."""
+        with self._lock:
+            children = list(self.children)
+            health = [h.info() for h in self.health]
+        out: dict[int, dict[str, object]] = {}
+        for replica, info in enumerate(health):
+            pids = [p.pid for name, p, _ in children if self._replica_of.get(name) == replica]
+            out[replica] = info | {"pids": pids}
         return out
+
+    def kill(self, replica: int, reason: str) -> None:
+        """End `replica`'s ranks now (the front end saw it stall); the watch then handles it as
+        a replica that died, naming `reason`."""
+        with self._lock:
+            ranks = [c for c in self.children if self._replica_of.get(c[0]) == replica]
+            self._killed[replica] = reason
+        for _, proc, _ in ranks:
+            if proc.is_alive():
+                proc.kill()
 
     def kv_total(self) -> int | None:
         """The smallest replica's KV pool: what one request may hold wherever it runs."""
@@ -130,56 +175,174 @@ class Supervisor:
         sizes = [self.ready_info[n].kv_total for n in names if n in self.ready_info]
         return min((s for s in sizes if s is not None), default=None)
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.args.ready_timeout
-        for name, proc, reader in self.children:
+        for name, proc, reader in children:
             while not reader.poll(0.2):
                 if not proc.is_alive():
                     raise RuntimeError(f"{name} exited with code {proc.exitcode} while starting")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} did not report ready in {self.args.ready_timeout}s")
-            report: ReadyReport = reader.recv()
+            try:
+                report: ReadyReport = reader.recv()
+            except EOFError:
+                raise RuntimeError(f"{name} exited while starting") from None
             if not report.ready:
                 raise RuntimeError(f"{name} failed to start:\n{report.error}")
             self.ready_info[name] = report
-        logger.info("all %d child processes are ready", len(self.children))
 
     def watch(self) -> None:
-        """In a thread: if any child dies, say which and why, stop everything, exit non-zero.
+        """In a thread: if a child dies, say which and why; a replica that may die alone is
+        restarted (`replica_died`), any other death stops everything and exits non-zero.
         Wakes on the first death (the children's sentinels), not on a poll: a rank whose peer
         was killed fails its next collective and exits within milliseconds, and a poll that saw
         both dead named the wrong one."""
-        while not self._stopping:
-            wait_for_any([proc.sentinel for _, proc, _ in self.children], timeout=1.0)
-            reason = death_reason(self.children)
-            if reason is not None and not self._stopping:
-                logger.error("%s; shutting down", reason)
-                self.run_fatal_hooks(reason)
-                self.stop()
-                os._exit(1)
+        restarts = threading.Thread(target=self._restart_loop, name="replica-restarts")
+        restarts.daemon = True
+        restarts.start()
+        while not self._stopping.is_set():
+            with self._lock:
+                children = list(self.children)
+            wait_for_any([proc.sentinel for _, proc, _ in children], timeout=1.0)
+            dead = [c for c in children if not c[1].is_alive()]
+            if not dead or self._stopping.is_set():
+                continue
+            replicas = self.replicas_of(dead)
+            if replicas is None:
+                self.die(death_reason(children))
+            for replica in replicas:
+                ranks = [c for c in children if self._replica_of.get(c[0]) == replica]
+                self.replica_died(replica, death_reason(ranks) or "a rank exited")
+
+    def replicas_of(self, dead: list[Child]) -> list[int] | None:
+        """The replicas the dead children belong to, or None when one of them may not die
+        alone (one replica only, or a child that is no scheduler rank: the detokenizer)."""
+        if self.args.dp_size == 1 or any(c[0] not in self._replica_of for c in dead):
+            return None
+        return sorted({self._replica_of[c[0]] for c in dead})
+
+    def replica_died(self, replica: int, reason: str) -> None:
+        """Take `replica`'s ranks off the watch, tell the front end (its requests fail), and
+        hand the replica to the restart thread."""
+        with self._lock:
+            ranks = [c for c in self.children if self._replica_of.get(c[0]) == replica]
+            self.children = [c for c in self.children if self._replica_of.get(c[0]) != replica]
+            reason = self._killed.pop(replica, reason)
+            delay = self.health[replica].died(time.monotonic())
+        logger.error("replica %d failed: %s", replica, reason)
+        for hooks in self._replica_hooks:
+            guarded(hooks.lost, replica, reason)
+        self._restarts.put((replica, ranks, delay))
+
+    def _restart_loop(self) -> None:
+        """The restart thread: end a dead replica's other ranks, then start it again."""
+        while not self._stopping.is_set():
+            replica, ranks, delay = self._restarts.get()
+            end_children(ranks)
+            self.recover(replica, delay)
+
+    def recover(self, replica: int, delay: float | None) -> None:
+        """Start `replica` again after `delay` seconds, as often as its policy allows; when it
+        stays down and no replica serves or restarts, stop the server."""
+        health = self.health[replica]
+        while delay is not None:
+            logger.warning("replica %d: restart %d in %.1fs", replica, health.restarts + 1, delay)
+            if self._stopping.wait(delay):
+                return
+            with self._lock:
+                health.restarting()
+            try:
+                ranks = self.start_replica(replica)
+            except (RuntimeError, TimeoutError) as exc:
+                logger.error("replica %d failed to restart: %s", replica, exc)
+                with self._lock:
+                    delay = health.died(time.monotonic())
+                continue
+            with self._lock:
+                self.children += ranks
+                health.restarted()
+            logger.info("replica %d restarted (restart %d)", replica, health.restarts)
+            for hooks in self._replica_hooks:
+                guarded(hooks.ready, replica)
+            return
+        policy = health.policy
+        logger.error(
+            "replica %d stays down: %d restarts within %gs are spent",
+            replica,
+            policy.max_restarts,
+            policy.window_s,
+        )
+        if not any(h.alive for h in self.health):
+            self.die("every replica is down, with its restarts spent")
+
+    def start_replica(self, replica: int) -> list[Child]:
+        """Spawn `replica`'s ranks and wait until they are ready (ended again if they fail)."""
+        with self._lock:
+            ranks = self._starting = self.spawn_replica(replica)
+        try:
+            self.wait_ready(ranks)
+        except BaseException:
+            end_children(ranks)
+            raise
+        finally:
+            with self._lock:
+                self._starting = []
+        return ranks
+
+    def die(self, reason: str) -> None:
+        """A death the server cannot survive: fail every client, stop everything, exit 1."""
+        logger.error("%s; shutting down", reason)
+        self.run_fatal_hooks(reason)
+        self.stop()
+        os._exit(1)
 
     def on_fatal(self, hook: Callable[[str], None]) -> None:
         """Run `hook(reason)` (in the watch thread) before the children are stopped."""
         self._fatal_hooks.append(hook)
 
+    def on_replica(self, hooks: ReplicaHooks) -> None:
+        """Call `hooks.lost(replica, reason)` when a replica dies, `hooks.ready(replica)` when
+        its restart is ready (from the supervisor's threads)."""
+        self._replica_hooks.append(hooks)
+
     def run_fatal_hooks(self, reason: str) -> None:
         for hook in self._fatal_hooks:
-            try:
-                hook(reason)
-            except Exception:  # noqa: BLE001 - the shutdown goes on whatever a hook does
-                logger.exception("shutdown hook failed")
+            guarded(hook, reason)
 
     def stop(self) -> None:
-        self._stopping = True
-        for _, proc, _ in self.children:
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + 5
-        for _, proc, _ in self.children:
-            proc.join(max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        self._stopping.set()
+        with self._lock:
+            children = [*self.children, *self._starting]
+        end_children(children)
+
+
+@dataclass(frozen=True)
+class ReplicaHooks:
+    lost: Callable[[int, str], None]
+    ready: Callable[[int], None]
+
+
+def guarded(hook: Callable[..., None], *args: object) -> None:
+    """Run a supervisor hook; whatever it raises is logged, and what the supervisor was doing
+    (a shutdown, a restart) goes on."""
+    try:
+        hook(*args)
+    except Exception:  # noqa: BLE001 - see the docstring
+        logger.exception("supervisor hook failed")
+
+
+def end_children(children: list[Child]) -> None:
+    """SIGTERM each child still alive, SIGKILL those left after 5 s, and reap them all."""
+    for _, proc, _ in children:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + 5
+    for _, proc, reader in children:
+        proc.join(max(0.1, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        reader.close()
 
 
 def rank_name(args: ServerArgs, replica: int, rank: int) -> str:
@@ -187,6 +350,15 @@ def rank_name(args: ServerArgs, replica: int, rank: int) -> str:
     if args.dp_size == 1:
         return f"scheduler-TP{rank}"
     return f"scheduler-DP{replica}-TP{rank}"
+
+
+def replica_hooks(loop: asyncio.AbstractEventLoop, tm: TokenizerManager) -> ReplicaHooks:
+    """A replica's death and its restart, told to the TokenizerManager on its event loop (in
+    order: a death is handled before the restart that follows it)."""
+    return ReplicaHooks(
+        lost=lambda replica, reason: loop.call_soon_threadsafe(tm.replica_lost, replica, reason),
+        ready=lambda replica: loop.call_soon_threadsafe(tm.replica_ready, replica),
+    )
 
 
 def fail_everything(loop: asyncio.AbstractEventLoop, tm: object, mm: object, reason: str) -> None:
@@ -208,13 +380,12 @@ async def serve_http(args: ServerArgs, supervisor: Supervisor, sock: socket.sock
 
     from tokenizer_manager.front_end import build_front_end
 
-    front = build_front_end(
-        args, kv_total=supervisor.kv_total(), replica_pids=supervisor.replica_pids
-    )
+    front = build_front_end(args, kv_total=supervisor.kv_total(), replicas=supervisor)
     loop = asyncio.get_running_loop()
     try:
         await front.start()
         supervisor.on_fatal(lambda reason: fail_everything(loop, front.tm, front.mm, reason))
+        supervisor.on_replica(replica_hooks(loop, front.tm))
         frozen = freeze_startup_objects()  # a full collection held the loop 146 ms before
         logger.debug("froze %d startup objects", frozen)
         config = front.uvicorn_config(timeout_graceful_shutdown=2)

@@ -28,6 +28,7 @@ from runtime.io_struct import (
     Finish,
     FinishKind,
     FlushCacheOut,
+    ForgetReqs,
     OutputLogprobs,
     PixelsWanted,
     ReadyReport,
@@ -293,6 +294,7 @@ class DetokenizerManager:
         self.starts: dict[Key, ReqStart] = {}
         self.token_texts = TokenTexts(tokenizer)
         self.stopped: dict[Key, None] = {}  # ordered set of choices awaiting the scheduler's finish
+        self.forgotten: dict[str, None] = {}  # ordered set of requests of a replica that died
 
     def handle(self, msg: ToDetokenizer) -> ToTokenizer:
         match msg:
@@ -300,6 +302,9 @@ class DetokenizerManager:
                 return self.handle_batch(msg)
             case FlushCacheOut() | ServerInfo() | PixelsWanted() | ShutdownReq():
                 return msg  # replies and questions for the TokenizerManager, and the shutdown
+            case ForgetReqs(rids=rids):
+                self.forget(rids)
+                return BatchStrOut(outputs=[])
             case _:
                 raise UnknownMessage(msg, "scheduler -> detokenizer")
 
@@ -309,7 +314,23 @@ class DetokenizerManager:
         outputs = (self._detokenize(out) for out in batch.outputs)
         return BatchStrOut(outputs=[out for out in outputs if out is not None])
 
+    def forget(self, rids: list[str]) -> None:
+        """Drop the state of every choice of `rids` (their scheduler died), and whatever of
+        theirs a dead rank sent before it died and arrives after this."""
+        gone = set(rids)
+        for key in [k for k in self.states if k[0] in gone]:
+            del self.states[key]
+        for key in [k for k in self.starts if k[0] in gone]:
+            del self.starts[key]
+        for key in [k for k in self.stopped if k[0] in gone]:
+            del self.stopped[key]
+        self.forgotten.update(dict.fromkeys(rids))
+        while len(self.forgotten) > MAX_STOPPED_RIDS:
+            del self.forgotten[next(iter(self.forgotten))]
+
     def _detokenize(self, out: ReqOutput) -> StrOutput | None:
+        if out.rid in self.forgotten:
+            return None
         if key_of(out) in self.stopped:
             if out.finish_reason is not None:
                 del self.stopped[key_of(out)]

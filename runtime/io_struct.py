@@ -2,10 +2,10 @@
 
 Each channel carries one union of them (end of the module): `ToScheduler` (TokenizerManager ->
 scheduler rank 0, which forwards the same messages to the other ranks: `RankBroadcast`),
-`ToDetokenizer` (scheduler rank 0 -> detokenizer), `ToTokenizer` (detokenizer ->
-TokenizerManager). Every receiver dispatches with a `match` over its channel's union and raises
-`UnknownMessage` for anything else. A child process reports its start-up to `launch.py` once,
-as a `ReadyReport`.
+`ToDetokenizer` (scheduler rank 0 -> detokenizer; and `ForgetReqs` from the TokenizerManager),
+`ToTokenizer` (detokenizer -> TokenizerManager). Every receiver dispatches with a `match` over
+its channel's union and raises `UnknownMessage` for anything else. A child process reports its
+start-up to `launch.py` once, as a `ReadyReport`.
 """
 
 from __future__ import annotations
@@ -99,6 +99,15 @@ class PixelsWanted:
 
     rid: str
     hashes: list[int]
+
+
+@dataclass
+class ForgetReqs:
+    """TokenizerManager -> detokenizer: these requests ended without a finish from their
+    scheduler (their replica died); their state goes, and whatever still arrives for them is
+    dropped."""
+
+    rids: list[str]
 
 
 @dataclass
@@ -316,7 +325,10 @@ ToScheduler = SchedulerRequest | ShutdownReq
 # scheduler rank 0 -> the other ranks: the messages rank 0 received, forwarded unchanged
 RankBroadcast = ToScheduler
 # scheduler rank 0 -> detokenizer: a step's outputs, the replies to control requests
-ToDetokenizer = BatchTokenOut | FlushCacheOut | ServerInfo | PixelsWanted | ShutdownReq
+# and TokenizerManager -> detokenizer: the requests of a replica that died
+ToDetokenizer = (
+    BatchTokenOut | FlushCacheOut | ServerInfo | PixelsWanted | ShutdownReq | ForgetReqs
+)
 # detokenizer -> TokenizerManager: text, and the replies passed through
 ToTokenizer = BatchStrOut | FlushCacheOut | ServerInfo | PixelsWanted | ShutdownReq
 

@@ -9,7 +9,8 @@ detokenizer, the media workers). It
   launched with SIGTERM ignored), so a child would otherwise outlive a plain `kill`;
 - asks the kernel (Linux `prctl(PR_SET_PDEATHSIG)`) for SIGKILL when the parent goes: it acts
   even while this process is stuck in native code. The kernel ties it to the parent thread that
-  forked the child; tessera forks from main threads only (Supervisor.spawn, the fork server);
+  forked the child; tessera forks from threads that live as long as their process (the main
+  thread: Supervisor.start, the fork server; the supervisor's replica-restart thread);
 - starts a watch thread on multiprocessing's parent sentinel (a pipe whose other end only the
   parent holds: readable the moment it exits) that also polls `os.getppid()`, and ends the
   process with `os._exit` when either says the parent is gone: the portable half, and the one

@@ -273,8 +273,18 @@ class ServerArgs:
         "requests waiting for their first token beyond which new ones get 503", default=256
     )
     health_stall_timeout: float = _opt(
-        "seconds without any output while requests are in flight before /health says 503",
+        "seconds without any output while requests are in flight before /health says 503 "
+        "(with --dp: before the replica whose requests get no output is killed and restarted)",
         default=60.0,
+    )
+    replica_max_restarts: int = _opt(
+        "with --dp: restarts of a replica whose rank died, within --replica-restart-window "
+        "seconds, before it stays down",
+        default=3,
+    )
+    replica_restart_window: float = _opt(
+        "with --dp: the window, in seconds, over which --replica-max-restarts counts",
+        default=600.0,
     )
 
     # ------------------------------------------------------------------ derived
@@ -419,6 +429,8 @@ class ServerArgs:
             raise ValueError("--dp-balance-abs-tokens must be >= 0 and --dp-balance-rel >= 1")
         if self.max_content_parts < 1:
             raise ValueError("--max-content-parts must be at least 1")
+        if self.replica_max_restarts < 0 or self.replica_restart_window <= 0:
+            raise ValueError("--replica-max-restarts must be >= 0, --replica-restart-window > 0")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be at least 1")
         if self.max_encoder_patches_per_step < 0:

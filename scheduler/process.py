@@ -193,13 +193,14 @@ def scheduler_requests(msgs: list[RankBroadcast]) -> list[SchedulerRequest] | No
 
 def step_or_die(scheduler: Scheduler, tp: TPGroup, msgs: list[SchedulerRequest]) -> StepResult:
     """A fault the scheduler could not pin on a request (a collective, the device, a bug) ends
-    this rank; the supervisor then fails every client and stops the server."""
+    this rank; the supervisor then fails its replica's clients and restarts the replica (with
+    --dp > 1), or fails every client and stops the server."""
     try:
         return scheduler.step(msgs)
     except Exception:
         logger.critical(
-            "TP rank %d: a fault that belongs to no single request; this rank exits and the "
-            "server stops:\n%s",
+            "TP rank %d: a fault that belongs to no single request; this rank exits (its "
+            "replica is restarted with --dp > 1, else the server stops):\n%s",
             tp.rank,
             traceback.format_exc(),
         )

@@ -28,6 +28,7 @@ from runtime.io_struct import (
     FinishKind,
     FlushCacheOut,
     FlushCacheReq,
+    ForgetReqs,
     ReadyReport,
     ReqOutput,
     ReqStart,
@@ -230,6 +231,20 @@ def test_manager_ignores_a_request_after_its_stop_matched(tok: Tokenizer) -> Non
     abort = Finish(FinishKind.ABORT, "aborted")
     assert manager.handle(BatchTokenOut([req_out("a", [], abort)])).outputs == []
     assert set(manager.states) == {("b", 0)} and manager.stopped == {}
+
+
+def test_manager_forgets_the_requests_of_a_replica_that_died(tok: Tokenizer) -> None:
+    """`ForgetReqs`: every choice of those requests goes, what their dead rank sent before it
+    died is dropped when it arrives after, and the other requests go on."""
+    manager = DetokenizerManager(tok)
+    starts = [ReqStart("a", ("zz",)), ReqStart("a", index=1), ReqStart("b")]
+    outs = [req_out("a", tok.encode("the cat")), req_out("b", tok.encode("the cat"))]
+    manager.handle(BatchTokenOut(outs, started=starts))
+    assert manager.handle(ForgetReqs(["a"])) == BatchStrOut(outputs=[])
+    assert set(manager.states) == set(manager.starts) == {("b", 0)}
+    late = [req_out("a", tok.encode(" sat"), LENGTH), req_out("b", tok.encode(" sat"), LENGTH)]
+    after = manager.handle(BatchTokenOut(late))
+    assert [o.rid for o in after.outputs] == ["b"] and manager.states == {}
 
 
 def test_manager_stop_and_scheduler_finish_in_one_message(tok: Tokenizer) -> None:

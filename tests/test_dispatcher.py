@@ -150,3 +150,20 @@ def test_the_dispatcher_counts_load_and_routed_requests() -> None:
     assert d.info(r)["load_tokens"] == 0 and d.info(r)["in_flight"] == 0
     with pytest.raises(ValueError, match="dp-policy"):
         Dispatcher(2, "random", tree_tokens=100)
+
+
+def test_a_lost_replica_takes_nothing_and_starts_empty_when_back() -> None:
+    """`lost`: the replica is skipped, its load and in-flight count and its tree are reset (its
+    requests ended with it); `set_up(True)` takes it back."""
+    d = Dispatcher(2, "cache_aware", tree_tokens=100)
+    d.sent(1, [5, 6, 7])
+    d.progressed(1, 4)
+    d.lost(1)
+    assert d.info(1) == {
+        "up": False, "routed": 1, "in_flight": 0, "load_tokens": 0, "tree_tokens": 0
+    }  # fmt: skip
+    assert {d.choose([5, 6, 7]) for _ in range(3)} == {0}
+    with pytest.raises(LookupError):
+        d.choose([5], Route(rank=1))
+    d.set_up(1, True)
+    assert d.choose([9], Route(rank=1)) == 1 and d.replicas[1].tree.match([5, 6, 7]) == 0

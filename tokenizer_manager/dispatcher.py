@@ -17,9 +17,10 @@ What a replica caches is approximated by a `PrefixTree` per replica, fed with wh
 there (the prompt when it is sent, prompt and output when it ends: a finished request's tokens
 stay in the replica's radix cache). Each tree is bounded by the replica's KV pool in tokens and
 forgets its least recently used branches first, as the replica's radix cache evicts; a flush or
-a replica's restart clears it. The replicas do not report their evictions, so under pressure the
-tree can claim a prefix the replica has dropped: the cost is a request sent where its prefix no
-longer is (it is computed again), never a wrong answer.
+a replica's death clears it (`Dispatcher.lost`: it then takes nothing until its restart is
+ready, and its requests in flight no longer count). The replicas do not report their
+evictions, so under pressure the tree can claim a prefix the replica has dropped: the cost is a
+request sent where its prefix no longer is (it is computed again), never a wrong answer.
 
 A request may name its replica (`data_parallel_rank`) or a session (the `X-Session-Id` header or
 the `user` field): a session keeps to the replica its first request went to while that serves.
@@ -293,6 +294,13 @@ class Dispatcher:
         """A replica stopped (or started again) serving: its tree starts empty either way."""
         self.replicas[replica].up = up
         self.replicas[replica].tree.clear()
+
+    def lost(self, replica: int) -> None:
+        """A replica died: nothing goes to it until `set_up(replica, True)`, and what was in
+        flight there no longer counts (those requests ended with it)."""
+        self.set_up(replica, False)
+        self.replicas[replica].load = 0
+        self.replicas[replica].in_flight = 0
 
     def flushed(self, replica: int) -> None:
         self.replicas[replica].tree.clear()

@@ -20,7 +20,7 @@ from runtime.server_args import ServerArgs
 from tokenizer_manager.http.connection_limits import ConnectionLimits, uvicorn_config
 from tokenizer_manager.http.server import create_app
 from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
-from tokenizer_manager.tokenizer_manager import TokenizerManager
+from tokenizer_manager.tokenizer_manager import ReplicaControl, TokenizerManager
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -60,15 +60,15 @@ def build_front_end(
     args: ServerArgs,
     kv_total: int | None = None,
     media: MediaFactory | None = AsyncMMDataProcessor.from_server_args,
-    replica_pids: Callable[[], dict[int, list[int]]] | None = None,
+    replicas: ReplicaControl | None = None,
 ) -> FrontEnd:
     """Everything the main process serves with, from resolved `args`. `kv_total` is the
     smallest replica's KV pool (a request may hold no more); `media` makes the media processor
-    from the args (None: a text-only front end); `replica_pids` says each replica's rank
-    processes (the supervisor's, for /server_info)."""
+    from the args (None: a text-only front end); `replicas` is the supervisor's view of the
+    replicas (state, restarts, rank processes for /server_info; the kill of one that stalls)."""
     mm = media(args) if media is not None else None
     try:
-        tm = TokenizerManager(args, mm, kv_total=kv_total, replica_pids=replica_pids)
+        tm = TokenizerManager(args, mm, kv_total=kv_total, replicas=replicas)
         return FrontEnd(args, mm, tm, create_app(tm))
     except BaseException:
         if mm is not None:

@@ -7,6 +7,12 @@ which, from its token ids with the image pad values in them); detokenized text c
 the one detokenizer every replica sends to, and is routed to the waiting request by rid. What
 the front end assumes a replica holds (the pixels it was sent: a `PixelLedger` each) is kept
 per replica.
+
+A replica may die alone (invariant 20): the supervisor calls `replica_lost` (its requests in
+flight end with a 503 each, the dispatcher skips it, what the front end assumed it held is
+forgotten) and, once its restarted ranks are ready, `replica_ready`. With --dp > 1 a replica
+whose requests get no output for --health-stall-timeout seconds is killed through the
+supervisor (`ReplicaControl.kill`), and so restarted as if it had died.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -32,6 +38,7 @@ from runtime.io_struct import (
     Finish,
     FlushCacheOut,
     FlushCacheReq,
+    ForgetReqs,
     GetServerInfoReq,
     PixelsWanted,
     ServerInfo,
@@ -139,6 +146,18 @@ def _client_error(check: Callable[..., None], *args: Any, param: str = "messages
         raise APIError(str(e), param=param, code="invalid_special_token") from e
 
 
+class ReplicaControl(Protocol):
+    """What the front end may ask of the replicas' supervisor (launch.Supervisor)."""
+
+    def status(self) -> dict[int, dict[str, object]]:
+        """Each replica's `state` (up, restarting, down), `restarts` and rank `pids`."""
+        ...
+
+    def kill(self, replica: int, reason: str) -> None:
+        """End a replica that hangs; it is then handled as one that died."""
+        ...
+
+
 @dataclass
 class ReqState:
     timeline: RequestTimeline
@@ -150,6 +169,7 @@ class ReqState:
     replica: int = 0  # the data-parallel replica it runs on
     load: int = 0  # its tokens so far (prompt and outputs): its share of the replica's load
     output_ids: list[int] = field(default_factory=list)  # the first choice's, as they came
+    lost: bool = False  # its replica died: it ended there, the replica's views were reset
 
     def end(self, index: int) -> None:
         self.ended.add(index)
@@ -182,14 +202,14 @@ class TokenizerManager:
         args: ServerArgs,
         mm: AsyncMMDataProcessor | None = None,
         kv_total: int | None = None,
-        replica_pids: Callable[[], dict[int, list[int]]] | None = None,
+        replicas: ReplicaControl | None = None,
     ):
-        """`kv_total`: the smallest replica's KV pool; `replica_pids`: each replica's rank
-        processes, as the supervisor knows them now (for /server_info)."""
+        """`kv_total`: the smallest replica's KV pool; `replicas`: the supervisor's view of
+        the replicas (their state and processes, for /server_info) and its kill switch."""
         from transformers import AutoTokenizer
 
         self.args = args
-        self.replica_pids = replica_pids
+        self.replicas = replicas
         self.config = ModelConfig.from_dir(args.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         self.chat_template = load_chat_template(args.model_path, self.tokenizer)
@@ -210,10 +230,13 @@ class TokenizerManager:
         self.client_rids: set[str] = set()  # ids of the requests in flight, as clients know them
         self._serial = itertools.count()
         self.last_progress = time.monotonic()  # when the detokenizer last sent anything
+        # when each replica last sent an output (or began to run requests): its stall clock
+        self.replica_progress = [self.last_progress] * args.dp_size
         self._replies: dict[tuple[type, int], asyncio.Future] = {}  # by type and replica
         self._reply_lock = asyncio.Lock()
         self._ctx = zmq.asyncio.Context()
         self._recv_task: asyncio.Task | None = None
+        self._stall_task: asyncio.Task | None = None
         # One thread for a request's CPU work (chat template, tokenizing, hashing): off the
         # event loop, and one at a time, since a fast tokenizer is not safe to share.
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenize")
@@ -231,18 +254,24 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self._to_scheduler = []
-        for replica in range(self.args.dp_size):
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.connect(self.args.scheduler_ipc(replica))
-            self._to_scheduler.append(sock)
+        self._to_scheduler = [self._scheduler_socket(r) for r in range(self.args.dp_size)]
+        self._to_detok = self._ctx.socket(zmq.PUSH)
+        self._to_detok.connect(self.args.detokenizer_ipc)
         self._from_detok = self._ctx.socket(zmq.PULL)
         self._from_detok.bind(self.args.tokenizer_ipc)
         self._recv_task = asyncio.create_task(self._recv_loop())
+        if self.args.dp_size > 1 and self.replicas is not None:
+            self._stall_task = asyncio.create_task(self._watch_stalls())
+
+    def _scheduler_socket(self, replica: int) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.connect(self.args.scheduler_ipc(replica))
+        return sock
 
     async def close(self) -> None:
-        if self._recv_task:
-            self._recv_task.cancel()
+        for task in (self._recv_task, self._stall_task):
+            if task is not None:
+                task.cancel()
         if self.mm is not None:
             await self.mm.close()
         self._cpu.shutdown(wait=False, cancel_futures=True)
@@ -292,6 +321,7 @@ class TokenizerManager:
         if state is None or out.index in state.ended:
             return
         state.started = True
+        self.replica_progress[state.replica] = self.last_progress
         state.load += len(out.token_ids)
         self.dispatcher.progressed(state.replica, len(out.token_ids))
         if out.index == 0:
@@ -308,9 +338,42 @@ class TokenizerManager:
         self.fatal = reason
         finish = Finish.error(reason, 503, "server_shutdown")
         for rid, state in list(self.states.items()):
-            for index in sorted(set(range(state.n)) - state.ended):
-                state.end(index)
-                state.queue.put_nowait(StrOutput(rid, "", [], 0, 0, 0, finish, index=index))
+            self._fail(rid, state, finish)
+
+    def _fail(self, rid: str, state: ReqState, finish: Finish) -> None:
+        """Every choice of the request that has not ended ends with `finish`."""
+        for index in sorted(set(range(state.n)) - state.ended):
+            state.end(index)
+            state.queue.put_nowait(StrOutput(rid, "", [], 0, 0, 0, finish, index=index))
+
+    def replica_lost(self, replica: int, reason: str) -> None:
+        """`replica`'s ranks died (the supervisor says so): each request in flight there ends
+        with its own 503 (the other replicas' go on), the replica takes nothing until
+        `replica_ready`, and what the front end assumed it held (its pixel ledger, its prefix
+        tree, its load) is forgotten, as is its requests' state in the detokenizer. Messages
+        still queued for its dead ranks are dropped with their socket."""
+        self.dispatcher.lost(replica)
+        self._to_scheduler[replica].close(linger=0)
+        self._to_scheduler[replica] = self._scheduler_socket(replica)
+        finish = Finish.error(f"replica {replica} failed: {reason}", 503, "replica_unavailable")
+        lost = [(rid, s) for rid, s in self.states.items() if s.replica == replica and not s.lost]
+        for rid, state in lost:
+            state.lost = True
+            self._fail(rid, state, finish)
+        self.pixels[replica].forget()
+        for key in [key for key in self._replies if key[1] == replica]:
+            future = self._replies.pop(key)
+            if not future.done():
+                future.set_result(None)  # its answer never comes: _ask leaves it out
+        if lost:
+            self._to_detok.send_pyobj(ForgetReqs([rid for rid, _ in lost]))
+        logger.warning("replica %d lost: %d requests in flight failed", replica, len(lost))
+
+    def replica_ready(self, replica: int) -> None:
+        """`replica`'s restarted ranks reported ready: the dispatcher sends to it again."""
+        self.replica_progress[replica] = time.monotonic()
+        self.dispatcher.set_up(replica, True)
+        logger.info("replica %d is serving again", replica)
 
     def _send(self, msg: ToScheduler, replica: int) -> None:
         shared: list[SharedTensor] = []
@@ -549,6 +612,8 @@ class TokenizerManager:
         if not self.running():
             self.last_progress = time.monotonic()
         replica = self.choose_replica(req.input_ids, route)
+        if not self.busy(replica):
+            self.replica_progress[replica] = time.monotonic()
         rid = f"{req.rid}-{next(self._serial)}"
         timeline = RequestTimeline(self.metrics, arrival or time.perf_counter())
         n = req.sampling_params.n
@@ -574,9 +639,10 @@ class TokenizerManager:
             if not state.finished:
                 self._send(AbortReq(rid), replica)
             self.states.pop(rid, None)
-            self.pixels[replica].release(rid)
-            self.dispatcher.ended(replica, [*req.input_ids, *state.output_ids], state.load)
             self.client_rids.discard(req.rid)
+            if not state.lost:  # else the replica's ledger and view were reset when it died
+                self.pixels[replica].release(rid)
+                self.dispatcher.ended(replica, [*req.input_ids, *state.output_ids], state.load)
 
     def choose_replica(self, ids: list[int], route: Route) -> int:
         """The replica for a prompt of `ids` (503 when none serves, or the one named)."""
@@ -624,8 +690,42 @@ class TokenizerManager:
     def running(self) -> bool:
         return any(not state.finished for state in self.states.values())
 
+    def busy(self, replica: int) -> bool:
+        """Some request on `replica` has a choice that has not ended."""
+        return any(s.replica == replica and not s.finished for s in self.states.values())
+
+    def healthy(self) -> bool:
+        """/health: one replica: not stalled (`stalled`); several: some replica serves and is
+        not stalled (a stalled one is killed and restarted: `_watch_stalls`)."""
+        if self.args.dp_size == 1:
+            return not self.stalled()
+        stalled = self.stalled_replicas()
+        views = self.dispatcher.replicas
+        return any(view.up and r not in stalled for r, view in enumerate(views))
+
+    def stalled_replicas(self) -> list[int]:
+        """The serving replicas with requests running whose last output is older than
+        --health-stall-timeout seconds."""
+        now, limit = time.monotonic(), self.args.health_stall_timeout
+        busy = {s.replica for s in self.states.values() if not s.finished}
+        views = self.dispatcher.replicas
+        return [r for r in sorted(busy) if views[r].up and now - self.replica_progress[r] > limit]
+
+    async def _watch_stalls(self) -> None:
+        """With --dp > 1: a replica that stalls (`stalled_replicas`) is killed through the
+        supervisor, which then fails its requests and restarts it as after any death."""
+        limit = self.args.health_stall_timeout
+        reason = f"no output for {limit:g}s with requests in flight"
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            for replica in self.stalled_replicas():
+                self.replica_progress[replica] = time.monotonic()  # one kill per stall
+                logger.error("replica %d stalled (%s): killing its ranks", replica, reason)
+                self.replicas.kill(replica, reason)
+
     async def _ask(self, msg: ToScheduler, reply: type, timeout: float = 30.0) -> list[Any]:
-        """Ask every replica that serves; their replies, in replica order."""
+        """Ask every replica that serves; their replies, in replica order (a replica that dies
+        before it answers is left out)."""
         replicas = [r for r, view in enumerate(self.dispatcher.replicas) if view.up]
         async with self._reply_lock:
             loop = asyncio.get_running_loop()
@@ -633,17 +733,18 @@ class TokenizerManager:
             for replica, future in zip(replicas, futures, strict=True):
                 self._replies[(reply, replica)] = future
                 self._send(msg, replica)
-            return await asyncio.wait_for(asyncio.gather(*futures), timeout)
+            replies = await asyncio.wait_for(asyncio.gather(*futures), timeout)
+            return [r for r in replies if r is not None]
 
     def replicas_info(self, infos: list[ServerInfo]) -> list[dict[str, object]]:
         """/server_info's replicas: each one's state as the front end sees it (up, requests
         routed, load, prefix tree) and as its entry rank reports it (KV, queue, caches)."""
         reported = {info.replica: info for info in infos}
-        pids = self.replica_pids() if self.replica_pids is not None else {}
+        status = self.replicas.status() if self.replicas is not None else {}
         out = []
         for replica in range(self.args.dp_size):
             entry: dict[str, object] = {"replica": replica, **self.dispatcher.info(replica)}
-            entry["pids"] = pids.get(replica, [])
+            entry |= status.get(replica, {"state": "up", "restarts": 0, "pids": []})
             info = reported.get(replica)
             if info is not None:
                 entry |= replica_summary(info)

@@ -135,8 +135,10 @@ def media_scope(credentials: bytes) -> str:
 def add_info_routes(app: FastAPI, tm: TokenizerManager) -> None:
     @app.get("/health")
     async def health() -> Response:
-        """503 when requests are in flight and no output came back for a while."""
-        return Response(status_code=503 if tm.stalled() else 200)
+        """503 when requests are in flight and no output came back for a while; with --dp,
+        only when no replica serves (one that is down or restarting is named in
+        /server_info's replicas)."""
+        return Response(status_code=200 if tm.healthy() else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -86,6 +86,13 @@ class PixelLedger:
             if isinstance(pixels, SharedTensor):
                 pixels.release()
 
+    def forget(self) -> None:
+        """The replica's ranks died: nothing is known sent (their encoder caches start empty),
+        and every request's held pixels go (those requests have ended with an error)."""
+        for rid in list(self._held):
+            self.release(rid)
+        self._sent.clear()
+
     def _note_sent(self, key: int) -> None:
         self._sent[key] = None
         self._sent.move_to_end(key)
