@@ -48,6 +48,23 @@ servers sleep) and runs N rounds; each round runs every configuration's conversa
 images each round), in an order that rotates from round to round, so the configurations share
 the machine's load alike. The summary is the median over the rounds of each (configuration,
 turn) row, with the 1-minute load average seen while the rows were measured.
+
+`--routing`: the data-parallel routing benchmark (issue 55). Each setup runs in turn (started,
+measured, stopped: at most two replicas are up at a time): tessera `--dp 1` (the reference
+for the cached share), `--dp 2` under each `--dp-policy`, and sglang-router `--policy
+cache_aware` in front of two `--dp 1` servers (`--routing-setups` picks some). On each,
+`--conversations` conversations run at once, each of `--turns` turns that resend its 2 images,
+while `--single-turn` unrelated one-turn chats with new images go one after another. Per setup:
+the cached share of the prompt tokens (usage `prompt_tokens_details.cached_tokens`), time to
+first token p50 and p99 of the conversations and of the single turns, requests per second, and
+the busiest over the least busy replica's request count (tessera's `/server_info`
+`replicas[*].routed`, each router worker's own, counted after the warm-up); then the targets:
+the cached share against `--dp 1`'s and the conversations' p50 against the router's. With
+`--rounds N` the setups run N times in an order that rotates, new images each round; the summary
+is each setup's medians (the request counts summed).
+
+    python scripts/bench_multiturn.py --routing --model-path DIR --conversations 6 --turns 4 \
+        --single-turn 12 --image-size 224 --json routing.json
 """
 
 from __future__ import annotations
@@ -72,8 +89,17 @@ from typing import Any, NamedTuple
 import aiohttp
 import httpx
 import numpy as np
-from bench_vs_vllm import STARTED_CHILD, Server, proc_stat, process_tree, tessera_server
+from bench_vs_vllm import (
+    STARTED_CHILD,
+    Server,
+    free_port,
+    proc_stat,
+    process_tree,
+    tessera_server,
+)
 from PIL import Image
+
+from tokenizer_manager.dispatcher import POLICIES as DP_POLICIES
 
 DEFAULT_SERVERS = ["cache-on=--tp 1", "cache-off=--tp 1 --mm-processor-cache-gb 0"]
 QUESTIONS = ["Describe both images.", "And the colours?", "Which is brighter?", "Why?", "Sure?"]
@@ -431,6 +457,244 @@ def frontend_cpu_s(workers: list[int]) -> float:
     return time.process_time() + sum(proc_stat(pid).cpu_s for pid in workers)
 
 
+# ---------------------------------------------------------------- routing (--routing)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One routing setup: `servers` tessera servers with `flags`, behind sglang-router with
+    policy `router` when it is given (else the one server is asked directly)."""
+
+    name: str
+    flags: tuple[str, ...]
+    servers: int = 1
+    router: str | None = None
+
+
+TP1 = ("--tp", "1")
+ROUTING_SETUPS = (
+    Setup("dp1", (*TP1, "--dp", "1")),
+    *(Setup(p, (*TP1, "--dp", "2", "--dp-policy", p)) for p in DP_POLICIES),
+    Setup("router", (*TP1, "--dp", "1"), servers=2, router="cache_aware"),
+)
+
+
+def routing_setups(names: str | None) -> list[Setup]:
+    """The setups named (comma-separated, in the order given); all of them for None."""
+    if names is None:
+        return list(ROUTING_SETUPS)
+    known = {s.name: s for s in ROUTING_SETUPS}
+    unknown = [n for n in names.split(",") if n not in known]
+    if unknown:
+        raise SystemExit(f"--routing-setups: unknown {unknown}; known: {', '.join(known)}")
+    return [known[n] for n in names.split(",")]
+
+
+def replica_counts(info: dict[str, Any]) -> list[int]:
+    """Requests routed to each replica, from one server's /server_info."""
+    return [int(r["routed"]) for r in info.get("replicas") or []]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (linear between the closest ranks); NaN with no values."""
+    return float(np.percentile(values, q)) if values else math.nan
+
+
+def routing_row(
+    name: str, convs: list[Reply], singles: list[Reply], wall_s: float, routed: list[int]
+) -> dict[str, Any]:
+    """One setup's numbers; `routed` is each replica's request count during the measurement."""
+    both = convs + singles
+    prompt = sum(r.prompt_tokens for r in both)
+    conv_prompt = sum(r.prompt_tokens for r in convs)
+    return {
+        "setup": name, "requests": len(both),
+        "cached_share": sum(r.cached_tokens for r in both) / prompt if prompt else math.nan,
+        "conv_cached_share": (
+            sum(r.cached_tokens for r in convs) / conv_prompt if conv_prompt else math.nan
+        ),
+        "conv_ttft_p50_ms": percentile([r.ttft_s * 1e3 for r in convs], 50),
+        "conv_ttft_p99_ms": percentile([r.ttft_s * 1e3 for r in convs], 99),
+        "single_ttft_p50_ms": percentile([r.ttft_s * 1e3 for r in singles], 50),
+        "single_ttft_p99_ms": percentile([r.ttft_s * 1e3 for r in singles], 99),
+        "requests_per_s": len(both) / wall_s,
+        "routed": routed,
+        "load_ratio": max(routed) / min(routed) if routed and min(routed) else math.inf,
+    }  # fmt: skip
+
+
+def against_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with its cached share over `dp1`'s and its conversations' p50 over the
+    router's (NaN where that setup did not run)."""
+    by = {r["setup"]: r for r in rows}
+    ref = by.get("dp1", {}).get("cached_share", math.nan)
+    router = by.get("router", {}).get("conv_ttft_p50_ms", math.nan)
+    return [
+        r | {"cached_vs_dp1": r["cached_share"] / ref, "conv_p50_vs_router": (
+            r["conv_ttft_p50_ms"] / router)}
+        for r in rows
+    ]  # fmt: skip
+
+
+async def converse(api: Api, conv: Conversation, turns: int) -> list[Reply]:
+    """A conversation's turns, one after another, each resending everything (images too)."""
+    out = []
+    for k in range(turns):
+        conv.ask(k)
+        out.append(await turn(api, conv))
+    return out
+
+
+async def single_turns(api: Api, rng: np.random.Generator, size: int, n: int) -> list[Reply]:
+    """`n` unrelated one-turn image chats (new images each), one after another."""
+    return [await turn(api, image_conversation(rng, size)) for _ in range(n)]
+
+
+async def warm_up(url: str, model: str, replicas: int, size: int, seed: int) -> None:
+    """One image chat sent to each replica of the server at `url` by `data_parallel_rank`."""
+    rng = np.random.default_rng(seed)
+    async with chat_session(url) as session:
+        api = Api(session, model, 2)
+        for rank in range(replicas):
+            conv = image_conversation(rng, size)
+            body = json.loads(encode(api, conv)) | {"data_parallel_rank": rank}
+            await turn(api, conv, json.dumps(body).encode())
+
+
+def routed_now(urls: list[str]) -> list[int]:
+    """Every replica's request count, server after server."""
+    out: list[int] = []
+    for url in urls:
+        out += replica_counts(httpx.get(url + "/server_info", timeout=60, trust_env=False).json())
+    return out
+
+
+async def measure(url: str, model: str, args: argparse.Namespace, seed: int) -> tuple:
+    """The conversations and the single turns at once: (their replies, wall seconds)."""
+    rng = np.random.default_rng(seed)
+    convs = [image_conversation(rng, args.image_size) for _ in range(args.conversations)]
+    async with chat_session(url) as session:
+        api = Api(session, model, args.max_tokens)
+        start = time.perf_counter()
+        jobs = [converse(api, c, args.turns) for c in convs]
+        jobs.append(single_turns(api, rng, args.image_size, args.single_turn))
+        out = await asyncio.gather(*jobs)
+        wall = time.perf_counter() - start
+    return [r for replies in out[:-1] for r in replies], out[-1], wall
+
+
+def router_server(setup: Setup, workers: list[Server], log_dir: Path) -> list[Server]:
+    """sglang-router with the setup's policy in front of `workers` (not started), in a list:
+    none for a setup without a router."""
+    if setup.router is None:
+        return []
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls"]
+    argv += [w.url for w in workers] + ["--policy", setup.router, "--host", "127.0.0.1"]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    return [Server(setup.name, [*argv, "--log-level", "warn"], log_dir / f"{setup.name}.log")]
+
+
+def wait_router(router: Server, workers: int, timeout_s: float = 120) -> None:
+    """Until the router has registered `workers` healthy workers."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if router.proc.poll() is not None:
+            raise RuntimeError(f"the router exited; see {router.log}")
+        try:
+            listed = httpx.get(router.url + "/workers", timeout=5).json()["workers"]
+            if len(listed) == workers and all(w["is_healthy"] for w in listed):
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the router did not register its workers; see {router.log}")
+
+
+def setup_servers(setup: Setup, args: argparse.Namespace) -> list[Server]:
+    """The setup's tessera servers (not started): named as the setup, or NAME-wI behind a
+    router."""
+    names = [f"{setup.name}-w{i}" for i in range(setup.servers)] if setup.router else [setup.name]
+    spec = shlex.join(setup.flags)
+    return [make_server(f"{name}={spec}", args.model_path, args.log_dir) for name in names]
+
+
+def start_setup(servers: list[Server], router: list[Server], timeout_s: float) -> None:
+    """Start the tessera servers, then the router (if any) once they serve."""
+    for server in servers:
+        server.start()
+    for server in servers:
+        server.wait_ready(timeout_s)
+    for front in router:
+        front.start()
+        wait_router(front, len(servers))
+
+
+def run_setup(setup: Setup, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """Start the setup, warm every replica, measure, stop it all; its row."""
+    servers = setup_servers(setup, args)
+    router = router_server(setup, servers, args.log_dir)
+    try:
+        start_setup(servers, router, args.ready_timeout)
+        model = httpx.get(servers[0].url + "/v1/models", timeout=60).json()["data"][0]["id"]
+        replicas = int(setup.flags[setup.flags.index("--dp") + 1])
+        for i, server in enumerate(servers):
+            asyncio.run(warm_up(server.url, model, replicas, args.image_size, 10_000 + i))
+        urls = [s.url for s in servers]
+        before = routed_now(urls)
+        convs, singles, wall = asyncio.run(measure((router or servers)[0].url, model, args, seed))
+        routed = [a - b for a, b in zip(routed_now(urls), before, strict=True)]
+    finally:
+        for server in [*router, *servers]:
+            server.stop()  # one never started is left as it is
+    row = routing_row(setup.name, convs, singles, wall, routed)
+    return row | {"load_avg": os.getloadavg()[0]}
+
+
+ROUTING_COLUMNS = [
+    ("setup", "{}"), ("cached_share", "{:.3f}"), ("conv_cached_share", "{:.3f}"),
+    ("cached_vs_dp1", "{:.2f}"), ("conv_ttft_p50_ms", "{:.0f}"), ("conv_ttft_p99_ms", "{:.0f}"),
+    ("conv_p50_vs_router", "{:.2f}"), ("single_ttft_p50_ms", "{:.0f}"),
+    ("single_ttft_p99_ms", "{:.0f}"), ("requests_per_s", "{:.2f}"), ("routed", "{}"),
+    ("load_ratio", "{:.2f}"), ("load_avg", "{:.1f}"),
+]  # fmt: skip
+
+
+def routing_table(rows: list[dict[str, Any]]) -> str:
+    head = " | ".join(name for name, _ in ROUTING_COLUMNS)
+    body = [" | ".join(fmt.format(r[name]) for name, fmt in ROUTING_COLUMNS) for r in rows]
+    return "\n".join([head, *body])
+
+
+def routing_medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per setup, in the order they first ran: the median of every number over the
+    rounds, each replica's requests summed and their ratio taken from the sums."""
+    out = []
+    for name in dict.fromkeys(r["setup"] for r in rows):
+        group = [r for r in rows if r["setup"] == name]
+        numbers = {
+            key: statistics.median(r[key] for r in group)
+            for key, value in group[0].items()
+            if isinstance(value, float | int) and key != "round"
+        }
+        routed = [sum(counts) for counts in zip(*(r["routed"] for r in group), strict=True)]
+        ratio = max(routed) / min(routed) if min(routed) else math.inf
+        out.append({"setup": name, **numbers, "routed": routed, "load_ratio": ratio,
+                    "rounds": len(group)})  # fmt: skip
+    return out
+
+
+def run_routing(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Every round's rows (setups in an order that rotates from round to round, new images each
+    round) and the setups' medians over the rounds, with the targets."""
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    setups, rows = routing_setups(args.routing_setups), []
+    for r in range(args.rounds):
+        for setup in setups[r % len(setups) :] + setups[: r % len(setups)]:
+            rows.append(run_setup(setup, args, args.seed + 1000 * r) | {"round": r})
+            print(json.dumps(rows[-1]), flush=True)
+    return {"rounds": rows, "routing": against_targets(routing_medians(rows))}
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -449,6 +713,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--frontend-only",
         action="store_true",
         help="only the media front end in this process: CPU per image on a miss and on a hit",
+    )
+    p.add_argument(
+        "--routing", action="store_true", help="the data-parallel routing benchmark instead"
+    )
+    p.add_argument(
+        "--routing-setups",
+        default=None,
+        help="--routing: comma-separated setups to run (default: "
+        + ",".join(s.name for s in ROUTING_SETUPS)
+        + ")",
+    )
+    p.add_argument(
+        "--single-turn", type=int, default=12, help="--routing: one-turn image chats alongside"
     )
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--log-dir", type=Path, default=Path("bench_multiturn_logs"))
@@ -500,6 +777,14 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.routing:
+        if not args.model_path:
+            raise SystemExit("--routing needs --model-path")
+        out = run_routing(args)
+        print(routing_table(out["routing"]))
+        if args.json is not None:
+            args.json.write_text(json.dumps(out, indent=2) + "\n")
+        return out
     report: dict[str, Any] = {"hash": hash_speeds()}
     print(json.dumps(report["hash"]), flush=True)
     if not args.hash_only and not args.model_path:
