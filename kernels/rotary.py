@@ -5,6 +5,12 @@ frequency of a head takes its angle from one row (temporal, height, width) of a 
 position tensor. Qwen2-VL / Qwen2.5-VL give the rows contiguous blocks of frequencies (sizes
 `mrope_section`); Qwen3-VL interleaves them (frequency j goes to height when j % 3 == 1 and
 j < 3 * section[1], to width when j % 3 == 2 and j < 3 * section[2], else to temporal).
+
+Partial rotary (GLM-4: only the first `rotary_dim` dims of a head turn, as adjacent pairs) runs
+through the same neox tables: the decoder reorders each head's q and k features once, at load
+(`rotary_permutation`), so that the rotated pairs sit at (j, j + head_dim / 2) and the dims that
+do not turn sit at frequencies of angle zero (cos 1, sin 0: passed through exactly). q . k is the
+same under one permutation of both.
 """
 
 from __future__ import annotations
@@ -49,21 +55,41 @@ def mrope_axes(
     return axes.to(device)
 
 
+def rotary_permutation(head_dim: int, rotary_dim: int, pairs: bool) -> torch.Tensor:
+    """Order of a head's features that puts a partial (or pairwise) rotary into neox layout:
+    new feature i is old feature `perm[i]`. The rotated dims (adjacent pairs with `pairs`, else
+    halves of the first `rotary_dim`) fill the first rotary_dim / 2 slots of each half, the
+    dims past `rotary_dim` the rest. The identity for a full neox rotary. Pure."""
+    if rotary_dim % 2 or head_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary dim {rotary_dim} does not fit head_dim {head_dim}")
+    rot = torch.arange(rotary_dim)
+    first, second = (rot[0::2], rot[1::2]) if pairs else rot.chunk(2)
+    rest = torch.arange(rotary_dim, head_dim)
+    keep = (head_dim - rotary_dim) // 2
+    return torch.cat((first, rest[:keep], second, rest[keep:]))
+
+
 def mrope_cos_sin(
     positions: torch.Tensor,
     head_dim: int,
     theta: float,
     mrope_section: tuple[int, ...],
     interleaved: bool = False,
+    rotary_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [tokens, head_dim] for positions [3, tokens] (or [tokens]: plain RoPE)."""
-    freqs = inv_freq(head_dim, theta, positions.device)
+    """cos/sin of shape [tokens, head_dim] for positions [3, tokens] (or [tokens]: plain RoPE).
+    With `rotary_dim` < head_dim only its rotary_dim / 2 frequencies turn; the other slots of
+    each half get angle zero (features laid out by `rotary_permutation`)."""
+    rotary_dim = rotary_dim or head_dim
+    freqs = inv_freq(rotary_dim, theta, positions.device)
     if positions.dim() == 1:
         angles = positions.float()[:, None] * freqs[None, :]
     else:
         per_axis = positions.float()[:, :, None] * freqs[None, None, :]  # [3, T, D/2]
         axes = mrope_axes(freqs.numel(), tuple(mrope_section), interleaved, positions.device)
         angles = per_axis.gather(0, axes.expand(1, per_axis.shape[1], -1)).squeeze(0)
+    if rotary_dim < head_dim:
+        angles = torch.nn.functional.pad(angles, (0, (head_dim - rotary_dim) // 2))
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 

@@ -39,6 +39,11 @@ class TextConfig:
     mrope_interleaved: bool = False  # Qwen3-VL: T/H/W frequencies interleaved, not in blocks
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary
     attention_bias: bool = True  # bias on the q/k/v projections (Qwen2: yes, Qwen3: no)
+    # GLM-4: only the first rotary_dim dims of a head turn (0: all), as adjacent pairs
+    # (`rotary_pairs`) rather than halves; RMSNorms on the attention and MLP outputs
+    rotary_dim: int = 0
+    rotary_pairs: bool = False
+    post_norms: bool = False
 
     @property
     def q_size(self) -> int:

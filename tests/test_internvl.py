@@ -10,7 +10,6 @@ own expansion, must equal them. DP mode balances tiles: one 13-tile image spread
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,8 @@ from dist_utils import run_on_ranks
 from numerics import assert_within_rounding, model_terms, vision_terms
 from parity_worker import parity_worker
 from PIL import Image
-from safetensors.torch import load_file, save_file
-from vlm_cases import Case, gradient_image, noise_image, run_hf
+from safetensors.torch import load_file
+from vlm_cases import Case, assert_layouts_load_alike, gradient_image, noise_image, run_hf
 
 import runtime.tiny_checkpoint as mtc
 from runtime.distributed import TPGroup
@@ -242,16 +241,7 @@ def test_hf_loads_the_tiny_checkpoint_without_missing_keys(folders: dict[str, Pa
 
 
 def test_both_layouts_load_the_same_model(folder: Path, tmp_path: Path) -> None:
-    old = tmp_path / "old"
-    shutil.copytree(folder, old)
-    weights = load_file(str(folder / "model.safetensors"))
-    save_file({old_layout_name(k): v for k, v in weights.items()}, str(old / "model.safetensors"))
-    new_model, old_model = (build_model(str(f), TPGroup(), dtype="float32", cpu_linear="aten")
-                            for f in (folder, old))
-    new_state, old_state = new_model.state_dict(), old_model.state_dict()
-    assert new_state.keys() == old_state.keys()
-    for key, value in new_state.items():
-        assert torch.equal(value, old_state[key]), key
+    assert_layouts_load_alike(folder, tmp_path, old_layout_name)
 
 
 # ----------------------------------------------------------------------------- model parity

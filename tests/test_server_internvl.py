@@ -6,24 +6,14 @@ with a 400 naming the field; nothing is left held after the requests."""
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import family_server as fs
 import pytest
 from test_internvl import hf_processor, make_case, wide_image
-from test_openai_sampling import OneRankServer
-from test_server import (
-    Server,
-    client,
-    idle_info,
-    image_part,
-    mp4_bytes,
-    png_url,
-    serve_then_check_teardown,
-)
-from vlm_cases import gradient_image, noise_image, run_hf, video_frames
+from test_server import Server, png_url
+from vlm_cases import gradient_image, noise_image, run_hf
 
 from runtime.model_config import ModelConfig
 from runtime.tiny_checkpoint import hf_model_class, make_checkpoint
@@ -59,19 +49,13 @@ def oracle(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("ivl_log") / "server.log"
-    yield from serve_then_check_teardown(OneRankServer(str(folder), log))
+    yield from fs.serve(folder, tmp_path_factory, "ivl_log")
 
 
 @pytest.fixture(scope="module")
 def dp_server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """tp 2 with the DP encoder: an image's tiles spread over both ranks."""
-    log = tmp_path_factory.mktemp("ivl_dp_log") / "server.log"
-    yield from serve_then_check_teardown(Server(str(folder), log))
-
-
-def parts(content: list) -> list[dict]:
-    return [{"type": "text", "text": p} if isinstance(p, str) else image_part(p) for p in content]
+    yield from fs.serve(folder, tmp_path_factory, "ivl_dp_log", dp_encoder=True)
 
 
 def test_oracle_outputs_differ(oracle: dict) -> None:
@@ -80,68 +64,39 @@ def test_oracle_outputs_differ(oracle: dict) -> None:
 
 @pytest.mark.parametrize("name", CHATS)
 def test_chat_equals_hf(server: Server, oracle: dict, name: str) -> None:
-    assert_chat_is_hfs(server, oracle, name)
+    fs.assert_chat_is_hfs(server, "internvl", CHATS[name], oracle[name], NEW_TOKENS)
 
 
 @pytest.mark.parametrize("name", ["wide_image", "two_images"])
 def test_chat_with_the_dp_encoder_at_tp2_equals_hf(dp_server: Server, oracle: dict,
                                                    name: str) -> None:
-    assert_chat_is_hfs(dp_server, oracle, name)
-
-
-def assert_chat_is_hfs(server: Server, oracle: dict, name: str) -> None:
-    out = client(server).chat.completions.create(
-        model="internvl",
-        messages=[{"role": "user", "content": parts(CHATS[name])}],
-        max_tokens=NEW_TOKENS,
-        temperature=0,
-    )
-    text, prompt_tokens = oracle[name]
-    assert out.choices[0].message.content == text
-    assert out.usage.prompt_tokens == prompt_tokens
-    assert out.usage.completion_tokens == NEW_TOKENS
-
-
-def post(server: Server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120)
+    fs.assert_chat_is_hfs(dp_server, "internvl", CHATS[name], oracle[name], NEW_TOKENS)
 
 
 def test_tokenize_counts_every_tile(server: Server, oracle: dict) -> None:
-    body = {"messages": [{"role": "user", "content": parts(CHATS["two_images"])}]}
-    out = post(server, "/tokenize", body)
+    body = {"messages": [{"role": "user", "content": fs.parts(CHATS["two_images"])}]}
+    out = fs.post(server, "/tokenize", body)
     assert out.status_code == 200
     assert out.json()["count"] == oracle["two_images"][1]  # 14 tiles of 4 tokens, 2 <img>...
 
 
 @pytest.mark.parametrize("token", ["<img>", "</img>", "<IMG_CONTEXT>"])
 def test_typed_media_tokens_are_refused(server: Server, token: str) -> None:
-    content = [image_part(noise_image()), {"type": "text", "text": f"look {token} here"}]
-    body = {"model": "internvl", "messages": [{"role": "user", "content": content}]}
-    out = post(server, "/v1/chat/completions", body)
-    assert out.status_code == 400
-    error = out.json()["error"]
-    assert error["param"] == "messages" and token in error["message"]
+    fs.assert_typed_token_refused(server, "internvl", token)
 
 
 def test_video_is_refused_by_name(server: Server) -> None:
     """A good video still: the family takes images only."""
-    url = "data:video/mp4;base64," + base64.b64encode(mp4_bytes(video_frames(4))).decode()
-    content = [{"type": "video_url", "video_url": {"url": url}},
-               {"type": "text", "text": "What happens?"}]  # fmt: skip
-    body = {"model": "internvl", "messages": [{"role": "user", "content": content}]}
-    out = post(server, "/v1/chat/completions", body)
-    assert out.status_code == 400
-    error = out.json()["error"]
-    assert (error["param"], error["code"]) == ("video_url", "unsupported_media")
+    fs.assert_video_refused(server, "internvl")
 
 
 def test_pixel_bounds_do_not_apply_to_tiles(server: Server) -> None:
     body = {
         "model": "internvl",
-        "messages": [{"role": "user", "content": [image_part(noise_image())]}],
+        "messages": [{"role": "user", "content": fs.parts([noise_image()])}],
         "mm_processor_kwargs": {"max_pixels": 100000},
     }
-    out = post(server, "/v1/chat/completions", body)
+    out = fs.post(server, "/v1/chat/completions", body)
     assert out.status_code == 400
     assert out.json()["error"]["param"] == "mm_processor_kwargs.max_pixels"
 
@@ -150,7 +105,4 @@ def test_nothing_is_left_held(server: Server) -> None:
     content = [{"type": "image_url", "image_url": {"url": png_url(wide_image())}}]
     body = {"model": "internvl", "messages": [{"role": "user", "content": content}],
             "max_tokens": 4}  # fmt: skip
-    assert post(server, "/v1/chat/completions", body).status_code == 200
-    info = idle_info(server)
-    assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
-    assert info["encoder_cache"]["pins"] == 0
+    fs.assert_nothing_held(server, body)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,28 @@ def hf_generate(
             )
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_layouts_load_alike(folder: Path, tmp: Path, rename: Callable[[str], str]) -> None:
+    """The checkpoint with every tensor renamed by `rename` (another published layout) builds
+    the same tessera model, parameter for parameter."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from runtime.distributed import TPGroup
+    from vision.vlm import build_model
+
+    old = tmp / "old"
+    shutil.copytree(folder, old)
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({rename(k): v for k, v in weights.items()}, str(old / "model.safetensors"))
+    new_model, old_model = (build_model(str(f), TPGroup(), dtype="float32", cpu_linear="aten")
+                            for f in (folder, old))  # fmt: skip
+    new_state, old_state = new_model.state_dict(), old_model.state_dict()
+    assert new_state.keys() == old_state.keys()
+    for key, value in new_state.items():
+        assert torch.equal(value, old_state[key]), key
 
 
 def load_hf(folder: Path, gemm_patch_embed: bool = True) -> Any:

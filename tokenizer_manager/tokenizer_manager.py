@@ -446,6 +446,7 @@ class TokenizerManager:
         except (TemplateError, TypeError, ValueError) as e:
             message = f"the chat template cannot render these messages: {e}"
             raise APIError(message, param="messages", code="invalid_messages") from e
+        self.check_modalities(refs)
         modalities = [ref.modality for ref in refs]
         _client_error(check_rendered_chat, prompt, modalities, self.config.family.tokens)
         return prompt, refs
@@ -469,6 +470,12 @@ class TokenizerManager:
             )
         if refs and self.mm is None:
             raise APIError("this server has no media processor", status=500)
+        self.check_modalities(refs)
+
+    def check_modalities(self, refs: list[MediaRef]) -> None:
+        """Every medium is one the family takes (a 400 naming its field). Checked before the
+        rendered chat is: a template may mark a medium the family does not take with other
+        boundary tokens than the family's own (GLM-4.1V's videos)."""
         family = self.config.family
         for ref in refs:
             if ref.modality not in family.modalities:

@@ -84,11 +84,11 @@ def units_to_patches(unit_order: torch.Tensor, merge: int) -> torch.Tensor:
 class Qwen2_5_VisionMLP(nn.Module):
     """Gate and up projections merged column-parallel, act(gate) * up, down row-parallel."""
 
-    def __init__(self, dim: int, hidden: int, act: str, tp: TPGroup):
+    def __init__(self, dim: int, hidden: int, act: str, tp: TPGroup, bias: bool = True):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(dim, [hidden, hidden], tp, bias=True)
+        self.gate_up_proj = MergedColumnParallelLinear(dim, [hidden, hidden], tp, bias=bias)
         self.act = get_activation(act)
-        self.down_proj = RowParallelLinear(hidden, dim, tp, bias=True)
+        self.down_proj = RowParallelLinear(hidden, dim, tp, bias=bias)
 
     def hidden_layers(self) -> tuple[MergedColumnParallelLinear, RowParallelLinear]:
         """The layers on either side of the hidden features: Qwen2.5-VL-7B's 3420 are padded

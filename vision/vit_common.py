@@ -162,15 +162,20 @@ class VisionAttention(nn.Module):
         num_heads: int,
         tp: TPGroup,
         ops: KernelOps = TORCH_OPS,
+        biases: tuple[bool, bool] = (True, True),
     ):
+        """`biases`: whether qkv and proj have a bias (GLM-4.1V's tower: neither, by default)."""
         super().__init__()
         check_heads(num_heads, tp)
         self.ops = ops
         self.head_dim = embed_dim // num_heads
         self.local_heads = num_heads // tp.size
         self.scale = self.head_dim**-0.5
-        self.qkv = QKVParallelLinear(embed_dim, self.head_dim, num_heads, num_heads, tp, bias=True)
-        self.proj = RowParallelLinear(embed_dim, embed_dim, tp, bias=True)
+        qkv_bias, proj_bias = biases
+        self.qkv = QKVParallelLinear(
+            embed_dim, self.head_dim, num_heads, num_heads, tp, bias=qkv_bias
+        )
+        self.proj = RowParallelLinear(embed_dim, embed_dim, tp, bias=proj_bias)
 
     def forward(
         self,
@@ -312,10 +317,11 @@ class VisionBlock(nn.Module):
         ops: KernelOps,
         norm: Callable[[], nn.Module],
         mlp: nn.Module,
+        attn_biases: tuple[bool, bool] = (True, True),
     ):
         super().__init__()
         self.norm1, self.norm2 = norm(), norm()
-        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp, ops)
+        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads, tp, ops, attn_biases)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, segments: Segments, rotary: Rotary,

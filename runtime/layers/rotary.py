@@ -17,6 +17,7 @@ class MRotaryEmbedding(nn.Module):
         mrope_section: tuple[int, ...],
         ops: KernelOps = TORCH_OPS,
         interleaved: bool = False,
+        rotary_dim: int | None = None,
     ):
         super().__init__()
         self.ops = ops
@@ -24,10 +25,12 @@ class MRotaryEmbedding(nn.Module):
         self.theta = theta
         self.mrope_section = tuple(mrope_section)
         self.interleaved = interleaved
+        self.rotary_dim = rotary_dim or head_dim  # fewer: partial rotary (kernels.rotary)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return mrope_cos_sin(
-            positions, self.head_dim, self.theta, self.mrope_section, self.interleaved
+            positions, self.head_dim, self.theta, self.mrope_section, self.interleaved,
+            self.rotary_dim,
         )
 
     def forward(

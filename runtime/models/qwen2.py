@@ -3,18 +3,24 @@ tensor-parallel layers.
 
 Qwen3 differs in three places, each a config switch here: RMSNorm over every head of q and k
 before the rotary (`qk_norm`), no q/k/v bias (`attention_bias`), and interleaved MRoPE sections
-(`mrope_interleaved`). DeepStack (Qwen3-VL) adds vision features of some encoder blocks to the
-hidden states after the first decoder layers: `deepstack[:, i]` after layer i, zero rows at text
-positions.
+(`mrope_interleaved`). GLM-4 (GLM-4.1V) switches on a partial, pairwise rotary (`rotary_dim`,
+`rotary_pairs`: q and k features reordered once at load, see kernels/rotary.py) and RMSNorms on
+the attention and MLP outputs before their residual adds (`post_norms`).
+
+DeepStack (Qwen3-VL) adds vision features of some encoder blocks to the hidden states after the
+first decoder layers: `deepstack[:, i]` after layer i, zero rows at text positions.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionLayer
 from kernels.ops import TORCH_OPS, KernelOps
+from kernels.rotary import rotary_permutation
 from runtime.distributed import TPGroup
 from runtime.forward_batch import ForwardBatch
 from runtime.layers.activation import SiluAndMul
@@ -22,6 +28,7 @@ from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import MRotaryEmbedding
+from runtime.layers.weights import LazyWeight, as_lazy
 from runtime.memory_pool import KVLayout
 from runtime.model_config import TextConfig
 
@@ -67,8 +74,13 @@ class Qwen2Attention(nn.Module):
             scaling=cfg.head_dim**-0.5,
         )
         self.rotary = MRotaryEmbedding(
-            cfg.head_dim, cfg.rope_theta, cfg.mrope_section, ops, cfg.mrope_interleaved
+            cfg.head_dim, cfg.rope_theta, cfg.mrope_section, ops, cfg.mrope_interleaved,
+            cfg.rotary_dim,
         )
+        rotary_dim = cfg.rotary_dim or cfg.head_dim
+        if rotary_dim < cfg.head_dim or cfg.rotary_pairs:
+            perm = rotary_permutation(cfg.head_dim, rotary_dim, cfg.rotary_pairs)
+            permute_qk_on_load(self.qkv_proj, perm)
         self.backend = backend
         self.rotary_store_kv = ops.rotary_store_kv
 
@@ -95,6 +107,28 @@ class Qwen2Attention(nn.Module):
         return self.o_proj(out)
 
 
+def permute_qk_on_load(qkv: QKVParallelLinear, perm: torch.Tensor) -> None:
+    """Reorder every head's features of the q and k checkpoint tensors (weight and bias) by
+    `perm` as they load; v is unchanged. The tensor is read whole, then sliced as usual."""
+
+    def wrap(loader: Callable[..., None]) -> Callable[..., None]:
+        def load(
+            param: nn.Parameter, weight: LazyWeight | torch.Tensor, shard: str | None = None
+        ) -> None:
+            if shard in ("q", "k"):
+                full = as_lazy(weight).load()
+                heads = full.shape[0] // perm.numel()
+                order = (torch.arange(heads)[:, None] * perm.numel() + perm).flatten()
+                weight = full[order]
+            loader(param, weight, shard)
+
+        return load
+
+    for param in (qkv.weight, qkv.bias):
+        if param is not None:
+            param.weight_loader = wrap(param.weight_loader)
+
+
 class Qwen2DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -109,6 +143,10 @@ class Qwen2DecoderLayer(nn.Module):
         self.mlp = Qwen2MLP(cfg, tp, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        if cfg.post_norms:
+            self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+            self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_norms = cfg.post_norms
 
     def forward(
         self,
@@ -122,8 +160,11 @@ class Qwen2DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos_sin, batch)
+        if self.post_norms:
+            x = self.post_self_attn_layernorm(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        return (self.post_mlp_layernorm(x) if self.post_norms else x), residual
 
 
 class Qwen2Model(nn.Module):
