@@ -34,7 +34,7 @@ class FakeManager(SimpleNamespace):
         super().__init__(
             args=ServerArgs(model_path="/models/demo", **args),
             context_length=128,
-            stalled=lambda: False,
+            healthy=lambda: True,
             metrics=ServingMetrics(),
             chat_template="{{ messages }} {{ tools }}",
             seen=[],

@@ -68,7 +68,7 @@ class ThreadServer:
 def fake_tm() -> SimpleNamespace:
     args = ServerArgs(model_path="/models/demo")
     return SimpleNamespace(
-        args=args, context_length=128, stalled=lambda: False, metrics=ServingMetrics()
+        args=args, context_length=128, healthy=lambda: True, metrics=ServingMetrics()
     )
 
 

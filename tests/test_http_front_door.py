@@ -19,7 +19,7 @@ LIMIT = 4096
 def client(api_key: str | None = None, limit: int = LIMIT) -> TestClient:
     args = ServerArgs(model_path="/models/demo", api_key=api_key, max_request_bytes=limit)
     fake_tm = SimpleNamespace(
-        args=args, context_length=128, stalled=lambda: False, metrics=ServingMetrics()
+        args=args, context_length=128, healthy=lambda: True, metrics=ServingMetrics()
     )
     return TestClient(create_app(fake_tm))
 

@@ -19,8 +19,8 @@ from tokenizer_manager.tokenizer_manager import GenerateInput
 
 
 class Fake(FakeManager):
-    async def server_info(self) -> None:
-        return None  # no scheduler: /metrics shows the API counters only
+    async def server_infos(self) -> list:
+        return []  # no scheduler: /metrics shows the API counters only
 
 
 class RecursionInCheck(Fake):

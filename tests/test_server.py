@@ -726,7 +726,7 @@ def test_api_key_is_checked() -> None:
 
     args = ServerArgs(model_path="/models/demo", api_key="sekret")
     fake_tm = SimpleNamespace(
-        args=args, context_length=128, stalled=lambda: False, metrics=ServingMetrics()
+        args=args, context_length=128, healthy=lambda: True, metrics=ServingMetrics()
     )
     app = create_app(fake_tm)
     http = TestClient(app)
