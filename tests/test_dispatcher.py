@@ -167,3 +167,17 @@ def test_a_lost_replica_takes_nothing_and_starts_empty_when_back() -> None:
         d.choose([5], Route(rank=1))
     d.set_up(1, True)
     assert d.choose([9], Route(rank=1)) == 1 and d.replicas[1].tree.match([5, 6, 7]) == 0
+
+
+def test_one_replica_or_another_policy_keeps_no_prefix_tree() -> None:
+    """The trees decide only for cache_aware over two replicas or more: with one replica (the
+    default server) or another policy, no request pays for inserting its tokens."""
+    for size, policy in ((1, "cache_aware"), (2, "round_robin"), (2, "shortest_queue")):
+        dispatcher = Dispatcher(size, policy, tree_tokens=1000)
+        assert not dispatcher.tracks_prefixes
+        dispatcher.sent(0, [1, 2, 3])
+        dispatcher.ended(0, [1, 2, 3, 4], load=4)
+        assert dispatcher.replicas[0].tree.tokens == 0
+    two = Dispatcher(2, "cache_aware", tree_tokens=1000)
+    two.sent(0, [1, 2, 3])
+    assert two.tracks_prefixes and two.replicas[0].tree.tokens == 3

@@ -241,6 +241,12 @@ class Dispatcher:
     def size(self) -> int:
         return len(self.replicas)
 
+    @property
+    def tracks_prefixes(self) -> bool:
+        """Whether the replicas' prefix trees are kept: only where they decide something (the
+        cache-aware policy over two replicas or more), so one replica pays nothing per request."""
+        return self.policy == "cache_aware" and self.size > 1
+
     def choose(self, ids: Sequence[int], route: Route = Route()) -> int:
         """The replica for a prompt of token ids `ids` (pad values in): the one the request
         names, its session's, else the policy's. LookupError when none serves."""
@@ -274,7 +280,7 @@ class Dispatcher:
         view.routed += 1
         view.in_flight += 1
         view.load += len(ids)
-        if self.policy == "cache_aware":
+        if self.tracks_prefixes:
             view.tree.insert(ids)
 
     def progressed(self, replica: int, tokens: int) -> None:
@@ -287,7 +293,7 @@ class Dispatcher:
         view = self.replicas[replica]
         view.in_flight -= 1
         view.load -= load
-        if self.policy == "cache_aware" and view.up:
+        if self.tracks_prefixes and view.up:
             view.tree.insert(ids)
 
     def set_up(self, replica: int, up: bool) -> None:

@@ -649,7 +649,9 @@ class TokenizerManager:
             self.client_rids.discard(req.rid)
             if not state.lost:  # else the replica's ledger and view were reset when it died
                 self.pixels[replica].release(rid)
-                self.dispatcher.ended(replica, [*req.input_ids, *state.output_ids], state.load)
+                tracks = self.dispatcher.tracks_prefixes
+                cached = [*req.input_ids, *state.output_ids] if tracks else []
+                self.dispatcher.ended(replica, cached, state.load)
 
     def choose_replica(self, ids: list[int], route: Route) -> int:
         """The replica for a prompt of `ids` (503 when none serves, or the one named)."""
