@@ -13,6 +13,7 @@ import base64
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,32 +104,26 @@ class AttackLoad:
         done = threading.Event()
         prober = threading.Thread(target=self.probe, args=(done,))
         prober.start()
+        launched = []
         try:
             for attack in attacks(self.kv_tokens):
-                self.launch(attack)
+                launched.append(threading.Thread(target=self.attack, args=(attack,)))
+                launched[-1].start()
                 time.sleep(gap_s)
-            for thread in [t for t in threading.enumerate() if t.name.startswith("attack-")]:
+            for thread in launched:
                 thread.join(600)
         finally:
             done.set()
             prober.join()
 
-    def launch(self, attack: Attack) -> None:
-        threads = [
-            threading.Thread(target=self.send, args=(attack,), name=f"attack-{attack.name}-{i}")
-            for i in range(attack.count)
-        ]
+    def attack(self, attack: Attack) -> None:
+        """The attack's `count` requests at once; its window is from the first sent to the
+        last answered."""
         start = time.monotonic()
-        for thread in threads:
-            thread.start()
-
-        def close() -> None:
-            for thread in threads:
-                thread.join()
-            with self.lock:
-                self.windows[attack.name] = (start, time.monotonic())
-
-        threading.Thread(target=close, name=f"attack-{attack.name}-window").start()
+        with ThreadPoolExecutor(attack.count) as pool:
+            list(pool.map(lambda _: self.send(attack), range(attack.count)))
+        with self.lock:
+            self.windows[attack.name] = (start, time.monotonic())
 
     def send(self, attack: Attack) -> None:
         try:
