@@ -41,6 +41,8 @@ class ForwardBatch:
     mm_inputs[i] is request i's multimodal inputs (None for text-only requests).
     decode_tables: set for a static decode (see DecodeTables); its host lists are then only
     placeholders of the right length.
+    item_spans: each extend token's bidirectional media item, [start, end) in its sequence
+    (kernels/attention/batch_view.py `AttentionBatch.item_spans`), or None when there is none.
     A mixed step is an EXTEND whose last `decode_tail` requests are decodes riding along: one
     new token each over their cached tokens (an extend of length 1 with a prefix), which a
     backend may batch as it batches a decode.
@@ -58,6 +60,7 @@ class ForwardBatch:
     mm_inputs: list[MultimodalInputs | None] = field(default_factory=list)
     decode_tail: int = 0
     decode_tables: DecodeTables | None = None
+    item_spans: torch.Tensor | None = None
 
     @property
     def extend_count(self) -> int:

@@ -12,13 +12,19 @@ from kernels.attention.batch_view import AttentionBatch
 
 @dataclass(frozen=True)
 class AttentionLayer:
-    """What a backend needs to know about one decoder layer's attention on this rank."""
+    """What a backend needs to know about one decoder layer's attention on this rank.
+
+    sliding_window: a query at position i sees a key at position j <= i only when
+    i - j < sliding_window (a local layer); None: every earlier key (a global layer). Either
+    way, a token in a bidirectional item also sees the whole item (`AttentionBatch.item_spans`).
+    """
 
     layer_id: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scaling: float
+    sliding_window: int | None = None
 
 
 class AttentionBackend(Protocol):

@@ -88,5 +88,15 @@ class AttentionBatch(Protocol):
     @property
     def extend_count(self) -> int: ...
 
+    @property
+    def item_spans(self) -> torch.Tensor | None:
+        """[tokens of the extend requests (not a decode tail), 2] int32 on the batch's device:
+        for a token inside a bidirectional media item (a family whose image attention is
+        "bidirectional_item"), the absolute positions [start, end) of that item within its
+        request's sequence, else (0, 0). A query at position i then sees a key at j when
+        j <= i (within the layer's sliding window) or start_i <= j < end_i. None when no token
+        of the batch lies in such an item (plain causal attention)."""
+        ...
+
 
 __all__ = ["AttentionBatch", "DecodeTablesView", "KVBuffers"]
