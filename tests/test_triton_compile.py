@@ -71,6 +71,11 @@ def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path: Path) -> None:
     assert any("_decode_kernel" in s and "BLOCK_D=128" in s for s in specs)
     assert any("_decode_split_kernel" in s and "BLOCK_D=128" in s for s in specs)
     assert any("_varlen_kernel" in s and "BLOCK_D=128" in s for s in specs)
+    # Gemma 3's head_dim 256 with its local layers' window and its image items' spans
+    for kernel in ("_extend_kernel", "_decode_kernel", "_decode_split_kernel"):
+        assert any(kernel in s and "BLOCK_D=256" in s and "WINDOWED=True" in s for s in specs)
+    assert any("HAS_SPANS=True" in s and "WINDOWED=True" in s for s in specs)
+    assert any("HAS_SPANS=True" in s and "WINDOWED=False" in s for s in specs)
     # ptxas ships with the Triton wheel: a cubin is built too (no device needed)
     assert all("cubin" in r["asm"] for r in results)
 

@@ -27,7 +27,7 @@ from kernels.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from kernels.attention.varlen import varlen_attention  # noqa: E402
 from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from kernels.rotary import apply_rotary, mrope_cos_sin  # noqa: E402
-from runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from runtime.forward_batch import DecodeTables, ForwardBatch, ForwardMode  # noqa: E402
 from runtime.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -247,10 +247,15 @@ def test_extend_kernel_direct(tk: types.SimpleNamespace) -> None:
 
 
 def decode_direct(
-    tk: types.SimpleNamespace, case: AttnCase, num_splits: int | None, block_n: int = 16
+    tk: types.SimpleNamespace,
+    case: AttnCase,
+    num_splits: int | None,
+    block_n: int = 16,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decode_attention with `num_splits`, the torch reference) on one decode case, with the
-    pool slots no request owns set to NaN so that a read past a request's tokens shows."""
+    """(decode_attention with `num_splits` and `window`, the torch reference without a window)
+    on one decode case, with the pool slots no request owns set to NaN so that a read past a
+    request's tokens shows."""
     b, layer = case.batch, case.layer
     shape = (-1, layer.num_kv_heads, layer.head_dim)
     b.kv_pool.set_kv(layer.layer_id, b.out_cache_loc, case.k.view(shape), case.v.view(shape))
@@ -266,7 +271,7 @@ def decode_direct(
     q = case.q.view(-1, layer.num_heads, layer.head_dim)
     out = tk.attention.decode_attention(
         q, k_buf, v_buf, b.req_to_token, meta.seq_lens, meta.req_pool_indices, layer.scaling,
-        block_n, num_splits=num_splits,
+        block_n, num_splits=num_splits, window=window,
     )
     return out.view(expected.shape), expected
 
@@ -320,6 +325,145 @@ def test_decode_split_count(tk: types.SimpleNamespace) -> None:
     assert splits(256, 4, 32768, 64) == 1
     assert splits(1, 4, 100, 64) == 2
     assert splits(1, 4, 1, 64) == 1
+
+
+# ---------------------------------------------------------------- sliding windows, item spans
+
+
+def span_table(batch: ForwardBatch, items: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """item_spans for the batch's first len(items) requests (the rest are a decode tail):
+    each token inside one of its request's items [start, end) gets that item, others (0, 0)."""
+    parts = []
+    for prefix, extend, spans in zip(batch.prefix_lens_list, batch.extend_lens_list, items):
+        table = torch.zeros(extend, 2, dtype=torch.int32)
+        pos = torch.arange(prefix, prefix + extend)
+        for lo, hi in spans:
+            table[(pos >= lo) & (pos < hi)] = torch.tensor([lo, hi], dtype=torch.int32)
+        parts.append(table)
+    return torch.cat(parts).to(DEVICE)
+
+
+def masked_sdpa(case: AttnCase, window: int | None, spans: torch.Tensor | None) -> torch.Tensor:
+    """The reference, request by request in float64 over the pool's K/V (new tokens stored):
+    query i sees key j iff (j <= i and (no window or i - j < window)) or j is in i's item."""
+    b, layer = case.batch, case.layer
+    group = layer.num_heads // layer.num_kv_heads
+    k_buf, v_buf = b.kv_pool.k_buffers[layer.layer_id], b.kv_pool.v_buffers[layer.layer_id]
+    q = case.q.view(-1, layer.num_heads, layer.head_dim).double()
+    out, first = torch.empty_like(q), 0
+    for row, prefix, extend in zip(b.req_pool_indices_list, b.prefix_lens_list, b.extend_lens_list):
+        slots = b.req_to_token[row, : prefix + extend].long()
+        k, v = (buf[slots].double().repeat_interleave(group, dim=1) for buf in (k_buf, v_buf))
+        i = torch.arange(prefix, prefix + extend, device=DEVICE)[:, None]
+        j = torch.arange(prefix + extend, device=DEVICE)[None, :]
+        visible = (j <= i) & ((i - j < window) if window else True)
+        if spans is not None and first < spans.shape[0]:
+            item = spans[first : first + extend].long()
+            visible = visible | ((j >= item[:, :1]) & (j < item[:, 1:]))
+        scores = torch.einsum("qhd,khd->hqk", q[first : first + extend], k) * layer.scaling
+        weights = scores.masked_fill(~visible, -torch.inf).softmax(-1)
+        out[first : first + extend] = torch.einsum("hqk,khd->qhd", weights, v)
+        first += extend
+    return out.view(case.q.shape)
+
+
+def check_masked(
+    tk: types.SimpleNamespace,
+    case: AttnCase,
+    window: int | None,
+    items: list[list[tuple[int, int]]] | None,
+    decode_tail: int = 0,
+    dtype: torch.dtype = torch.float32,
+    block: int = 16,
+) -> torch.Tensor:
+    """The Triton backend (`block`-token blocks) on a layer with `window` and a batch with
+    `items` against masked_sdpa; returns the output."""
+    spans = None if items is None else span_table(case.batch, items)
+    batch = dataclasses.replace(case.batch, item_spans=spans, decode_tail=decode_tail)
+    layer = dataclasses.replace(case.layer, sliding_window=window)
+    backend = tk.attention.TritonAttentionBackend(block_m=block, block_n=block)
+    out = backend.forward(case.q, case.k, case.v, layer, batch)
+    case = dataclasses.replace(case, batch=batch, layer=layer)
+    # as in check_backend, against a float64 reference
+    bound = kernel_bound(dtype, attention_terms(case), 5)
+    assert rel_err(out, masked_sdpa(case, window, spans)) <= bound
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+def test_extend_sliding_window(tk: types.SimpleNamespace, window: int) -> None:
+    """Windows of one token, inside one key block, of a whole block and past every request,
+    over cached prefixes: query blocks start their key loop at the window's first block."""
+    case = make_case([11, 0, 37], [20, 17, 3], heads=4, kv_heads=2, seed=20)
+    check_masked(tk, case, window, None)
+
+
+def test_extend_item_spans(tk: types.SimpleNamespace) -> None:
+    """Items that cross a query block's causal end (req 0: [10, 19) with 16-token blocks), one
+    that begins in the cached prefix (req 1: [4, 10) over 6 cached tokens), two in one
+    request, and a request without items, all in one batch."""
+    case = make_case([0, 6, 3], [20, 14, 9], seed=21)
+    items = [[(10, 19)], [(4, 10), (12, 19)], []]
+    out = check_masked(tk, case, None, items)
+    causal = check_masked(tk, case, None, None)
+    # only the item tokens with a later key in their item attend otherwise than causally
+    changed = (out - causal).abs().amax(dim=1) > 1e-4
+    pos = torch.cat([torch.arange(p, p + e) for p, e in zip([0, 6, 3], [20, 14, 9])])
+    assert torch.equal(changed, span_table(case.batch, items)[:, 1] - 1 > pos.to(DEVICE))
+
+
+def test_extend_window_and_spans(tk: types.SimpleNamespace) -> None:
+    """A window of 4 with an item of 33 tokens: the item's tokens see all of it (earlier
+    ones than the window too, from a third query block whose window starts two key blocks
+    after the item), the tokens after it only the window."""
+    case = make_case([5, 0], [40, 12], seed=22)
+    check_masked(tk, case, 4, [[(7, 40)], [(0, 3)]])
+
+
+def test_mixed_step_with_windows_and_spans(tk: types.SimpleNamespace) -> None:
+    """A mixed step: two extends with items, then a decode tail of two requests with no spans
+    (item_spans covers the extend tokens only), with and without a window."""
+    case = make_case([0, 9, 8, 36], [18, 5, 1, 1], seed=23)
+    for window in (None, 6):
+        check_masked(tk, case, window, [[(2, 17)], [(7, 13)]], decode_tail=2)
+
+
+def test_item_spans_of_the_wrong_length_are_refused(tk: types.SimpleNamespace) -> None:
+    case = make_case([0, 9], [6, 1], seed=24)
+    spans = span_table(case.batch, [[(1, 4)], [(9, 10)]])  # the tail's token given a row
+    batch = dataclasses.replace(case.batch, item_spans=spans, decode_tail=1)
+    backend = tk.attention.TritonAttentionBackend(block_m=16, block_n=16)
+    with pytest.raises(ValueError, match="item_spans has 7 rows for 6 extend tokens"):
+        backend.forward(case.q, case.k, case.v, case.layer, batch)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("window", [1, 7, 30])
+def test_decode_sliding_window(tk: types.SimpleNamespace, num_splits: int, window: int) -> None:
+    """Decode over the last `window` tokens, in one pass and split (a split of a short window
+    may be empty), on requests shorter and longer than the window; slots no request owns are
+    NaN, so a read outside a request shows."""
+    case = make_case([0, 4, 39, 18], [1] * 4, 7, 1, 8, mode=ForwardMode.DECODE, seed=window)
+    layer = dataclasses.replace(case.layer, sliding_window=window)
+    out, _ = decode_direct(tk, case, num_splits, window=window)
+    case = dataclasses.replace(case, layer=layer)
+    assert not out.isnan().any()
+    bound = kernel_bound(torch.float32, attention_terms(case), 5)
+    assert rel_err(out, masked_sdpa(case, window, None)) <= bound
+
+
+def test_static_decode_honours_the_window(tk: types.SimpleNamespace) -> None:
+    """A decode batch over device tables (what a captured CUDA graph replays) reads the
+    layer's window as the dynamic batch does, through the backend's automatic splits."""
+    case = make_case([3, 40, 21], [1] * 3, mode=ForwardMode.DECODE, seed=25)
+    b = case.batch
+    rows = torch.tensor(b.req_pool_indices_list, device=DEVICE)
+    lens = torch.tensor(b.seq_lens_list, device=DEVICE)
+    tables = DecodeTables(rows, lens, b.req_to_token.shape[1])
+    static = dataclasses.replace(case, batch=dataclasses.replace(b, decode_tables=tables))
+    for window in (None, 9):
+        check_masked(tk, static, window, None)
+    check_masked(tk, case, 9, None)
 
 
 # ---------------------------------------------------------------- vision varlen attention
@@ -517,6 +661,22 @@ def test_varlen_attention_gpu(tk: types.SimpleNamespace, dtype: torch.dtype) -> 
     expected = varlen_attention(q.float(), k.float(), v.float(), cu, 80**-0.5)
     # as in test_varlen_attention
     assert rel_err(out, expected) <= kernel_bound(dtype, 80 + 2 * max(lengths), 2)
+
+
+@pytest.mark.gpu
+def test_windows_and_spans_gpu(tk: types.SimpleNamespace) -> None:
+    """Gemma 3 4B's attention shapes (head_dim 256) in bf16 with the backend's 32-token blocks:
+    a local layer's window over long prefixes, image items, and a mixed step's decode tail;
+    then the windowed decode at batch 1 (split) and batch 64 (one pass)."""
+    case = make_case([0, 300, 40, 700], [600, 90, 1, 1], 8, 4, 256, torch.bfloat16, seed=13)
+    items = [[(5, 261), (300, 556)], [(290, 346)]]
+    for window in (None, 128):
+        check_masked(tk, case, window, items, 2, torch.bfloat16, block=32)
+    for prefix in ([1500], list(range(0, 640, 10))):
+        decode = make_case(
+            prefix, [1] * len(prefix), 8, 4, 256, torch.bfloat16, ForwardMode.DECODE, seed=14
+        )
+        check_masked(tk, decode, 128, None, dtype=torch.bfloat16, block=32)
 
 
 @pytest.mark.gpu

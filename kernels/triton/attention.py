@@ -15,6 +15,14 @@ is upcast to float32 so bf16 pools work in the interpreter too.
   and unnormalised values to float32 scratch, and a second kernel merges the splits per
   (request, q head). The split count is chosen on the host from shapes alone (`decode_splits`),
   since a captured decode step's lengths exist only on the device.
+
+Two masks beyond causal, each behind a constexpr switch so that a plain layer compiles to the
+plain kernel: a local layer's sliding window W (a query at position i sees keys j with
+i - j < W; the key loop starts at the window's first block, and a decode reads only the last W
+tokens), and an extend batch's bidirectional item spans (`AttentionBatch.item_spans`: a token
+inside a media item also sees every key of that item, later ones included; the key loop of a
+query block then reaches the end of the furthest item in it). The window is a plain int
+argument, static per layer, so a captured CUDA graph replays each layer with its own.
 """
 
 from __future__ import annotations
@@ -113,12 +121,16 @@ def load_pool_kv(
 @triton.jit
 def _extend_kernel(
     q_ptr, out_ptr, k_buf, v_buf, req_to_token,
-    q_starts, prefix_lens, extend_lens, req_pool_indices,
+    q_starts, prefix_lens, extend_lens, req_pool_indices, item_spans,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_req, qk_scale, head_dim,
+    stride_req, qk_scale, head_dim, window, span_rows,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, WINDOWED: tl.constexpr, HAS_SPANS: tl.constexpr,
 ):
+    """One program per (request, q head, block of BLOCK_M new tokens). With WINDOWED, keys
+    more than `window - 1` positions before a query are hidden; with HAS_SPANS, the first
+    `span_rows` q rows read their item's [start, end) from item_spans ([span_rows, 2], int32),
+    and every key of the item is visible to them."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     block_m = tl.program_id(2)
@@ -144,15 +156,32 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_start = 0
     kv_end = tl.minimum(seq_len, prefix_len + (block_m + 1) * BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
+    if WINDOWED:  # the block's first query sees back to its window's start, the others less
+        kv_start = tl.maximum(prefix_len + block_m * BLOCK_M - window + 1, 0)
+    if HAS_SPANS:
+        span_mask = m_mask & (q_rows < span_rows)
+        item_lo = tl.load(item_spans + q_rows * 2, mask=span_mask, other=0)
+        item_hi = tl.load(item_spans + q_rows * 2 + 1, mask=span_mask, other=0)
+        in_item = item_hi > item_lo
+        kv_start = tl.minimum(kv_start, tl.min(tl.where(in_item, item_lo, kv_start), axis=0))
+        kv_end = tl.minimum(seq_len, tl.maximum(kv_end, tl.max(item_hi, axis=0)))
+    kv_start = kv_start // BLOCK_N * BLOCK_N
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         kv_pos = n0 + offs_n
         n_mask = kv_pos < kv_end
         k, v = load_pool_kv(
             k_buf, v_buf, req_to_token + row * stride_req, kv_pos, n_mask, kv_head, offs_d,
             d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
         )
-        visible = (q_pos[:, None] >= kv_pos[None, :]) & n_mask[None, :]
+        visible = q_pos[:, None] >= kv_pos[None, :]
+        if WINDOWED:
+            visible = visible & (q_pos[:, None] - kv_pos[None, :] < window)
+        if HAS_SPANS:
+            inside = (kv_pos[None, :] >= item_lo[:, None]) & (kv_pos[None, :] < item_hi[:, None])
+            visible = visible | inside
+        visible = visible & n_mask[None, :]
         m_i, l_i, acc = online_softmax_block(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
 
     out = acc / l_i[:, None]
@@ -204,22 +233,27 @@ def _decode_kernel(
     q_ptr, out_ptr, k_buf, v_buf, req_to_token,
     seq_lens, req_pool_indices,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_req, qk_scale, head_dim,
+    stride_req, qk_scale, head_dim, window,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
-    """One program per (request, kv head) over all of the request's tokens."""
+    """One program per (request, kv head) over all of the request's tokens (its last `window`
+    with WINDOWED)."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens + req)
     row = tl.load(req_pool_indices + req).to(tl.int64)
+    start = 0
+    if WINDOWED:
+        start = tl.maximum(seq_len - window, 0)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     q, heads, h_mask = load_group_q(
         q_ptr, req, kv_head, stride_qt, stride_qh, offs_d, d_mask, GROUP, BLOCK_H
     )
     m_i, l_i, acc = attend_token_range(
-        q, k_buf, v_buf, req_to_token + row * stride_req, kv_head, 0, seq_len, offs_d, d_mask,
+        q, k_buf, v_buf, req_to_token + row * stride_req, kv_head, start, seq_len, offs_d,
+        d_mask,
         stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
         BLOCK_H, BLOCK_N, BLOCK_D, PRECISION,
     )
@@ -233,13 +267,14 @@ def _decode_split_kernel(
     q_ptr, acc_part, stat_part, k_buf, v_buf, req_to_token,
     seq_lens, req_pool_indices,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_req, qk_scale, head_dim, num_heads, num_splits,
+    stride_req, qk_scale, head_dim, num_heads, num_splits, window,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
-    """One program per (request, kv head, split) over the split's tokens. Split s covers
-    [s * L, (s + 1) * L) of the request's tokens, L = cdiv(seq_len, num_splits) rounded up to
-    BLOCK_N; the last splits of a short request are empty.
+    """One program per (request, kv head, split) over the split's tokens. The tokens read are
+    [lo, seq_len): lo = 0, or seq_len - window with WINDOWED. Split s covers
+    [lo + s * L, lo + (s + 1) * L), L = cdiv(seq_len - lo, num_splits) rounded up to BLOCK_N;
+    the last splits of a short request are empty.
 
     Partial row p = (request * num_heads + q head) * num_splits + split: the unnormalised values
     at acc_part[p, :head_dim] (left unwritten for an empty split), the running max and sum at
@@ -249,8 +284,11 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + req)
     row = tl.load(req_pool_indices + req).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(seq_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(seq_len, start + split_len)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
@@ -316,6 +354,15 @@ def _check_pool(k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Te
         raise ValueError("KV buffers and req_to_token need a contiguous last dimension")
 
 
+def window_arg(window: int | None) -> int:
+    """A layer's sliding window as the kernels' int argument (0 without one)."""
+    if window is None:
+        return 0
+    if window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {window}")
+    return window
+
+
 def extend_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -325,10 +372,15 @@ def extend_attention(
     scaling: float,
     block_m: int = 32,
     block_n: int = 32,
+    window: int | None = None,
+    item_spans: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, head_dim] (new tokens of all requests, in order) -> same shape.
 
-    The new tokens' K/V must already be in the pool at their slots.
+    The new tokens' K/V must already be in the pool at their slots. window: the layer's sliding
+    window (None: every earlier key). item_spans: [rows, 2] int32, each of the first `rows`
+    tokens' bidirectional item [start, end) in its request (0, 0 outside items); the tokens
+    after them (a mixed step's decode tail) have none.
     """
     _check_pool(k_buf, v_buf, req_to_token)
     tokens, heads, head_dim = q.shape
@@ -336,15 +388,22 @@ def extend_attention(
     num_reqs = meta.q_starts.numel()
     if tokens == 0 or num_reqs == 0:
         return out
+    if item_spans is not None:
+        if item_spans.dim() != 2 or item_spans.shape[1] != 2 or item_spans.shape[0] > tokens:
+            raise ValueError(f"item_spans must be [<= {tokens}, 2], got {tuple(item_spans.shape)}")
+        item_spans = item_spans.to(torch.int32).contiguous()
+    spans = meta.q_starts if item_spans is None else item_spans  # a placeholder when unused
     grid = (num_reqs, heads, triton.cdiv(meta.max_extend_len, block_m))
     _extend_kernel[grid](
         q, out, k_buf, v_buf, req_to_token,
-        meta.q_starts, meta.prefix_lens, meta.extend_lens, meta.req_pool_indices,
+        meta.q_starts, meta.prefix_lens, meta.extend_lens, meta.req_pool_indices, spans,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0), scaling * LOG2E, head_dim,
+        req_to_token.stride(0), scaling * LOG2E, head_dim, window_arg(window),
+        0 if item_spans is None else item_spans.shape[0],
         GROUP=heads // k_buf.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=head_block(head_dim), PRECISION=dot_precision(k_buf.dtype),
+        WINDOWED=window is not None, HAS_SPANS=item_spans is not None,
     )
     return out
 
@@ -381,10 +440,12 @@ def decode_attention(
     scaling: float,
     block_n: int = 64,
     num_splits: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [requests, heads, head_dim], one new token per request (already in the pool).
 
-    num_splits: token splits per request; None picks `decode_splits` from the shapes."""
+    num_splits: token splits per request; None picks `decode_splits` from the shapes (a
+    windowed layer reads at most `window` tokens). window: the layer's sliding window."""
     _check_pool(k_buf, v_buf, req_to_token)
     num_reqs, heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -392,18 +453,20 @@ def decode_attention(
         return out
     kv_heads = k_buf.shape[1]
     if num_splits is None:
-        num_splits = decode_splits(num_reqs, kv_heads, req_to_token.shape[1], block_n)
+        context = req_to_token.shape[1] if window is None else min(window, req_to_token.shape[1])
+        num_splits = decode_splits(num_reqs, kv_heads, context, block_n)
     group = heads // kv_heads
     blocks = {
         "GROUP": group, "BLOCK_H": group_block(group), "BLOCK_N": block_n,
         "BLOCK_D": head_block(head_dim), "PRECISION": dot_precision(k_buf.dtype),
+        "WINDOWED": window is not None,
     }
     strides = (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1))
     if num_splits == 1:
         _decode_kernel[(num_reqs, kv_heads)](
             q, out, k_buf, v_buf, req_to_token, seq_lens, req_pool_indices,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
-            req_to_token.stride(0), scaling * LOG2E, head_dim, **blocks,
+            req_to_token.stride(0), scaling * LOG2E, head_dim, window_arg(window), **blocks,
         )
         return out
     acc_part = torch.empty(num_reqs, heads, num_splits, head_dim, dtype=torch.float32,
@@ -412,7 +475,8 @@ def decode_attention(
     _decode_split_kernel[(num_reqs, kv_heads, num_splits)](
         q, acc_part, stat_part, k_buf, v_buf, req_to_token, seq_lens, req_pool_indices,
         q.stride(0), q.stride(1), *strides,
-        req_to_token.stride(0), scaling * LOG2E, head_dim, heads, num_splits, **blocks,
+        req_to_token.stride(0), scaling * LOG2E, head_dim, heads, num_splits,
+        window_arg(window), **blocks,
     )
     _decode_merge_kernel[(num_reqs, heads)](
         acc_part, stat_part, out, out.stride(0), out.stride(1), head_dim, heads, num_splits,
@@ -422,7 +486,8 @@ def decode_attention(
 
 
 class TritonAttentionBackend:
-    """The AttentionBackend protocol on the two kernels above."""
+    """The AttentionBackend protocol on the kernels above: the layer's sliding window in both,
+    the batch's item spans in an extend (a decode batch has none)."""
 
     def __init__(self, block_m: int = 32, block_n: int = 32) -> None:
         self.block_m = block_m
@@ -451,14 +516,22 @@ class TritonAttentionBackend:
         k_buf, v_buf = store_kv(k, v, layer, batch, kv_stored)
         q = q.view(-1, layer.num_heads, layer.head_dim)
         meta = self.metadata(batch, q.device)
+        spans = batch.item_spans
         if batch.is_decode:
+            if spans is not None:
+                raise ValueError("a decode batch has no item spans")
             out = decode_attention(
                 q, k_buf, v_buf, batch.req_to_token, meta.seq_lens, meta.req_pool_indices,
-                layer.scaling, self.block_n,
+                layer.scaling, self.block_n, window=layer.sliding_window,
             )
         else:
+            if spans is not None and spans.shape[0] != q.shape[0] - batch.decode_tail:
+                raise ValueError(
+                    f"item_spans has {spans.shape[0]} rows for "
+                    f"{q.shape[0] - batch.decode_tail} extend tokens"
+                )
             out = extend_attention(
                 q, k_buf, v_buf, batch.req_to_token, meta, layer.scaling,
-                self.block_m, self.block_n,
+                self.block_m, self.block_n, layer.sliding_window, spans,
             )
         return out.view(-1, layer.num_heads * layer.head_dim)

@@ -3,7 +3,8 @@
 Each `KernelSpec` is one specialisation a launcher in this package picks for a model tessera
 serves: the element type of the tensors, the block sizes and head dimensions the launchers derive
 (`head_block`, `group_block`, `dot_precision`, next powers of two) for the Qwen2-VL,
-Qwen2.5-VL and Qwen3-VL shapes.
+Qwen2.5-VL and Qwen3-VL shapes, and the attention kernels' sliding-window and item-span variants
+(their constexpr switches) at the shapes of the decoders that have local layers (Gemma 3).
 `compile_all` drives each one through `triton.compile` on an `ASTSource` for a `GPUTarget` (sm_80
 and sm_90 by default) down to PTX and, since the Triton wheel ships ptxas, a cubin.
 
@@ -30,6 +31,11 @@ TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 # checkpoints. Qwen2-VL-2B (12, 2) and Qwen3-VL-8B (32, 8) share head_dim 128; the group size
 # is a constexpr that only changes masks, so the 7B's stands for theirs.
 LLM_SHAPES = ((28, 4, 128), (4, 2, 16))
+# (heads, kv_heads, head_dim) of decoders with sliding-window layers and bidirectional image
+# items: Gemma 3 4B (8, 4, 256; 12B's (16, 8) gives the same constexprs). Their kernels compile
+# with and without each mask (the masks' code is the same at every shape, and the CPU tests run
+# it at the tiny checkpoints' shapes).
+MASKED_SHAPES = ((8, 4, 256),)
 # (heads, head_dim) of the vision towers: Qwen2-VL / Qwen2.5-VL (1280 / 16), Qwen3-VL (1152 / 16),
 # the tiny checkpoints
 VIT_SHAPES = ((16, 80), (16, 72), (2, 16))
@@ -94,10 +100,14 @@ def attention_specs(dtype: torch.dtype) -> Iterator[KernelSpec]:
     common = {
         **_ptrs("q_ptr out_ptr k_buf v_buf", ty),
         "req_to_token": "*i64",
-        **_ints(f"{strides} stride_req head_dim"),
+        **_ints(f"{strides} stride_req head_dim window"),
         "qk_scale": "fp32",
     }
-    extend = {**common, **_ptrs("q_starts prefix_lens extend_lens req_pool_indices", "i32")}
+    extend = {
+        **common,
+        **_ptrs("q_starts prefix_lens extend_lens req_pool_indices item_spans", "i32"),
+        **_ints("span_rows"),
+    }
     decode = {**common, **_ptrs("seq_lens req_pool_indices", "i32")}
     split = {
         **decode,
@@ -110,11 +120,17 @@ def attention_specs(dtype: torch.dtype) -> Iterator[KernelSpec]:
         **_ints("stride_ot stride_oh head_dim num_heads num_splits"),
     }
     module = "kernels.triton.attention"
-    for heads, kv_heads, head_dim in LLM_SHAPES:
+    plain = [(shape, False, False) for shape in LLM_SHAPES]
+    switches = ((False, False), (True, False), (False, True), (True, True))
+    masked = [(shape, *pair) for shape in MASKED_SHAPES for pair in switches]
+    for (heads, kv_heads, head_dim), windowed, spans in [*plain, *masked]:
         group = heads // kv_heads
         blocks = {"GROUP": group, "BLOCK_N": ATTN_BLOCK, "BLOCK_D": head_block(head_dim)}
         blocks["PRECISION"] = dot_precision(dtype)
-        yield spec("_extend_kernel", module, extend, BLOCK_M=ATTN_BLOCK, **blocks)
+        blocks["WINDOWED"] = windowed
+        yield spec("_extend_kernel", module, extend, BLOCK_M=ATTN_BLOCK, HAS_SPANS=spans, **blocks)
+        if spans:
+            continue  # a decode has no spans
         yield spec("_decode_kernel", module, decode, BLOCK_H=group_block(group), **blocks)
         yield spec("_decode_split_kernel", module, split, BLOCK_H=group_block(group), **blocks)
         for splits in (2, MAX_DECODE_SPLITS):
