@@ -6,6 +6,7 @@ from kv_indptr/kv_indices, causal aligned to the end of its KV) against the torc
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -16,10 +17,12 @@ from device_check import DeviceRules
 
 from kernels.attention import AttentionLayer, create_attention_backend
 from kernels.attention.flashinfer_backend import (
+    FlashInferAttentionBackend,
     PagedMetadata,
     as_pages,
     batch_metadata,
     paged_metadata,
+    plan_arguments,
     prefix_sums,
 )
 from kernels.attention.torch_backend import TorchAttentionBackend
@@ -136,6 +139,94 @@ def test_page_table_gives_the_torch_attention(
     torch.testing.assert_close(got.view(tokens, -1), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_plan_carries_the_layer_window() -> None:
+    """window_left is W - 1 (keys up to W - 1 before the query), -1 for a global layer, in
+    the prefill plan (causal, after qo_indptr) and the decode plan alike."""
+    meta = batch_metadata(make_batch(ForwardMode.EXTEND, [0, 5], [6, 4], 0))
+    local = dataclasses.replace(LAYER, sliding_window=4)
+    for decode in (False, True):
+        args, kwargs = plan_arguments(meta, local, decode, torch.bfloat16, torch.bfloat16)
+        assert kwargs["window_left"] == 3 and kwargs["sm_scale"] == LAYER.scaling
+        assert args[-4:] == (4, 2, 8, 1) and (args[0] is meta.qo_indptr) != decode
+        assert kwargs.get("causal") is (None if decode else True)
+        _, kwargs = plan_arguments(meta, LAYER, decode, torch.bfloat16, torch.bfloat16)
+        assert kwargs["window_left"] == -1
+    with pytest.raises(ValueError, match="at least 1"):
+        plan_arguments(meta, dataclasses.replace(LAYER, sliding_window=0), True, *[torch.float] * 2)
+
+
+class RecordingWrapper:
+    """A FlashInfer wrapper that records its plans and runs."""
+
+    def __init__(self, decode: bool) -> None:
+        self.decode = decode
+        self.windows: list[int] = []
+        self.runs = 0
+
+    def plan(self, *args: object, **kwargs: object) -> None:
+        self.windows.append(int(kwargs["window_left"]))  # type: ignore[call-overload]
+
+    def run(self, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.runs += 1
+        return torch.zeros_like(q)
+
+
+class RecordingSpanBackend:
+    def __init__(self) -> None:
+        self.windows: list[int | None] = []
+
+    def forward(self, q, k, v, layer, batch, kv_stored=False) -> torch.Tensor:  # noqa: ANN001
+        self.windows.append(layer.sliding_window)
+        return torch.zeros_like(q)
+
+
+def run_layers(
+    backend: FlashInferAttentionBackend, batch: ForwardBatch, windows: list[int | None]
+) -> None:
+    """One forward's layers, with `windows[i]` as layer i's sliding window."""
+    tokens = batch.input_ids.numel()
+    q = torch.zeros(tokens, LAYER.num_heads * LAYER.head_dim)
+    kv = torch.zeros(tokens, LAYER.num_kv_heads * LAYER.head_dim)
+    for window in windows:
+        layer = dataclasses.replace(LAYER, sliding_window=window)
+        assert backend.forward(q, kv, kv, layer, batch).shape == q.shape
+
+
+def test_local_and_global_layers_plan_once_each_per_forward() -> None:
+    """Interleaved local and global layers: one wrapper per (kind, window), each planned on
+    its first layer of a forward and run by all of its layers; the next forward plans again."""
+    made: list[RecordingWrapper] = []
+
+    def make(decode: bool) -> RecordingWrapper:
+        made.append(RecordingWrapper(decode))
+        return made[-1]
+
+    backend = FlashInferAttentionBackend.over(make, RecordingSpanBackend())
+    layers = [4, None, 4, None, 4]
+    for mode, extend in ((ForwardMode.EXTEND, [6, 4, 1]), (ForwardMode.DECODE, [1, 1, 1])):
+        for _ in range(2):
+            run_layers(backend, make_batch(mode, [0, 5, 3], extend, 0), layers)
+    assert [(w.decode, w.windows, w.runs) for w in made] == [
+        (False, [3, 3], 6), (False, [-1, -1], 4), (True, [3, 3], 6), (True, [-1, -1], 4),
+    ]
+
+
+def test_extends_with_item_spans_run_on_the_span_backend() -> None:
+    """An extend with item spans goes, every layer and its window, to the span backend
+    (FlashInfer plans nothing for it); a decode batch with spans is refused."""
+    made: list[bool] = []
+    spans = RecordingSpanBackend()
+    backend = FlashInferAttentionBackend.over(lambda d: made.append(d), spans)
+    batch = make_batch(ForwardMode.EXTEND, [0, 5], [6, 4], 0)
+    batch.item_spans = torch.tensor([[0, 0]] * 2 + [[2, 5]] * 3 + [[0, 0]] * 5, dtype=torch.int32)
+    run_layers(backend, batch, [4, None])
+    assert spans.windows == [4, None] and made == []
+    decode = make_batch(ForwardMode.DECODE, [3], [1], 0)
+    decode.item_spans = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="no item spans"):
+        run_layers(backend, decode, [None])
+
+
 def test_flashinfer_is_refused_without_cuda_and_never_imported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -186,3 +277,36 @@ def test_flashinfer_backend_matches_torch(
     got = create_attention_backend("flashinfer").forward(q, k, v, layer, batch)
     expected = TorchAttentionBackend().forward(q, k, v, layer, batch)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_flashinfer_window_matches_triton(mode: ForwardMode) -> None:
+    """A local layer's window on FlashInfer (window_left) equals the Triton kernels' window,
+    and a batch with item spans gives the Triton backend's output (it runs there)."""
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer is not installed (pip install -e '.[gpu]')")
+    from kernels.triton.attention import TritonAttentionBackend
+
+    layer = AttentionLayer(0, 4, 2, 64, 64**-0.5, sliding_window=5)
+    extend = [6, 4, 1] if mode == ForwardMode.EXTEND else [1, 1, 1]
+    batch = make_batch(mode, [2, 9, 20], extend, 0)
+    kv = KVPool(96, 1, 2, 64, torch.bfloat16, "cuda")
+    batch.kv_pool, batch.req_pool.req_to_token = kv, batch.req_to_token.cuda()
+    batch.out_cache_loc = batch.out_cache_loc.cuda()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (
+        torch.randn(sum(extend), n * 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for n in (4, 2, 2)
+    )
+    flashinfer = create_attention_backend("flashinfer")
+    expected = TritonAttentionBackend().forward(q, k, v, layer, batch)
+    got = flashinfer.forward(q, k, v, layer, batch)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    if mode == ForwardMode.EXTEND:
+        spans = [[0, 0]] * 6 + [[8, 12]] * 3 + [[0, 0]] * 2
+        batch.item_spans = torch.tensor(spans, dtype=torch.int32, device="cuda")
+        assert torch.equal(
+            create_attention_backend("flashinfer").forward(q, k, v, layer, batch),
+            TritonAttentionBackend().forward(q, k, v, layer, batch),
+        )

@@ -13,13 +13,24 @@ pages are its request-table row, so the metadata is (`paged_metadata`, pure, tes
 An extend (a mixed step's decode tail included, as one-token extends) runs
 BatchPrefillWithPagedKVCacheWrapper with a causal mask, which FlashInfer aligns to the end of
 each request's KV (the new tokens are its last ones); a decode runs
-BatchDecodeWithPagedKVCacheWrapper. Each is planned once per forward, on the first layer, and
-run by every layer. flashinfer is imported here only, when the backend is built: it needs CUDA,
-and a CPU machine never imports it (`--attention-backend flashinfer` is refused there).
+BatchDecodeWithPagedKVCacheWrapper. A layer's sliding window W is FlashInfer's `window_left`
+(W - 1: the keys at most W - 1 positions before a query; -1 for a global layer), which is part
+of the plan: each window value a model's layers use gets a wrapper of its own, planned once per
+forward on the first layer with that window and run by every such layer (a model that
+interleaves local and global layers plans twice per forward).
+
+An extend with bidirectional item spans (`AttentionBatch.item_spans`) does not fit FlashInfer's
+causal or windowed masks; it runs through the Triton extend kernel (kernels/triton/attention.py),
+which reads the same pool and honours both the spans and the window. Only such extends do:
+decodes and plain extends stay on FlashInfer.
+
+flashinfer is imported here only, when the backend is built: it needs CUDA, and a CPU machine
+never imports it (`--attention-backend flashinfer` is refused there).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,13 +90,47 @@ def batch_metadata(batch: AttentionBatch) -> PagedMetadata:
     )
 
 
+def window_left(layer: AttentionLayer) -> int:
+    """FlashInfer's window_left for the layer: W - 1 for a sliding window of W, -1 for none."""
+    if layer.sliding_window is None:
+        return -1
+    if layer.sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {layer.sliding_window}")
+    return layer.sliding_window - 1
+
+
+def plan_arguments(
+    meta: PagedMetadata,
+    layer: AttentionLayer,
+    decode: bool,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """The positional and keyword arguments of the decode or prefill wrapper's `plan` for a
+    batch's page table and one layer's shapes and window."""
+    dims = (layer.num_heads, layer.num_kv_heads, layer.head_dim, 1)  # page size 1
+    kwargs: dict[str, object] = dict(
+        q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=layer.scaling,
+        window_left=window_left(layer),
+    )
+    pages = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+    if decode:
+        return (*pages, *dims), kwargs
+    return (meta.qo_indptr, *pages, *dims), {**kwargs, "causal": True}
+
+
 def as_pages(buffer: torch.Tensor) -> torch.Tensor:
     """A pool buffer [slots + 1, kv_heads, head_dim] as NHD pages of one token (a view)."""
     return buffer.unsqueeze(1)
 
 
+# builds a (decode if True else prefill) FlashInfer wrapper
+WrapperFactory = Callable[[bool], Any]
+
+
 class FlashInferAttentionBackend:
-    """The AttentionBackend protocol on FlashInfer's paged prefill and decode wrappers."""
+    """The AttentionBackend protocol on FlashInfer's paged prefill and decode wrappers (one of
+    each per window value), with extends that carry item spans on `span_backend`."""
 
     def __init__(self, device: str = "cuda") -> None:
         problem = flashinfer_problem("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,10 +138,30 @@ class FlashInferAttentionBackend:
             raise RuntimeError(problem)
         import flashinfer  # only here: a CUDA machine with the package
 
+        from kernels.triton.attention import TritonAttentionBackend
+
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        self._planned: AttentionBatch | None = None
+
+        def make_wrapper(decode: bool) -> Any:  # the wrappers share one float workspace
+            if decode:
+                return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+
+        self._setup(make_wrapper, TritonAttentionBackend())
+
+    @classmethod
+    def over(cls, make_wrapper: WrapperFactory, span_backend: Any) -> FlashInferAttentionBackend:
+        """The backend over other wrappers and span backend (CPU tests pass recording ones)."""
+        backend = cls.__new__(cls)
+        backend._setup(make_wrapper, span_backend)
+        return backend
+
+    def _setup(self, make_wrapper: WrapperFactory, span_backend: Any) -> None:
+        self._make_wrapper = make_wrapper
+        self._span_backend = span_backend
+        self._wrappers: dict[tuple[bool, int], Any] = {}  # (decode, window_left) -> wrapper
+        self._planned: dict[tuple[bool, int], AttentionBatch] = {}
+        self._meta: tuple[AttentionBatch, PagedMetadata] | None = None  # the last batch's
 
     def forward(
         self,
@@ -107,6 +172,10 @@ class FlashInferAttentionBackend:
         batch: AttentionBatch,
         kv_stored: bool = False,
     ) -> torch.Tensor:
+        if batch.item_spans is not None:
+            if batch.is_decode:
+                raise ValueError("a decode batch has no item spans")
+            return self._span_backend.forward(q, k, v, layer, batch, kv_stored)
         k_buf, v_buf = store_kv(k, v, layer, batch, kv_stored)
         wrapper = self._plan(batch, layer, q.dtype, k_buf.dtype)
         pages = (as_pages(k_buf), as_pages(v_buf))
@@ -120,22 +189,19 @@ class FlashInferAttentionBackend:
         q_dtype: torch.dtype,
         kv_dtype: torch.dtype,
     ) -> Any:
-        """The wrapper for this batch, planned on its first layer (every layer shares the
-        shapes on a rank)."""
-        wrapper = self._decode if batch.is_decode else self._prefill
-        if self._planned is batch:
+        """The wrapper for this batch and the layer's window, planned on the first layer with
+        that window (every layer shares the shapes on a rank)."""
+        key = (batch.is_decode, window_left(layer))
+        wrapper = self._wrappers.get(key)
+        if wrapper is None:
+            wrapper = self._wrappers[key] = self._make_wrapper(batch.is_decode)
+        if self._planned.get(key) is batch:
             return wrapper
         if batch.decode_tables is not None:
             raise ValueError("the FlashInfer backend plans on the host: no static decode batches")
-        meta = batch_metadata(batch)
-        dims = (layer.num_heads, layer.num_kv_heads, layer.head_dim, 1)  # page size 1
-        types = dict(q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=layer.scaling)
-        if batch.is_decode:
-            wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, *dims, **types)
-        else:
-            wrapper.plan(
-                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, *dims,
-                causal=True, **types,
-            )
-        self._planned = batch
+        if self._meta is None or self._meta[0] is not batch:
+            self._meta = (batch, batch_metadata(batch))
+        args, kwargs = plan_arguments(self._meta[1], layer, batch.is_decode, q_dtype, kv_dtype)
+        wrapper.plan(*args, **kwargs)
+        self._planned[key] = batch
         return wrapper
