@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -25,8 +26,17 @@ def serve(
 
 
 def parts(content: list) -> list[dict]:
-    """Chat content parts of strings and PIL images."""
-    return [{"type": "text", "text": p} if isinstance(p, str) else image_part(p) for p in content]
+    """Chat content parts of strings, PIL images and encoded videos (bytes)."""
+    return [part(p) for p in content]
+
+
+def part(piece: str | bytes | Any) -> dict:
+    if isinstance(piece, str):
+        return {"type": "text", "text": piece}
+    if isinstance(piece, bytes):
+        url = "data:video/mp4;base64," + base64.b64encode(piece).decode()
+        return {"type": "video_url", "video_url": {"url": url}}
+    return image_part(piece)
 
 
 def post(server: Server, path: str, body: dict) -> httpx.Response:
