@@ -201,6 +201,8 @@ class Family:
         every 1 / fps seconds up to `max_duration`, then an even count).
     tiling: how the family tiles images (`Tiling`), or None where `resize` sizes them.
     modalities: the media kinds its checkpoints take; a request with another is refused.
+    reasoning_parser: the `--reasoning-parser` rule `auto` picks for its checkpoints (None:
+        none, the thinking stays in the content).
     """
 
     name: str
@@ -223,6 +225,7 @@ class Family:
     video_sampling: str = "uniform"
     tiling: Tiling | None = None
     modalities: tuple[Modality, ...] = (Modality.IMAGE, Modality.VIDEO)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.image_attention not in IMAGE_ATTENTION_RULES:

@@ -196,6 +196,7 @@ TINY = TinyCheckpoint(
 FAMILY = Family(
     name="glm4v", architectures=(ARCHITECTURE,), timestamped_video=True, video_stamp=STAMP,
     video_sampling="glm4v", clip_budget_video_processors=(VIDEO_PROCESSOR,),
+    reasoning_parser="glm45",  # GLM-4.1V-Thinking: <think>...</think><answer>...</answer>
     text_fields=text_fields, vision_fields=vision_fields,
     tower_class="vision.glm4v_vit:Glm4vVisionTransformer",
     decoder_class="runtime.models.qwen2:Qwen2ForCausalLM",  # with GLM-4's switches
