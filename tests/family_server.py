@@ -15,6 +15,8 @@ from test_openai_sampling import OneRankServer
 from test_server import Server, client, idle_info, image_part, mp4_bytes, serve_then_check_teardown
 from vlm_cases import noise_image, video_frames
 
+from runtime.families import get_family
+
 
 def serve(
     folder: Path, tmp: pytest.TempPathFactory, name: str, dp_encoder: bool = False
@@ -78,6 +80,7 @@ def assert_video_refused(server: Server, model: str) -> None:
     assert out.status_code == 400
     error = out.json()["error"]
     assert (error["param"], error["code"]) == ("video_url", "unsupported_media")
+    assert get_family(model).refused_media_reason in error["message"]  # says why
 
 
 def assert_nothing_held(server: Server, body: dict) -> None:

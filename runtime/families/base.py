@@ -203,6 +203,7 @@ class Family:
     modalities: the media kinds its checkpoints take; a request with another is refused.
     reasoning_parser: the `--reasoning-parser` rule `auto` picks for its checkpoints (None:
         none, the thinking stays in the content).
+    refused_media_reason: why a media kind outside `modalities` is refused (told the client).
     """
 
     name: str
@@ -226,6 +227,7 @@ class Family:
     tiling: Tiling | None = None
     modalities: tuple[Modality, ...] = (Modality.IMAGE, Modality.VIDEO)
     reasoning_parser: str | None = None
+    refused_media_reason: str = ""
 
     def __post_init__(self) -> None:
         if self.image_attention not in IMAGE_ATTENTION_RULES:
