@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import family_server as fs
 import pytest
-from test_server import Server, mp4_bytes
+from test_server import Server, client, mp4_bytes
 from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
 
 from runtime.tiny_checkpoint import make_checkpoint
@@ -82,6 +83,32 @@ def test_tokenize_counts_every_media_token(server: Server, oracle: dict, name: s
 @pytest.mark.parametrize("token", ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>"])
 def test_typed_media_tokens_are_refused(server: Server, token: str) -> None:
     fs.assert_typed_token_refused(server, "glm4v", token)
+
+
+def video_chat(server: Server, content: list, **kw: Any) -> Any:
+    return client(server).chat.completions.create(
+        model="glm4v", messages=[{"role": "user", "content": fs.parts(content)}],
+        max_tokens=NEW_TOKENS, temperature=0, **kw,
+    )  # fmt: skip
+
+
+def test_streamed_video_chat_equals_hf(server: Server, oracle: dict) -> None:
+    chunks = list(video_chat(server, CHATS["video"], stream=True,
+                             stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == oracle["video"][0]
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == oracle["video"][1]
+
+
+def test_video_conversation_sent_again_reports_cached_tokens(server: Server) -> None:
+    """The same video shares its KV (its pad values are its digest's); another video does not
+    past the text before it."""
+    content = [mp4_bytes(video_frames(8, (56, 84), seed=5)), "What happens?"]
+    first, second = video_chat(server, content), video_chat(server, content)
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    other = video_chat(server, [mp4_bytes(video_frames(8, (56, 84), seed=6)), "What happens?"])
+    assert other.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens // 2
 
 
 @pytest.mark.parametrize("token", ["<|begin_of_video|>", "<|end_of_video|>", "<|video|>"])
