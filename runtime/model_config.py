@@ -106,6 +106,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str = "float32"
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    # a family whose videos have boundary tokens of their own (`MediaTokens.video_start`)
+    video_start_token_id: int = -1
+    video_end_token_id: int = -1
 
     @property
     def family(self) -> Family:
@@ -114,8 +117,8 @@ class ModelConfig:
 
     @property
     def timestamped_video(self) -> bool:
-        """Every temporal patch of a video is its own `<t seconds>`-stamped run of placeholders
-        in the prompt, with its own position grid (t = 1): the family decides."""
+        """Every temporal patch of a video is its own timestamped run of placeholders in the
+        prompt, with its own position grid (t = 1): the family decides."""
         return self.family.timestamped_video
 
     @classmethod
@@ -136,6 +139,10 @@ class ModelConfig:
         text = TextConfig(**family.text_fields(cfg.get("text_config") or cfg, cfg))
         vision = VisionConfig(**family.vision_fields(cfg["vision_config"], text.hidden_size, cfg))
         token, keys = _token_ids(cfg, tokens or {}), family.tokens
+        video = {} if not keys.video_start else {
+            "video_start_token_id": token(keys.video_start_id_key, keys.video_start),
+            "video_end_token_id": token(keys.video_end_id_key, keys.video_end),
+        }  # fmt: skip
         return cls(
             arch=family.name,
             text=text,
@@ -147,6 +154,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(cfg),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             raw=cfg,
+            **video,
         )
 
 

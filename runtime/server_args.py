@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from kernels.availability import flashinfer_problem
 from runtime.cpus import auto_media_workers, usable_cpus
+from runtime.families import family_for
 from runtime.logging_utils import get_logger
 
 logger = get_logger(__name__)
@@ -259,8 +261,10 @@ class ServerArgs:
     )
     reasoning_parser: str | None = _opt(
         "split the thinking section of chat replies into reasoning_content: qwen3 (a reply "
-        "that opens <think>), deepseek_r1 (the template opened <think> in the prompt)",
-        choices=["qwen3", "deepseek_r1"],
+        "that opens <think>), deepseek_r1 (the template opened <think> in the prompt), glm45 "
+        "(GLM-4.1V-Thinking: qwen3's, and <answer> tags dropped from the content), auto (the "
+        "checkpoint family's own rule, none if it has none)",
+        choices=["qwen3", "deepseek_r1", "glm45", "auto"],
     )
     log_level: str = _opt("log level", default="info")
     random_seed: int = _opt("seed for sampling without a per-request seed", default=0)
@@ -379,6 +383,7 @@ class ServerArgs:
             attention_backend=backend,
             ipc_dir=ipc_dir,
             media_workers=self._media_workers(device),
+            reasoning_parser=self._reasoning_parser(),
             api_key=self._read_api_key(),
             api_key_file=None,
         )
@@ -390,6 +395,15 @@ class ServerArgs:
             return self.media_workers
         node_ranks = max(1, self.ranks_per_node)
         return auto_media_workers(len(usable_cpus()), node_ranks, device == "cuda")
+
+    def _reasoning_parser(self) -> str | None:
+        """`auto`: the rule the checkpoint's family declares (`Family.reasoning_parser`)."""
+        if self.reasoning_parser != "auto":
+            return self.reasoning_parser
+        path = Path(self.model_path or "") / "config.json"
+        if self.model_path is None or not path.is_file():  # the built-in tiny Qwen2-VL, or
+            return None  # no checkpoint, which loading it reports
+        return family_for(json.loads(path.read_text())).reasoning_parser
 
     def _read_api_key(self) -> tuple[str, ...]:
         if self.api_key_file is None:

@@ -7,12 +7,15 @@ from __future__ import annotations
 import base64
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from test_openai_sampling import OneRankServer
 from test_server import Server, client, idle_info, image_part, mp4_bytes, serve_then_check_teardown
 from vlm_cases import noise_image, video_frames
+
+from runtime.families import get_family
 
 
 def serve(
@@ -25,8 +28,17 @@ def serve(
 
 
 def parts(content: list) -> list[dict]:
-    """Chat content parts of strings and PIL images."""
-    return [{"type": "text", "text": p} if isinstance(p, str) else image_part(p) for p in content]
+    """Chat content parts of strings, PIL images and encoded videos (bytes)."""
+    return [part(p) for p in content]
+
+
+def part(piece: str | bytes | Any) -> dict:
+    if isinstance(piece, str):
+        return {"type": "text", "text": piece}
+    if isinstance(piece, bytes):
+        url = "data:video/mp4;base64," + base64.b64encode(piece).decode()
+        return {"type": "video_url", "video_url": {"url": url}}
+    return image_part(piece)
 
 
 def post(server: Server, path: str, body: dict) -> httpx.Response:
@@ -68,6 +80,7 @@ def assert_video_refused(server: Server, model: str) -> None:
     assert out.status_code == 400
     error = out.json()["error"]
     assert (error["param"], error["code"]) == ("video_url", "unsupported_media")
+    assert get_family(model).refused_media_reason in error["message"]  # says why
 
 
 def assert_nothing_held(server: Server, body: dict) -> None:

@@ -1,17 +1,22 @@
 """GLM-4.1V, tessera's fifth family: config reading (and what it refuses), the resize rule
 against Glm4vImageProcessor's, the partial pairwise MRoPE and the interpolated position table
-against transformers' own functions, checkpoint names of both published layouts, and the
-composite model against transformers' `Glm4vForConditionalGeneration` at tp 1 and 2, vision
-tower in TP, DP and auto mode.
+against transformers' own functions, checkpoint names of both published layouts, videos (frame
+sampling, clip resize, patch layout, the timestamped prompt and its positions against
+Glm4vVideoProcessor's and Glm4vProcessor's own functions), and the composite model against
+transformers' `Glm4vForConditionalGeneration` at tp 1 and 2, vision tower in TP, DP and auto mode.
 
 The oracle's inputs are the checkpoint's tokenizer, chat template and Glm4vImageProcessorPil
-(no torchvision here), with `mm_token_type_ids` as transformers' generate needs them.
+(no torchvision here: video frames are resized by tessera's code, every other video rule is
+checked against transformers'), with `mm_token_type_ids` as Glm4vProcessor makes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,11 +34,22 @@ from kernels.rotary import apply_rotary, mrope_cos_sin, rotary_permutation
 from runtime.distributed import TPGroup
 from runtime.families import glm4v
 from runtime.model_config import ModelConfig, ModelConfigError
+from runtime.multimodal import Modality
+from tokenizer_manager.media.multimodal_inputs import PreparedMedia, expand_placeholders
+from tokenizer_manager.media.video_processor import (
+    VideoProcessingConfig,
+    checkpoint_video_config,
+    frames_to_patches,
+    glm4v_frame_indices,
+    normalize_frames,
+    sample_frame_indices,
+)
 from vision.vlm import build_model
 
 MODES = ("tp", "dp", "auto")
 NEW_TOKENS = 16
-CASES = ("text", "image", "large_image", "two_images")
+CASES = ("text", "image", "large_image", "two_images", "video")
+VIDEO = vlm.video_frames(4, (56, 84))  # two temporal patches of 4 x 6 patches
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +65,7 @@ def standard_cases(folder: Path) -> list[Case]:
         # 168 x 252 px: a 12 x 18 patch grid, larger than the 8 x 8 position table
         ckpt.case("large_image", [vlm.noise_image((168, 252), seed=2), "What is in the picture?"]),
         ckpt.case("two_images", [vlm.gradient_image(), "and", vlm.noise_image(), "Compare them."]),
+        ckpt.case("video", [VIDEO, "What happens?"]),
     ]
 
 
@@ -173,6 +190,107 @@ def test_position_table_interpolation_is_transformers(folder: Path) -> None:
     assert torch.equal(model.visual.positions(grid), expected)
 
 
+# ----------------------------------------------------------------------------- video
+
+
+def test_video_settings_are_the_checkpoints(folder: Path) -> None:
+    cfg = checkpoint_video_config(folder)
+    assert (cfg.sampling, cfg.clip_budget, cfg.fps, cfg.max_duration) == ("glm4v", True, 2, 300)
+    assert (cfg.min_pixels, cfg.max_pixels) == (12544, 47040000)
+
+
+def test_frame_sampling_is_glm4v_video_processors(folder: Path) -> None:
+    """The frame indices (with the checkpoint's settings) equal Glm4vVideoProcessor's
+    sample_frames' (which runs without torchvision) for short, long, sparse and single-frame
+    videos; the server's frame bound spreads fewer frames over the whole video instead."""
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    hf = Glm4vVideoProcessor()
+    settings = dataclasses.replace(checkpoint_video_config(folder), max_frames=10**6)
+    cases = ((8, 4.0), (9, 4.0), (100, 30.0), (3, 24.0), (61, 24.0), (1, 2.0), (5, 1.0),
+             (7, 25.0), (20000, 30.0), (9001, 30.0))  # fmt: skip
+    for total, fps in cases:
+        meta = VideoMetadata(total_num_frames=total, fps=fps, duration=total / fps)
+        ours = sample_frame_indices(total, fps, **settings.sampling_kwargs())
+        assert ours == hf.sample_frames(meta).tolist(), (total, fps)
+    bounded = glm4v_frame_indices(3000, 30.0, 2.0, 64)
+    assert len(bounded) == 64 and bounded[0] == 0 and bounded[-1] == 2999
+
+
+def test_clip_resize_and_patches_are_glm4v_video_processors() -> None:
+    """Target size: the video processor's smart_resize over the whole clip; patch rows: its
+    patchify (torch only) of the same normalised frames."""
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+    from transformers.models.glm4v.video_processing_glm4v import smart_resize as hf_resize
+
+    rng = np.random.default_rng(0)
+    sizes = [(56, 84), (10, 300), (27, 27), (480, 640), (1080, 1920), (3000, 20)]
+    sizes += [tuple(int(x) for x in rng.integers(8, 3000, 2)) for _ in range(100)]
+    for frames in (2, 4, 7, 64):
+        for lo, hi in ((12544, 47040000), (12544, 200704)):
+            for h, w in sizes:
+                ours = glm4v.resize(h, w, 28, lo, hi, frames, 2)
+                assert ours == hf_resize(frames, h, w, 2, 28, lo, hi), (frames, h, w)
+    cfg = VideoProcessingConfig(clip_budget=True)
+    ours, grid = frames_to_patches(VIDEO, cfg)
+    normed = normalize_frames(VIDEO, cfg.rescale_factor, cfg.image_mean, cfg.image_std)
+    videos = torch.from_numpy(normed).permute(0, 3, 1, 2)[None]
+    ref, *hf_grid = Glm4vVideoProcessor().patchify(videos, 14, 2, 2)
+    assert grid == tuple(hf_grid) == (2, 4, 6)
+    assert torch.equal(torch.from_numpy(ours), ref[0])
+
+
+def hf_video_text(media: PreparedMedia, indices: list[int], fps: float) -> str:
+    """Glm4vProcessor.replace_video_token's text for the video (it reads the merge size, the
+    image token and the sampled frames' metadata)."""
+    from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
+    from transformers.video_utils import VideoMetadata
+
+    fake = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2), image_token="<|image|>")
+    fake.replace_frame_token_id = partial(Glm4vProcessor.replace_frame_token_id, fake)
+    meta = VideoMetadata(total_num_frames=len(indices), fps=fps, frames_indices=indices)
+    inputs = {"video_grid_thw": torch.tensor([media.grid_thw]), "video_metadata": [meta]}
+    return Glm4vProcessor.replace_video_token(fake, inputs, 0)
+
+
+def test_video_prompt_and_positions_are_transformers(folder: Path) -> None:
+    """One video between images: the prompt text equals Glm4vProcessor's (each temporal patch
+    an image run and its first frame's whole seconds, inside the template's video boundaries),
+    the video is one item with a run per temporal patch, and the MRoPE positions and decode
+    delta equal Glm4vModel.get_rope_index on Glm4vProcessor's token types."""
+    from transformers.models.glm4v.modeling_glm4v import Glm4vModel
+
+    ckpt = Checkpoint(folder)
+    video = ckpt.video_media(vlm.video_frames(6, (56, 84)))
+    content = [vlm.noise_image(), video, "What happens?", vlm.gradient_image()]
+    prompt, media = ckpt.prepare(content)
+    frames = hf_video_text(video, list(range(6)), vlm.VIDEO_FPS)
+    assert frames.endswith("<|end_of_image|>2") and frames.count("<|begin_of_image|>") == 3
+    first, second = (m for m in media if m.modality == Modality.IMAGE)
+    images = iter("<|image|>" * (int(np.prod(m.grid_thw)) // 4) for m in (first, second))
+    pieces = prompt.replace("<|video|>", "\0").split("<|image|>")  # as HF: one pad per item
+    expected = "".join(p + next(images, "") for p in pieces).replace("\0", frames)
+    assert "<|begin_of_video|>" + frames + "<|end_of_video|>" in expected
+    assert expand_placeholders(prompt, media, ckpt.config) == expected
+    case = ckpt.case("mixed", content)
+    items = case.mm.items
+    assert [i.modality for i in items] == [Modality.IMAGE, Modality.VIDEO, Modality.IMAGE]
+    assert len(items[1].offsets) == 3 and all(e - s == 6 for s, e in items[1].offsets)
+    hf = case.hf_inputs
+    assert int((hf["mm_token_type_ids"] == 2).sum()) == 18
+    fake = SimpleNamespace(
+        config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2)),
+        get_vision_position_ids=partial(Glm4vModel.get_vision_position_ids, None),
+    )
+    ref, delta = Glm4vModel.get_rope_index(
+        fake, hf["input_ids"], hf["mm_token_type_ids"], hf["image_grid_thw"],
+        hf["video_grid_thw"],
+    )  # fmt: skip
+    assert torch.equal(case.mm.mrope_positions, ref[:, 0])
+    assert case.mm.mrope_position_delta == int(delta)
+
+
 # ----------------------------------------------------------------------------- weights
 
 
@@ -205,7 +323,8 @@ def test_both_layouts_load_the_same_model(folder: Path, tmp_path: Path) -> None:
 def test_cases_cover_small_and_large_grids(oracle: dict[str, Case]) -> None:
     grids = {name: [i.grid_thw for i in c.mm.items] for name, c in oracle.items() if c.mm}
     assert grids == {"image": [(1, 4, 4)], "large_image": [(1, 12, 18)],
-                     "two_images": [(1, 6, 8), (1, 4, 4)]}  # fmt: skip
+                     "two_images": [(1, 6, 8), (1, 4, 4)], "video": [(2, 4, 6)]}  # fmt: skip
+    assert oracle["video"].hf_tokens != oracle["image"].hf_tokens
     assert oracle["image"].hf_tokens != oracle["large_image"].hf_tokens  # the image matters
     assert len(oracle["image"].hf_inputs["mm_token_type_ids"][0].nonzero()) == 4
 

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -107,9 +108,20 @@ class Checkpoint:
         cfg = checkpoint_video_config(self.folder)
         pixels, grid = preprocess_video(frames, **dataclasses.asdict(cfg))
         seconds = 1.0 if self.config.arch == "qwen2_5_vl" else None
-        times = frame_timestamps(range(len(frames)), VIDEO_FPS)
+        at = self.config.family.video_stamp.at
+        times = frame_timestamps(range(len(frames)), VIDEO_FPS, cfg.temporal_patch_size, at)
         grid_thw = tuple(int(x) for x in grid[0])
         return PreparedMedia(Modality.VIDEO, pixels, grid_thw, seconds, frame_times=times)
+
+    def token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """HF's `mm_token_type_ids` (0 text, 1 image, 2 video): by pad token, or for GLM-4.1V
+        (whose frames repeat the image pad) by its processor's own rule."""
+        if self.config.arch == "glm4v":
+            return glm4v_token_types(input_ids, self.config)
+        types = torch.zeros_like(input_ids)
+        types[input_ids == self.config.image_token_id] = 1
+        types[input_ids == self.config.video_token_id] = 2
+        return types
 
     def case(self, name: str, content: list[Any], system: str | None = None) -> Case:
         prompt, media = self.prepare(content, system)
@@ -121,9 +133,7 @@ class Checkpoint:
         input_ids = torch.tensor([ids])
         out: dict[str, torch.Tensor] = {"input_ids": input_ids}
         out["attention_mask"] = torch.ones_like(input_ids)
-        types = torch.zeros_like(input_ids)
-        types[input_ids == self.config.image_token_id] = 1
-        types[input_ids == self.config.video_token_id] = 2
+        types = self.token_types(input_ids)
         images = [m for m in media if m.modality == Modality.IMAGE]
         videos = [m for m in media if m.modality == Modality.VIDEO]
         if images:
@@ -137,6 +147,18 @@ class Checkpoint:
         if media:
             out["mm_token_type_ids"] = types
         return out
+
+
+def glm4v_token_types(input_ids: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Glm4vProcessor.create_mm_token_type_ids on `input_ids` [1, n] (it reads three ids)."""
+    from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
+
+    fake = SimpleNamespace(
+        video_start_id=config.video_start_token_id,
+        video_end_id=config.video_end_token_id,
+        image_token_id=config.image_token_id,
+    )
+    return torch.tensor(Glm4vProcessor.create_mm_token_type_ids(fake, input_ids.tolist()))
 
 
 def standard_cases(ckpt: Checkpoint) -> list[Case]:

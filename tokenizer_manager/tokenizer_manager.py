@@ -473,14 +473,15 @@ class TokenizerManager:
         self.check_modalities(refs)
 
     def check_modalities(self, refs: list[MediaRef]) -> None:
-        """Every medium is one the family takes (a 400 naming its field). Checked before the
-        rendered chat is: a template may mark a medium the family does not take with other
-        boundary tokens than the family's own (GLM-4.1V's videos)."""
+        """Every medium is one the family takes (a 400 naming its field and saying why, where
+        the family says). Checked before the rendered chat is: a template may mark a medium the
+        family does not take with boundary tokens the checks would take for typed ones."""
         family = self.config.family
+        why = f" ({family.refused_media_reason})" if family.refused_media_reason else ""
         for ref in refs:
             if ref.modality not in family.modalities:
                 raise APIError(
-                    f"{family.name} checkpoints take no {ref.modality.value} input",
+                    f"{family.name} checkpoints take no {ref.modality.value} input{why}",
                     param=media_param(ref.modality),
                     code="unsupported_media",
                 )

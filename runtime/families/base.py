@@ -51,25 +51,49 @@ class MediaTokens:
     # True: the chat template writes start, pad, end and the processor repeats the pad; False:
     # the template writes the pad alone and the processor wraps the repeated pads in start/end.
     template_wraps: bool = True
+    # A family whose videos have boundary tokens of their own (GLM-4.1V's `<|begin_of_video|>`),
+    # with the frames inside them written with `frame_pad` ("": the start/end and video pad).
+    video_start: str = ""
+    video_end: str = ""
+    video_frame_pad: str = ""
+    video_start_id_key: str = "video_start_token_id"
+    video_end_id_key: str = "video_end_token_id"
 
     def config_ids(self, ids: dict[str, int]) -> dict[str, int]:
         """The config.json id fields of these tokens, given the tokenizer's ids by string."""
+        video = {}
+        if self.video_start:
+            video = {self.video_start_id_key: ids[self.video_start],
+                     self.video_end_id_key: ids[self.video_end]}  # fmt: skip
         return {
             self.image_id_key: ids[self.image_pad],
             self.video_id_key: ids[self.video_pad],
             self.start_id_key: ids[self.start],
             self.end_id_key: ids[self.end],
+            **video,
         }
 
     def pad(self, modality: Modality) -> str:
         return self.image_pad if modality == Modality.IMAGE else self.video_pad
+
+    @property
+    def frame_pad(self) -> str:
+        """The pad a timestamped video's frames repeat."""
+        return self.video_frame_pad or self.video_pad
+
+    def bounds(self, modality: Modality) -> tuple[str, str]:
+        """The start and end tokens the chat template writes around an item of `modality`."""
+        if modality == Modality.VIDEO and self.video_start:
+            return self.video_start, self.video_end
+        return self.start, self.end
 
     def wrapped(self, modality: Modality) -> str:
         """One item's run as the chat template writes it: start, the pad, end (or the pad
         alone, where the processor places start and end: `template_wraps`)."""
         if not self.template_wraps:
             return self.pad(modality)
-        return self.start + self.pad(modality) + self.end
+        start, end = self.bounds(modality)
+        return start + self.pad(modality) + end
 
     def expanded(self, modality: Modality, count: int) -> str:
         """The prompt text of an item of `count` tokens: its pads, wrapped in start/end where
@@ -84,7 +108,8 @@ class MediaTokens:
     @property
     def processor_tokens(self) -> tuple[str, ...]:
         """Tokens only the media processor places: one wrapped run per item, which it expands."""
-        return self.start, self.end, *self.pads
+        video = (self.video_start, self.video_end) if self.video_start else ()
+        return self.start, self.end, *self.pads, *video
 
     @functools.cached_property
     def pad_re(self) -> re.Pattern[str]:
@@ -106,6 +131,27 @@ class PositionKind:
     def __post_init__(self) -> None:
         if self.kind not in POSITION_KINDS:
             raise ValueError(f"position kind {self.kind!r} is not one of {POSITION_KINDS}")
+
+
+def seconds_before(seconds: float, frame: str) -> str:
+    """Qwen3-VL's stamp: `<t seconds>` (one decimal) before the frame's run."""
+    return f"<{seconds:.1f} seconds>" + frame
+
+
+@dataclass(frozen=True)
+class VideoStamp:
+    """How a family with timestamped videos writes them (`Family.timestamped_video`).
+
+    text(seconds, frame): the prompt text of one temporal patch, given its time and its run
+        (start, `MediaTokens.frame_pad` per token, end).
+    at: a temporal patch's time: "middle" (the mean of its first and last frame's) or "first"
+        (its first frame's).
+    keep_bounds: the chat template's start and end around the video stay and its pad alone
+        becomes the frames (GLM-4.1V); otherwise the whole run does (Qwen3-VL)."""
+
+    text: Callable[[float, str], str] = seconds_before
+    at: str = "middle"
+    keep_bounds: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,10 +193,17 @@ class Family:
     tiny: its tiny random checkpoints (`TinyCheckpoint`: presets, config files, tensor names).
     clip_budget_video_processors: `video_processor_type`s of video_preprocessor_config.json
         whose settings (pixel bounds per clip, frame counts) are read from that file alone.
-    timestamped_video: every temporal patch of a video is its own `<t seconds>`-stamped run of
-        placeholders in the prompt, with its own position grid (t = 1).
+    timestamped_video: every temporal patch of a video is its own timestamped run of
+        placeholders in the prompt, with its own position grid (t = 1), written as
+        `video_stamp` says.
+    video_sampling: how frames are picked from a video: "uniform" (Qwen's: evenly at the
+        processor's fps, within min/max frames) or "glm4v" (Glm4vVideoProcessor's: one frame
+        every 1 / fps seconds up to `max_duration`, then an even count).
     tiling: how the family tiles images (`Tiling`), or None where `resize` sizes them.
     modalities: the media kinds its checkpoints take; a request with another is refused.
+    reasoning_parser: the `--reasoning-parser` rule `auto` picks for its checkpoints (None:
+        none, the thinking stays in the content).
+    refused_media_reason: why a media kind outside `modalities` is refused (told the client).
     """
 
     name: str
@@ -169,8 +222,12 @@ class Family:
     image_attention: str = "causal"
     model_class: str = "vision.vlm:VisionLanguageModel"
     timestamped_video: bool = False
+    video_stamp: VideoStamp = VideoStamp()
+    video_sampling: str = "uniform"
     tiling: Tiling | None = None
     modalities: tuple[Modality, ...] = (Modality.IMAGE, Modality.VIDEO)
+    reasoning_parser: str | None = None
+    refused_media_reason: str = ""
 
     def __post_init__(self) -> None:
         if self.image_attention not in IMAGE_ATTENTION_RULES:

@@ -7,6 +7,13 @@ q/k/v bias, RMSNorms after attention and after the MLP, a fused gate_up projecti
 The chat template writes `<|begin_of_image|><|image|><|end_of_image|>` per image; the processor
 repeats `<|image|>` once per merged patch. Images are resized like Qwen2-VL's, with the pixel
 bounds holding for the two frames of a temporal patch (the image is its own second frame).
+
+A video is `<|begin_of_video|><|video|><|end_of_video|>` in the template; Glm4vProcessor writes
+each temporal patch in place of `<|video|>` as an image run followed by the whole seconds of its
+first frame (`<|begin_of_image|>` + `<|image|>` per token + `<|end_of_image|>` + "3"), each its
+own position grid of one frame. Frames are sampled by Glm4vVideoProcessor's rule (one per 1 / fps
+seconds, an even count) and resized with the pixel bounds holding for the whole clip, both read
+from video_preprocessor_config.json.
 """
 
 from __future__ import annotations
@@ -14,16 +21,26 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.families import qwen2_vl
-from runtime.families.base import Family, Fields, MediaTokens, ModelConfigError
+from runtime.families.base import Family, Fields, MediaTokens, ModelConfigError, VideoStamp
 from runtime.families.tiny import TinyCheckpoint
-from runtime.multimodal import Modality, item_tokens
+from runtime.multimodal import item_tokens
 
 ARCHITECTURE = "Glm4vForConditionalGeneration"
 TOKENS = MediaTokens(
     image_pad="<|image|>", video_pad="<|video|>", start="<|begin_of_image|>",
     end="<|end_of_image|>", start_id_key="image_start_token_id", end_id_key="image_end_token_id",
+    video_start="<|begin_of_video|>", video_end="<|end_of_video|>", video_frame_pad="<|image|>",
 )  # fmt: skip
 VISION_ROPE_THETA = 10000.0  # what vision/vit_common.VisionRotary computes
+VIDEO_PROCESSOR = "Glm4vVideoProcessor"
+
+
+def seconds_after(seconds: float, frame: str) -> str:
+    """A temporal patch as Glm4vProcessor writes it: its image run, then its whole seconds."""
+    return frame + str(int(seconds))
+
+
+STAMP = VideoStamp(text=seconds_after, at="first", keep_bounds=True)
 
 
 def text_fields(text: dict, top: dict) -> Fields:
@@ -140,8 +157,7 @@ def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
     }  # fmt: skip
     return {
         "architectures": [ARCHITECTURE], "model_type": "glm4v", **TOKENS.config_ids(ids),
-        "video_start_token_id": ids["<|begin_of_video|>"],
-        "video_end_token_id": ids["<|end_of_video|>"], "text_config": text_config,
+        "text_config": text_config,
         "vision_config": vision, "tie_word_embeddings": False, "dtype": dtype,
     }  # fmt: skip
 
@@ -156,15 +172,31 @@ def preprocessor_config(preset: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def video_preprocessor_config(preset: str) -> dict[str, Any]:
+    """Glm4vVideoProcessor's settings: pixel bounds per clip as `size` (the published ones at
+    the tiny preset too), frames at `fps` up to `max_duration` seconds."""
+    return {
+        "size": {"shortest_edge": 12544, "longest_edge": 47040000},
+        "max_image_size": {"longest_edge": 47040000}, "do_rescale": True, "do_resize": True,
+        "do_sample_frames": True, "fps": 2, "max_duration": 300, "num_frames": 16,
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": qwen2_vl.CLIP_MEAN, "image_std": qwen2_vl.CLIP_STD,
+        "video_processor_type": VIDEO_PROCESSOR, "processor_class": "Glm4vProcessor",
+    }  # fmt: skip
+
+
 TINY = TinyCheckpoint(
     presets=tuple(VISION_SHAPES), config=tiny_config, preprocessor=preprocessor_config,
     hf_config_class="Glm4vConfig", special_tokens=NAMED_TOKENS, chat_template=CHAT_TEMPLATE,
     published_name=lambda name: name,  # published under transformers' own names
+    video_preprocessor=video_preprocessor_config,
 )  # fmt: skip
 
 
 FAMILY = Family(
-    name="glm4v", architectures=(ARCHITECTURE,), modalities=(Modality.IMAGE,),
+    name="glm4v", architectures=(ARCHITECTURE,), timestamped_video=True, video_stamp=STAMP,
+    video_sampling="glm4v", clip_budget_video_processors=(VIDEO_PROCESSOR,),
+    reasoning_parser="glm45",  # GLM-4.1V-Thinking: <think>...</think><answer>...</answer>
     text_fields=text_fields, vision_fields=vision_fields,
     tower_class="vision.glm4v_vit:Glm4vVisionTransformer",
     decoder_class="runtime.models.qwen2:Qwen2ForCausalLM",  # with GLM-4's switches

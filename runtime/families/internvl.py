@@ -261,4 +261,8 @@ FAMILY = Family(
     positions=PositionKind("1d"),
     tiling=Tiling(tile_count),
     modalities=(Modality.IMAGE,),
+    refused_media_reason=(  # no oracle for its frames without torchvision
+        "not served yet: transformers' InternVLVideoProcessor, the reference for its frames, "
+        "needs torchvision"
+    ),
 )

@@ -1,12 +1,14 @@
 """`--reasoning-parser`: the thinking section of a reply, split from its content (pure logic).
 
-Two rules, named as vLLM names them:
+Three rules, named as vLLM names them:
 - `qwen3`: a reply that begins with `<think>` thinks until `</think>`; any other reply is all
   content (Qwen3 and its hybrid templates, where `enable_thinking: false` closes the section in
   the prompt).
 - `deepseek_r1`: the reply thinks from its first character (the template opened `<think>` in
   the prompt, as the Qwen3-VL Thinking templates do) until `</think>`; a leading `<think>` is
   dropped.
+- `glm45`: GLM-4.1V-Thinking's `<think>...</think><answer>...</answer>`: the `qwen3` rule, and
+  the content's `<answer>` and `</answer>` tags are dropped (what they wrap is the content).
 A reply that never closes its section is all thinking. Streamed and whole replies split the same.
 """
 
@@ -19,6 +21,8 @@ from runtime.grammar import ThinkSection
 from tokenizer_manager.api.tool_parser import partial_tag_length
 
 THINK_START, THINK_END = "<think>", "</think>"
+ANSWER_TAGS = ("<answer>", "</answer>")  # the glm45 rule's content wrapper
+RULES = ("qwen3", "deepseek_r1", "glm45")
 
 
 @dataclass
@@ -37,8 +41,7 @@ class ReasoningStream:
         if self._state == "thinking":
             return self._think(), ""
         if self._state == "content":
-            text, self._text = self._text, ""
-            return "", text
+            return "", self._content(final=False)
         return "", ""
 
     @property
@@ -68,13 +71,28 @@ class ReasoningStream:
         )
         return reasoning
 
+    def _content(self, final: bool) -> str:
+        """The held content, less the glm45 rule's answer tags (and, until `final`, a tail
+        that may begin one)."""
+        text, self._text = self._text, ""
+        if self.rule != "glm45":
+            return text
+        for tag in ANSWER_TAGS:
+            text = text.replace(tag, "")
+        keep = 0 if final else max(partial_tag_length(text, tag) for tag in ANSWER_TAGS)
+        if keep:
+            text, self._text = text[:-keep], text[-keep:]
+        return text
+
     def finish(self) -> tuple[str, str]:
         """What is held at the end: an unclosed section's tail is thinking."""
-        text, self._text = self._text, ""
-        if self._state == "start" and self.rule == "qwen3":
-            return "", text
+        if self._state == "start" and self.rule != "deepseek_r1":
+            self._state = "content"
         self.thought = self.thought or self._state == "start"
-        return (text, "") if self._state != "content" else ("", text)
+        if self._state == "content":
+            return "", self._content(final=True)
+        text, self._text = self._text, ""
+        return text, ""
 
 
 def split_reasoning(rule: str, text: str) -> tuple[str | None, str]:
@@ -86,11 +104,12 @@ def split_reasoning(rule: str, text: str) -> tuple[str | None, str]:
 
 
 def think_section(rule: str, token_id: Callable[[str], int | None]) -> ThinkSection | None:
-    """The thinking section as a constraint sees it: `</think>` (and, for the qwen3 rule,
-    `<think>`) as single tokens (`token_id` maps a token to its id, None when the vocabulary
-    has no such token); None when they are not."""
+    """The thinking section as a constraint sees it: `</think>` (and, for the rules where the
+    reply opens its section, qwen3 and glm45, `<think>`) as single tokens (`token_id` maps a
+    token to its id, None when the vocabulary has no such token); None when they are not."""
+    opens = rule != "deepseek_r1"
     end = token_id(THINK_END)
-    start = token_id(THINK_START) if rule == "qwen3" else None
-    if end is None or (rule == "qwen3" and start is None):
+    start = token_id(THINK_START) if opens else None
+    if end is None or (opens and start is None):
         return None
     return ThinkSection(end, start)

@@ -8,8 +8,10 @@ item's pad_value, so prefix-cache keys differ whenever the media differ.
 Prompt text per item is written here too (`expand_placeholders`), and the same expansion over
 token ids (`expand_placeholder_ids`), so a prompt is tokenized once. The placeholder and
 boundary tokens are the family's (`Family.tokens`, runtime/families/). A family with timestamped
-videos stamps them: the chat template's start + video pad + end becomes, for every temporal
-patch, `<{t:.1f} seconds>` + start + its placeholders + end. Such a video is still one item (one
+videos stamps them (`Family.video_stamp`): the chat template's start + video pad + end (or the
+pad alone, between video boundaries that stay) becomes, for every temporal patch, its stamp
+around start + its placeholders + end (Qwen3-VL: `<{t:.1f} seconds>` before; GLM-4.1V: the
+whole seconds after, with the image pad as placeholder). Such a video is still one item (one
 encoding, one cache entry) with one offset range per temporal patch; each range is its own
 position grid of one frame. Positions follow the family's position kind (`Family.positions`).
 """
@@ -70,7 +72,10 @@ def check_prompt_ids(ids: list[int], config: ModelConfig) -> None:
         config.video_token_id: tokens.video_pad,
         config.vision_start_token_id: tokens.start,
         config.vision_end_token_id: tokens.end,
+        config.video_start_token_id: tokens.video_start,
+        config.video_end_token_id: tokens.video_end,
     }
+    reserved.pop(-1, None)  # a family without video boundaries of their own
     found = next((token for token in ids if token in reserved), None)
     if found is not None:
         raise ValueError(f"token id {found} ({reserved[found]}) may only be placed by the server")
@@ -99,16 +104,15 @@ def placeholder_text(media: PreparedMedia, config: ModelConfig) -> str:
     """The prompt text that stands for one item (its placeholder token repeated per token;
     per temporal patch with a timestamp for a family's timestamped videos)."""
     merge, count = config.vision.spatial_merge_size, config.family.item_tokens
-    tokens = config.family.tokens
-    pad = tokens.pad(media.modality)
+    tokens, stamp = config.family.tokens, config.family.video_stamp
     if media.modality != Modality.VIDEO or not config.timestamped_video:
         return tokens.expanded(media.modality, count(media.grid_thw, merge))
     t, h, w = media.grid_thw
     times = media.frame_times or tuple(float(i) for i in range(t))
     if len(times) != t:
         raise ValueError(f"video has {t} temporal patches and {len(times)} timestamps")
-    frame = tokens.start + pad * count((1, h, w), merge) + tokens.end
-    return "".join(f"<{time:.1f} seconds>" + frame for time in times)
+    frame = tokens.start + tokens.frame_pad * count((1, h, w), merge) + tokens.end
+    return "".join(stamp.text(time, frame) for time in times)
 
 
 def expand_placeholders(prompt: str, media: list[PreparedMedia], config: ModelConfig) -> str:
@@ -116,7 +120,7 @@ def expand_placeholders(prompt: str, media: list[PreparedMedia], config: ModelCo
 
     Raises ValueError when the placeholders do not match the media in number or kind."""
     tokens = config.family.tokens
-    if config.timestamped_video:
+    if config.timestamped_video and not config.family.video_stamp.keep_bounds:
         prompt = prompt.replace(tokens.wrapped(Modality.VIDEO), tokens.video_pad)
     pieces = tokens.pad_re.split(prompt)
     if sum(p in tokens.pads for p in pieces) != len(media):
@@ -220,7 +224,7 @@ def build_multimodal_inputs(
     by_kind = {m: [x for x in media if x.modality == m] for m in Modality}
     runs = _video_runs(by_kind[Modality.VIDEO], config)
     spans = find_mrope_items(
-        input_ids,
+        _frames_as_video(input_ids, config),
         image_token_id=config.image_token_id,
         video_token_id=config.video_token_id,
         vision_start_token_id=config.vision_start_token_id,
@@ -236,6 +240,22 @@ def build_multimodal_inputs(
         for start, end in item.offsets:
             ids[start:end] = [item.pad_value] * (end - start)
     return ids, MultimodalInputs(items, *_positions(len(ids), spans, config))
+
+
+def _frames_as_video(ids: list[int], config: ModelConfig) -> list[int]:
+    """`ids` with the frame pads between a family's own video boundaries (GLM-4.1V's frames
+    repeat the image pad) read as video pads, so each run finds its item's kind."""
+    tokens = config.family.tokens
+    if not tokens.video_start or tokens.frame_pad == tokens.video_pad:
+        return ids
+    out, inside = list(ids), False
+    for i, token in enumerate(ids):
+        inside = (inside or token == config.video_start_token_id) and (
+            token != config.video_end_token_id
+        )
+        if inside and token == config.image_token_id:
+            out[i] = config.video_token_id
+    return out
 
 
 def _run_count(video: PreparedMedia, config: ModelConfig) -> int:

@@ -4,7 +4,8 @@ applied to a copy of the server's `ProcessorSpec`.
 The keys are the ones HF's Qwen2-VL processors take: `min_pixels` and `max_pixels` (images and
 video frames), and for video `fps`, `num_frames` (a fixed count instead of `fps`, rounded as HF
 rounds it; the frames are spread as tessera spreads them at `fps`), `min_frames` and
-`max_frames`. A request's spec is what its items are resized, sampled, digested and cached by:
+`max_frames` (GLM-4.1V's video processor samples by `fps` alone: the frame keys are refused
+there). A request's spec is what its items are resized, sampled, digested and cached by:
 `worker.media_digest` hashes the whole spec, so an item processed with one setting never
 serves a request that asked for another (the processed-item cache, the encoder cache and the
 radix cache all key on that digest)."""
@@ -63,9 +64,12 @@ def checked_settings(raw: dict[str, Any] | None, spec: ProcessorSpec) -> dict[st
     tiled = next((k for k in PIXEL_KEYS if k in raw and spec.model_family.tiling), None)
     if tiled is not None:
         raise _bad(tiled, f"{spec.family} checkpoints tile images; pixel bounds do not apply")
+    frames = (*FRAME_KEYS, "num_frames")
+    by_fps = next((k for k in frames if k in raw and spec.video.sampling != "uniform"), None)
+    if by_fps is not None:
+        raise _bad(by_fps, f"{spec.family} checkpoints sample video frames by fps alone")
     low, high = pixel_range(spec)
     settings: dict[str, Any] = {k: _integer(k, raw[k], low, high) for k in PIXEL_KEYS if k in raw}
-    frames = (*FRAME_KEYS, "num_frames")
     settings |= {k: _integer(k, raw[k], 1, spec.video.max_frames) for k in frames if k in raw}
     if "fps" in raw and "num_frames" in raw:
         raise _bad("num_frames", "fps and num_frames are mutually exclusive")

@@ -12,7 +12,8 @@ temporal patch pairs: row order (grid_t, h / merge, w / merge, merge, merge), an
 Qwen3-VL's video processor differs in two rules (`clip_budget`): the pixel bounds hold for the
 whole clip (temporal patches x height x width), and the sampled frame count is not rounded to
 whole temporal patches (the last frame repeats to fill the final one). Its prompt stamps every
-temporal patch with the time of its frames (`frame_timestamps`).
+temporal patch with the time of its frames (`frame_timestamps`). GLM-4.1V's has the clip budget
+too, and a sampling rule of its own (`sampling="glm4v"`: `glm4v_frame_indices`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def sample_frame_indices(
     temporal_patch_size: int = 2,
     clip_budget: bool = False,
     num_frames: int | None = None,
+    sampling: str = "uniform",
+    max_duration: float = 300.0,
 ) -> list[int]:
     """Indices of frames to keep: uniform over the video at `fps` frames per second.
 
@@ -57,8 +60,11 @@ def sample_frame_indices(
     than one temporal patch keeps all frames (preprocessing pads it by repeating the last one).
     `num_frames` (a request's) asks for that many frames instead, rounded to whole temporal
     patches as HF's Qwen2-VL video processor rounds it; more than the video has is a ValueError.
+    `sampling="glm4v"` picks frames by GLM-4.1V's rule instead (`glm4v_frame_indices`).
     """
     _check_sampling_args(total_frames, video_fps, fps)
+    if sampling == "glm4v":
+        return glm4v_frame_indices(total_frames, video_fps, fps, max_frames, max_duration)
     if num_frames is not None:
         count = _fixed_count(total_frames, num_frames, temporal_patch_size, clip_budget)
     elif clip_budget:
@@ -70,6 +76,28 @@ def sample_frame_indices(
     if count == 0:
         return list(range(total_frames))
     return np.linspace(0, total_frames - 1, count).round().astype(np.int64).tolist()
+
+
+def glm4v_frame_indices(
+    total: int, video_fps: float, fps: float, max_frames: int, max_duration: float = 300.0
+) -> list[int]:
+    """Glm4vVideoProcessor's frames: the first frame at or after every 1 / fps seconds of a video
+    up to `max_duration` long (at least one), else `max_duration * fps` frames spread over the
+    whole video; repeats dropped, and the last frame repeated to an even count. tessera also
+    spreads them so that at most `max_frames` are kept (the server's frame bound). Pure."""
+    duration, last = total / video_fps, total - 1
+    count = max(math.floor(duration * fps), 1)
+    if duration <= max_duration and count <= max_frames:
+        picked = [min(last, math.ceil(i * video_fps / fps)) for i in range(count)]
+    else:
+        count = min(int(max_duration * fps), max_frames)
+        if count >= total:
+            picked = list(range(total))
+        else:
+            seconds = np.linspace(0, duration, count, endpoint=True)
+            picked = [min(last, math.ceil(t * video_fps)) for t in seconds]
+    kept = list(dict.fromkeys(picked))
+    return kept + kept[-1:] if len(kept) % 2 else kept
 
 
 def _check_sampling_args(total_frames: int, video_fps: float, fps: float) -> None:
@@ -102,17 +130,19 @@ def _clip_count(total: int, video_fps: float, fps: float, min_frames: int, max_f
 
 
 def frame_timestamps(
-    indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2
+    indices: Sequence[int], video_fps: float, temporal_patch_size: int = 2, at: str = "middle"
 ) -> tuple[float, ...]:
-    """Seconds at the middle of each temporal patch of sampled frames `indices` (Qwen3-VL writes
+    """Seconds of each temporal patch of sampled frames `indices` (Qwen3-VL and GLM-4.1V write
     them into the prompt): the last index repeats to fill the final patch, then each patch's
-    time is the mean of its first and last frame's. Pure."""
+    time is the mean of its first and last frame's (`at="middle"`) or its first frame's
+    (`at="first"`). Pure."""
     if not indices or not video_fps > 0:
         raise ValueError("frame timestamps need sampled frames and a positive frame rate")
     padded = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
     times = [i / video_fps for i in padded]
     step = temporal_patch_size
-    return tuple((times[i] + times[i + step - 1]) / 2 for i in range(0, len(times), step))
+    last = 0 if at == "first" else step - 1
+    return tuple((times[i] + times[i + last]) / 2 for i in range(0, len(times), step))
 
 
 def second_per_grid_t(sampled_fps: float, temporal_patch_size: int = 2) -> float:
@@ -212,6 +242,8 @@ class VideoProcessingConfig:
     max_frames: int = 768
     clip_budget: bool = False  # Qwen3-VL: pixel bounds per clip, frame count not rounded
     num_frames: int | None = None  # a request's fixed frame count (instead of fps)
+    sampling: str = "uniform"  # the family's frame rule (`Family.video_sampling`)
+    max_duration: float = 300.0  # GLM-4.1V: longer videos are sampled over their whole length
     # A tiling family's images (`Family.tiling`): the tile side (`size.height`) and tile counts
     tile_size: int = 0
     min_tiles: int = 1
@@ -235,6 +267,8 @@ class VideoProcessingConfig:
     def sampling_kwargs(self) -> dict[str, Any]:
         keys = ("fps", "min_frames", "max_frames", "temporal_patch_size", "clip_budget")
         fixed = {} if self.num_frames is None else {"num_frames": self.num_frames}
+        if self.sampling != "uniform":
+            fixed |= {"sampling": self.sampling, "max_duration": self.max_duration}
         return {key: getattr(self, key) for key in keys} | fixed
 
 
@@ -248,11 +282,12 @@ def checkpoint_video_config(
     `fallback` (e.g. video pixel bounds) winning over the file."""
     video = read_json(Path(model_path) / "video_preprocessor_config.json")
     family = family_for(read_json(Path(model_path) / "config.json"))
+    rule = {"sampling": family.video_sampling}
     if video.get("video_processor_type") in family.clip_budget_video_processors:
-        return VideoProcessingConfig.from_preprocessor_config(video, clip_budget=True)
+        return VideoProcessingConfig.from_preprocessor_config(video, clip_budget=True, **rule)
     if image_config is None:
         image_config = read_json(Path(model_path) / "preprocessor_config.json")
-    return VideoProcessingConfig.from_preprocessor_config(image_config, **fallback)
+    return VideoProcessingConfig.from_preprocessor_config(image_config, **fallback, **rule)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -262,7 +297,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 _CONFIG_KEYS = (
     "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std",
-    "rescale_factor", "fps", "min_frames", "max_frames",
+    "rescale_factor", "fps", "min_frames", "max_frames", "max_duration",
 )  # fmt: skip
 
 

@@ -175,7 +175,8 @@ def read_resized_frames(
         indices = _sample(total, video_fps, cfg)
         frames = _wanted_frames(container, stream, indices)
         chunks = _resized_chunks(frames, len(indices), spec, limits)
-    times = frame_timestamps(indices, video_fps, cfg.temporal_patch_size)
+    at = spec.model_family.video_stamp.at
+    times = frame_timestamps(indices, video_fps, cfg.temporal_patch_size, at)
     return np.concatenate(chunks), len(indices) / total * video_fps, times
 
 
