@@ -448,11 +448,14 @@ def remove_old_weights(out: Path) -> None:
 
 
 def write_processor_configs(family: Family, preset: str, out: Path) -> None:
-    """preprocessor_config.json, and video_preprocessor_config.json for a family with one."""
+    """preprocessor_config.json, and video_preprocessor_config.json and processor_config.json
+    for a family with them."""
     write_json(out / "preprocessor_config.json", family.tiny.preprocessor(preset))
     if family.tiny.video_preprocessor is not None:
         video = family.tiny.video_preprocessor(preset)
         write_json(out / "video_preprocessor_config.json", video)
+    if family.tiny.processor is not None:
+        write_json(out / "processor_config.json", family.tiny.processor(preset))
 
 
 def supported(arch: str, preset: str) -> bool:
