@@ -54,10 +54,11 @@ PRESETS = tuple(dict.fromkeys(p for family in FAMILIES.values() for p in family.
 # the published towers, so it shards at tp 2 and 4) with the tiny text model: a prefill-bound
 # checkpoint whose time goes to the vision tower, as with real checkpoints and large images, for
 # benchmarks of the serving path and of the encoder modes on a CPU.
-# hd64 (Qwen2-VL only) has head_dim 64 in both towers (a 4-layer 512-wide decoder, a 4-layer
-# 256-wide vision tower): the smallest shape every peer's CPU attention accepts, for side-by-side
-# runs. 100m (Qwen2-VL only, about 100M parameters: 12 decoder layers of width 768, 8 vision blocks
-# of width 512) is large enough that the model's arithmetic, not per-step overhead, dominates.
+# hd64 (Qwen2-VL; InternVL and GLM-4.1V have their own, runtime/families/) has head_dim 64 in
+# both towers (a 4-layer 512-wide decoder, a 4-layer 256-wide vision tower): the smallest shape
+# every peer's CPU attention accepts, for side-by-side runs. 100m (Qwen2-VL only, about 100M
+# parameters: 12 decoder layers of width 768, 8 vision blocks of width 512) is large enough
+# that the model's arithmetic, not per-step overhead, dominates.
 # vit-hd64 (Qwen2.5-VL only) is the encoder-heavy shape with head_dim 64 in the decoder, so a peer
 # whose CPU attention needs it can run the ViT DP-vs-TP comparison: a 2-layer 256-wide decoder
 # (4 heads of 64, 2 KV heads) behind a depth-6 vision tower of width 320 (4 heads of 80, windowed
@@ -448,11 +449,14 @@ def remove_old_weights(out: Path) -> None:
 
 
 def write_processor_configs(family: Family, preset: str, out: Path) -> None:
-    """preprocessor_config.json, and video_preprocessor_config.json for a family with one."""
+    """preprocessor_config.json, and video_preprocessor_config.json and processor_config.json
+    for a family with them."""
     write_json(out / "preprocessor_config.json", family.tiny.preprocessor(preset))
     if family.tiny.video_preprocessor is not None:
         video = family.tiny.video_preprocessor(preset)
         write_json(out / "video_preprocessor_config.json", video)
+    if family.tiny.processor is not None:
+        write_json(out / "processor_config.json", family.tiny.processor(preset))
 
 
 def supported(arch: str, preset: str) -> bool:

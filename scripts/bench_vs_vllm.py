@@ -5,6 +5,8 @@ side, in alternating rounds, with each server's CPU per request.
     python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --rounds 3 --json hd64.json --md hd64.md
     python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --quick          # a short smoke run
     python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --greedy-check   # text vs transformers
+    python scripts/make_tiny_checkpoint.py --arch internvl --preset hd64 --out /tmp/internvl-hd64
+    python scripts/bench_vs_vllm.py --model-path /tmp/internvl-hd64 --workload image1  # any family
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --preset vit-hd64 --out /tmp/vit-hd64
     python scripts/bench_vs_vllm.py --model-path /tmp/hd64 --tp2-model-path /tmp/vit-hd64
     python scripts/bench_vs_vllm.py --peer transformers --model-path /tmp/tiny --workload image1

@@ -52,6 +52,7 @@ class Reference:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.images = AutoImageProcessor.from_pretrained(model_path)
         self.template = load_chat_template(model_path, self.tokenizer)
+        self.processor = family_processor(model_path, self.images, self.tokenizer, config)
         self.name = Path(model_path).name
         self.device, self.dtype = device, dtype
         # One request at a time, queued on the event loop. (Taken inside `stream`, a lock made
@@ -66,6 +67,10 @@ class Reference:
             tokenize=False, add_generation_prompt=True,
         )  # fmt: skip
         out: dict[str, torch.Tensor] = {}
+        if self.processor is not None:  # the family's processor expands its own placeholders
+            out = dict(self.processor(images=images or None, text=[prompt], return_tensors="pt"))
+            return {k: v.to(self.device, self.dtype) if k == "pixel_values" else v.to(self.device)
+                    for k, v in out.items()}  # fmt: skip
         if images:
             out = dict(self.images(images=images, return_tensors="pt"))
             prompt = expand_image_pads(prompt, out["image_grid_thw"], self.images.merge_size)
@@ -103,6 +108,35 @@ class Reference:
             "total_tokens": prompt + generated,
         }
         result["reason"] = "length" if generated >= kwargs["max_new_tokens"] else "stop"
+
+
+# Families whose placeholders the Qwen expansion below does not write: their transformers
+# processor class, and its extra settings from config.json.
+FAMILY_PROCESSORS = {
+    "InternVLForConditionalGeneration": ("InternVLProcessor", ("image_seq_length",)),
+    "Glm4vForConditionalGeneration": ("Glm4vProcessor", ()),
+}
+
+
+def family_processor(model_path: str, images: Any, tokenizer: Any, config: dict) -> Any:
+    """transformers' processor of a non-Qwen family (None for Qwen's), built without a video
+    processor: those need torchvision, and only images and text come here (its class check,
+    which insists on one, is skipped for this construction)."""
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+
+    name, keys = FAMILY_PROCESSORS.get(config["architectures"][0], (None, ()))
+    if name is None:
+        return None
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda *args: None
+    try:
+        return getattr(transformers, name)(
+            image_processor=images, tokenizer=tokenizer, video_processor=None,
+            chat_template=tokenizer.chat_template, **{k: config[k] for k in keys},
+        )  # fmt: skip
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
 
 
 def image_urls(messages: list[dict[str, Any]]) -> list[str]:

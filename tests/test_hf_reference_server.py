@@ -12,9 +12,12 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from hf_reference_server import Reference, create_app
+from test_internvl import hf_processor, make_case
 from test_server import png_url
-from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf
+from transformers import AutoTokenizer
+from vlm_cases import Case, Checkpoint, gradient_image, load_hf, noise_image, run_hf
 
+from runtime.model_config import ModelConfig
 from runtime.tiny_checkpoint import make_checkpoint
 
 NEW_TOKENS = 6
@@ -93,3 +96,30 @@ def test_more_requests_in_flight_than_executor_threads(folder: Path) -> None:
             return await asyncio.wait_for(asyncio.gather(*[one(client) for _ in range(6)]), 120)
 
     assert asyncio.run(run()) == ["data: [DONE]"] * 6
+
+
+def family_case(folder: Path, arch: str, parts: list) -> Case:
+    """HF's inputs for an InternVL or GLM-4.1V chat, built by the test helpers of each family
+    (InternVL: its own InternVLProcessor's tiles, checked against tessera's expansion)."""
+    if arch == "internvl":
+        return make_case(hf_processor(folder), ModelConfig.from_dir(folder), "c", parts)
+    return Checkpoint(folder).case("c", parts)
+
+
+@pytest.mark.parametrize("arch", ["internvl", "glm4v"])
+def test_other_families_greedy_text_equals_hf(arch: str, tmp_path: Path) -> None:
+    """The family's own processor writes its image tokens (InternVL's tiles between <img> and
+    </img>, GLM-4.1V's merged patches): prompt tokens and greedy text are transformers'."""
+    import torch
+
+    folder = make_checkpoint(arch, tmp_path / arch)
+    images = [noise_image(), gradient_image()]
+    case = family_case(folder, arch, [*images, "Describe."])
+    run_hf(load_hf(folder, gemm_patch_embed=False), case, NEW_TOKENS)
+    client = TestClient(create_app(Reference(str(folder), "cpu", torch.float32)))
+    out = client.post("/v1/chat/completions", json=body(images, "Describe.")).json()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert out["choices"][0]["message"]["content"] == tokenizer.decode(
+        case.hf_tokens, skip_special_tokens=True
+    )
+    assert out["usage"]["prompt_tokens"] == case.hf_inputs["input_ids"].shape[1]

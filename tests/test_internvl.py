@@ -40,6 +40,9 @@ from vision.vlm import build_model
 MODES = ("tp", "dp", "auto")
 NEW_TOKENS = 16
 CASES = ("text", "image", "wide_image", "two_images")
+# The presets checked against transformers here; hd64 (a peer benchmark's shape, 224-pixel tiles)
+# is too slow for that on a CPU and is checked in test_tiny_checkpoint.py.
+PARITY_PRESETS = ("tiny", "qk-norm")
 
 
 def wide_image() -> Image.Image:
@@ -50,7 +53,7 @@ def wide_image() -> Image.Image:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("internvl")
-    return {p: mtc.make_checkpoint("internvl", root / p, preset=p) for p in internvl.TINY.presets}
+    return {p: mtc.make_checkpoint("internvl", root / p, preset=p) for p in PARITY_PRESETS}
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +279,7 @@ def assert_logits_match(folder: Path, logits: torch.Tensor, case: Case) -> float
 def _params(fn):
     fn = pytest.mark.parametrize("case", CASES)(fn)
     fn = pytest.mark.parametrize("mode", MODES, ids=[f"vit_{m}" for m in MODES])(fn)
-    return pytest.mark.parametrize("preset", internvl.TINY.presets)(fn)
+    return pytest.mark.parametrize("preset", PARITY_PRESETS)(fn)
 
 
 @_params

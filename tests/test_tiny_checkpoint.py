@@ -19,6 +19,7 @@ from PIL import Image
 
 import runtime.tiny_checkpoint as mtc
 from runtime.families import get_family, qwen2_vl
+from runtime.model_config import ModelConfig
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl")
 
@@ -341,3 +342,21 @@ def test_encoder_heavy_peer_preset() -> None:
     total = sum(p.numel() for p in model.parameters())
     visual = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
     assert visual > 0.7 * total
+
+
+@pytest.mark.parametrize("arch", ["internvl", "glm4v"])
+def test_new_family_peer_presets_have_head_dim_64(arch: str) -> None:
+    """hd64 of InternVL and GLM-4.1V: head_dim 64 in both towers (what a peer's CPU attention
+    needs), a tower of several blocks as wide as the Qwen hd64 one, and a config tessera reads
+    (InternVL: 224-pixel tiles of 64 tokens)."""
+    ids = mtc.special_ids(mtc.family_tokenizer(arch))
+    flat = mtc.checkpoint_config(arch, "hd64", ids, "float32")
+    config = ModelConfig.from_dict(flat, ids)
+    assert config.text.hidden_size // config.text.num_attention_heads == 64
+    assert config.vision.embed_dim // config.vision.num_heads == 64
+    assert config.vision.depth == 4 and config.vision.embed_dim == 256
+    if arch == "internvl":  # a processor built from the folder alone reads the tile's tokens
+        assert (config.vision.image_size, flat["image_seq_length"]) == (224, 64)
+        assert get_family(arch).tiny.processor("hd64")["image_seq_length"] == 64
+    total = sum(p.numel() for p in mtc.meta_model(arch, flat).parameters())
+    assert 15e6 < total < 25e6

@@ -125,14 +125,23 @@ NAMED_TOKENS = (
 )  # fmt: skip
 # head_dim 16 with a half rotary: 4 frequencies, in sections [2, 1, 1]. The position table is
 # 8 x 8 patches (112 px), so test images both shrink and stretch it.
+# "hd64" is GLM-4.1V-9B scaled to 2 cores with head_dim 64 in both towers (what a peer's CPU
+# attention needs): a 4-layer 512-wide decoder (rotary over half of each head, sections
+# [4, 6, 6] as the published [8, 12, 12] halved) behind a 4-block 256-wide tower whose position
+# table is the published 24 x 24 patches (336 px).
 TEXT_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128, vocab_size=512,
                  max_position_embeddings=4096, mrope_section=[2, 1, 1]),
+    "hd64": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, intermediate_size=1536, vocab_size=512,
+                 max_position_embeddings=8192, mrope_section=[4, 6, 6]),
 }  # fmt: skip
 VISION_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=64,
                  image_size=112),
+    "hd64": dict(depth=4, hidden_size=256, num_heads=4, intermediate_size=1536,
+                 out_hidden_size=512, image_size=336),
 }  # fmt: skip
 
 

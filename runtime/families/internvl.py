@@ -182,20 +182,28 @@ NAMED_TOKENS = (
     ("video_token", "<video>"),
 )
 # 56-pixel tiles of 14-pixel patches: 16 patches and a class token per tile, 4 tokens per tile.
-# "qk-norm" is the 6B tower's kind: RMSNorm blocks with RMSNorm over q and k.
+# "qk-norm" is the 6B tower's kind: RMSNorm blocks with RMSNorm over q and k. "hd64" is
+# InternVL3-1B/2B's InternViT-300M (LayerNorm, head_dim 64) scaled to 2 cores: 4 blocks of width
+# 256 over 224-pixel tiles (256 patches, 64 tokens a tile), behind the Qwen2-VL hd64 decoder
+# (4 layers of width 512, head_dim 64, what a peer's CPU attention needs).
 VISION_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                  intermediate_size=128, norm_type="layer_norm", use_qk_norm=False),
     "qk-norm": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                     intermediate_size=128, norm_type="rms_norm", use_qk_norm=True),
+    "hd64": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                 intermediate_size=1024, norm_type="layer_norm", use_qk_norm=False),
 }  # fmt: skip
 TILE = 56
+TILES = {"hd64": 224}  # a preset's tile side when not TILE
+TEXT_PRESET = {"hd64": "hd64"}  # a preset's Qwen2-VL decoder shape when not the tiny one
 
 
 def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
     """A published InternVL3 -hf config.json: Qwen2 text_config, InternViT vision_config."""
-    text = dict(qwen2_vl.TEXT_SHAPES["tiny"])
+    text = dict(qwen2_vl.TEXT_SHAPES[TEXT_PRESET.get(preset, "tiny")])
     text.pop("mrope_section")
+    tile = TILES.get(preset, TILE)
     text_config = {
         "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
         "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
@@ -207,7 +215,7 @@ def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
     vision = {
         "architectures": ["InternVisionModel"], "attention_bias": True,
         "attention_dropout": 0.0, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
-        **VISION_SHAPES[preset], "image_size": [TILE, TILE], "initializer_range": 0.02,
+        **VISION_SHAPES[preset], "image_size": [tile, tile], "initializer_range": 0.02,
         "layer_norm_eps": 1e-06, "layer_scale_init_value": 0.1, "model_type": "internvl_vision",
         "num_channels": 3, "patch_size": [14, 14], "projection_dropout": 0.0,
         "use_absolute_position_embeddings": True, "use_mask_token": False,
@@ -215,7 +223,8 @@ def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
     }  # fmt: skip
     return {
         "architectures": [ARCHITECTURE], "downsample_ratio": 0.5,
-        "image_seq_length": (TILE // 14) ** 2 // 4, "image_token_id": ids[TOKENS.image_pad],
+        "image_seq_length": processor_config(preset)["image_seq_length"],
+        "image_token_id": ids[TOKENS.image_pad],
         "model_type": "internvl", "projector_hidden_act": "gelu", "text_config": text_config,
         "tie_word_embeddings": False, "torch_dtype": dtype, "vision_config": vision,
         "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
@@ -225,14 +234,23 @@ def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
 def preprocessor_config(preset: str) -> dict[str, Any]:
     """GotOcr2's image processor settings as the -hf checkpoints publish them (the processor,
     not this file, turns tiling on)."""
+    tile = TILES.get(preset, TILE)
     return {
         "crop_to_patches": False, "data_format": "channels_first", "default_to_square": True,
         "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
         "image_mean": IMAGENET_MEAN, "image_processor_type": "GotOcr2ImageProcessor",
         "image_std": IMAGENET_STD, "max_patches": 12, "min_patches": 1,
         "processor_class": "InternVLProcessor", "resample": 3,
-        "rescale_factor": 0.00392156862745098, "size": {"height": TILE, "width": TILE},
+        "rescale_factor": 0.00392156862745098, "size": {"height": tile, "width": tile},
     }  # fmt: skip
+
+
+def processor_config(preset: str) -> dict[str, Any]:
+    """InternVLProcessor's own settings as the -hf checkpoints publish them: the tokens of one
+    tile (a processor built from the folder alone, as a peer server builds it, reads them here,
+    not from config.json)."""
+    tile = TILES.get(preset, TILE)
+    return {"image_seq_length": (tile // 14) ** 2 // 4, "processor_class": "InternVLProcessor"}
 
 
 TINY = TinyCheckpoint(
@@ -242,6 +260,7 @@ TINY = TinyCheckpoint(
     presets=tuple(VISION_SHAPES),
     config=tiny_config,
     preprocessor=preprocessor_config,
+    processor=processor_config,
     published_name=lambda name: name,  # published under transformers' own names
 )
 

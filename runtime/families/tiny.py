@@ -23,6 +23,8 @@ class TinyCheckpoint:
         first architecture).
     published_name(name): transformers' in-memory parameter name -> the published tensor name.
     video_preprocessor(preset): video_preprocessor_config.json, for a family that has one.
+    processor(preset): processor_config.json (the processor's own settings), for a family whose
+        published checkpoints ship one.
     special_tokens: the family's own special tokens as (tokenizer_config.json key, token), added
         to the tiny tokenizer after the shared (Qwen) ones and named in its config by that key.
     chat_template: the family's chat template (None: the shared Qwen2-VL-Instruct one).
@@ -34,5 +36,6 @@ class TinyCheckpoint:
     hf_config_class: str
     published_name: Callable[[str], str]
     video_preprocessor: Callable[[str], dict[str, Any]] | None = None
+    processor: Callable[[str], dict[str, Any]] | None = None
     special_tokens: tuple[tuple[str, str], ...] = ()
     chat_template: str | None = None
