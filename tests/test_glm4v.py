@@ -1,7 +1,7 @@
 """GLM-4.1V, tessera's fifth family: config reading (and what it refuses), the resize rule
 against Glm4vImageProcessor's, the partial pairwise MRoPE and the interpolated position table
 against transformers' own functions, checkpoint names of both published layouts, and the
-composite model against transformers' `Glm4vForConditionalGeneration` at tp 1 and 2, vision
+composite model against transformers' `Glm4vForConditionalGeneration` at tp 1, 2 and 4, vision
 tower in TP, DP and auto mode.
 
 The oracle's inputs are the checkpoint's tokenizer, chat template and Glm4vImageProcessorPil
@@ -210,7 +210,7 @@ def test_cases_cover_small_and_large_grids(oracle: dict[str, Case]) -> None:
     assert len(oracle["image"].hf_inputs["mm_token_type_ids"][0].nonzero()) == 4
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
 def ranks(request: pytest.FixtureRequest, folder: Path, oracle: dict) -> tuple[int, list]:
     cases = [(c.name, c.input_ids, c.mm) for c in oracle.values()]
     jobs = [("glm4v", str(folder), mode, cases) for mode in MODES]

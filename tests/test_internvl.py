@@ -1,6 +1,6 @@
 """InternVL 3, tessera's fourth family: config reading, the tiling rule against GotOcr2's,
 checkpoint names of both published layouts, and the composite model against transformers'
-`InternVLForConditionalGeneration` at tp 1 and 2, vision tower in TP, DP and auto mode.
+`InternVLForConditionalGeneration` at tp 1, 2 and 4, vision tower in TP, DP and auto mode.
 
 The oracle's inputs come from transformers' own InternVLProcessor (its chat template, the
 GotOcr2 image processor's tiles, its placeholder expansion); tessera's prompt ids, built by its
@@ -79,22 +79,30 @@ def hf_processor(folder: Path) -> Any:
         ProcessorMixin.check_argument_for_proper_class = check
 
 
-def image_media(processor: Any, image: Image.Image) -> PreparedMedia:
-    """One image's tiles as the processor makes them, as tessera's patch rows."""
-    out = processor.image_processor(images=[image], crop_to_patches=True, return_tensors="np")
+def image_media(processor: Any, image: Image.Image, **settings: Any) -> PreparedMedia:
+    """One image's tiles as the processor makes them (with these GotOcr2 settings), as
+    tessera's patch rows."""
+    settings = {"crop_to_patches": True, **settings}
+    out = processor.image_processor(images=[image], return_tensors="np", **settings)
     rows, grid = tile_patches(out["pixel_values"], 14)
     return PreparedMedia(Modality.IMAGE, torch.from_numpy(rows), grid)
 
 
-def make_case(processor: Any, config: ModelConfig, name: str, content: list[Any]) -> Case:
-    """HF's inputs from its processor; tessera's from its own expansion (which must agree)."""
+def make_case(
+    processor: Any, config: ModelConfig, name: str, content: list[Any],
+    system: str | None = None, **settings: Any,
+) -> Case:
+    """HF's inputs from its processor (with these image settings); tessera's from its own
+    expansion (which must agree)."""
     parts = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
              for p in content]  # fmt: skip
     messages = [{"role": "user", "content": parts}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     images = [p for p in content if isinstance(p, Image.Image)]
-    hf = processor(images=images or None, text=[prompt], return_tensors="pt")
-    media = [image_media(processor, image) for image in images]
+    hf = processor(images=images or None, text=[prompt], return_tensors="pt", **settings)
+    media = [image_media(processor, image, **settings) for image in images]
     ids = expand_placeholder_ids(processor.tokenizer(prompt)["input_ids"], media, config)
     assert ids == hf["input_ids"][0].tolist(), name
     assert processor.tokenizer(expand_placeholders(prompt, media, config))["input_ids"] == ids
@@ -257,7 +265,7 @@ def test_cases_cover_tiles_and_thumbnails(oracle: dict) -> None:
     assert cases["image"].hf_tokens != cases["wide_image"].hf_tokens  # the image matters
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
 def ranks(request: pytest.FixtureRequest, folders: dict, oracle: dict) -> tuple[int, list]:
     jobs = [
         (preset, str(folders[preset]), mode,
