@@ -9,6 +9,7 @@ own expansion, must equal them. DP mode balances tiles: one 13-tile image spread
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,18 @@ from runtime.distributed import TPGroup
 from runtime.families import internvl
 from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.multimodal import Modality, MultimodalDataItem
+from tokenizer_manager.media.limits import MediaLimits
 from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,
     build_multimodal_inputs,
     expand_placeholder_ids,
     expand_placeholders,
 )
+from tokenizer_manager.media.settings import checked_settings, request_spec
+from tokenizer_manager.media.types import ProcessorSpec
 from tokenizer_manager.media.video_processor import tile_patches
+from tokenizer_manager.media.worker import process_image_bytes
+from tokenizer_manager.protocol import APIError
 from vision.vlm import build_model
 
 MODES = ("tp", "dp", "auto")
@@ -312,6 +318,7 @@ def test_no_kv_slot_is_left_behind(ranks) -> None:
         assert all(r["_kv_free"] and r["_cut"]["_kv_free"] for r in per_rank.values())
 
 
+
 # ----------------------------------------------------------------------------- DP balance
 
 
@@ -335,3 +342,48 @@ def test_dp_mode_spreads_one_images_tiles_over_the_ranks(folder: Path, oracle: d
     terms = vision_terms(ModelConfig.from_dir(folder).vision, 4**2 + 1)
     for result in two:  # the same sums, in GEMMs of other row counts
         assert_within_rounding(result["rows"], one["rows"], terms)
+
+
+# ----------------------------------------------------------------------------- request settings
+
+
+def request_tiles(folder: Path, raw: dict) -> tuple[ProcessorSpec, tuple[int, int, int]]:
+    """A request's spec with these mm_processor_kwargs, and the grid its header is charged for
+    the wide image."""
+    spec = ProcessorSpec.from_checkpoint(str(folder), MediaLimits())
+    spec = request_spec(spec, checked_settings(raw, spec))
+    return spec, spec.image_grid(*wide_image().size[::-1])
+
+
+@pytest.mark.parametrize("raw", [{"max_patches": 2}, {"min_patches": 3, "max_patches": 5},
+                                 {"crop_to_patches": False}, {"min_patches": 9}])  # fmt: skip
+def test_tile_settings_of_a_request_are_gotocr2s(folder: Path, raw: dict) -> None:
+    """A request's GotOcr2 settings: the worker's tiles equal the processor's with them, and
+    the header's charge counts them (the token budget's view)."""
+    from transformers import AutoImageProcessor
+
+    spec, grid = request_tiles(folder, raw)
+    png = io.BytesIO()
+    wide_image().save(png, format="PNG")
+    ours = process_image_bytes(png.getvalue(), spec, MediaLimits())
+    theirs = AutoImageProcessor.from_pretrained(folder)(
+        images=[wide_image()], return_tensors="np", **{"crop_to_patches": True, **raw})
+    rows, hf_grid = tile_patches(theirs["pixel_values"], 14)
+    assert ours.grid_thw == hf_grid == grid != (8, 4, 4)
+    assert np.array_equal(ours.to_prepared().pixel_values.numpy(), rows)
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ({"max_patches": 13}, "max_patches"),  # more than the server's own 12
+        ({"max_patches": 0}, "max_patches"),
+        ({"min_patches": 5, "max_patches": 2}, "min_patches"),
+        ({"crop_to_patches": "yes"}, "crop_to_patches"),
+        ({"max_pixels": 100000}, "max_pixels"),
+    ],
+)
+def test_bad_tile_settings_are_refused_by_name(folder: Path, raw: dict, param: str) -> None:
+    with pytest.raises(APIError) as info:
+        request_tiles(folder, raw)
+    assert info.value.status == 400 and info.value.param == f"mm_processor_kwargs.{param}"
