@@ -182,12 +182,15 @@ NAMED_TOKENS = (
     ("video_token", "<video>"),
 )
 # 56-pixel tiles of 14-pixel patches: 16 patches and a class token per tile, 4 tokens per tile.
-# "qk-norm" is the 6B tower's kind: RMSNorm blocks with RMSNorm over q and k.
+# "qk-norm" is the 6B tower's kind: RMSNorm blocks with RMSNorm over q and k; "heads5" has a
+# head count (5, like the 6B tower's 25) that tp 2 and 4 do not divide: padded heads in TP mode.
 VISION_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                  intermediate_size=128, norm_type="layer_norm", use_qk_norm=False),
     "qk-norm": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                     intermediate_size=128, norm_type="rms_norm", use_qk_norm=True),
+    "heads5": dict(num_hidden_layers=2, hidden_size=80, num_attention_heads=5,
+                   intermediate_size=160, norm_type="rms_norm", use_qk_norm=True),
 }  # fmt: skip
 TILE = 56
 
