@@ -241,3 +241,18 @@ def test_nothing_is_held_after_the_paths(server: Server, family: str) -> None:
     body = {"model": family, "max_tokens": 4,
             "messages": [{"role": "user", "content": fs.parts(CONTENT["wide"])}]}  # fmt: skip
     fs.assert_nothing_held(server, body)
+
+
+def test_media_tokens_typed_in_a_prompt_are_refused(server: Server, family: str,
+                                                    cases: FamilyCases) -> None:
+    """The family's boundary and placeholder tokens, typed in a completions prompt or given as
+    token ids, are the media processor's alone: a 400 naming the prompt (chat messages:
+    family_server.assert_typed_token_refused)."""
+    config = cases.config
+    prompts = [f"a {token} b" for token in config.family.tokens.processor_tokens]
+    prompts += [[1, config.image_token_id, 2], [config.vision_start_token_id, 5]]
+    for prompt in prompts:
+        out = fs.post(server, "/v1/completions", {"model": family, "prompt": prompt,
+                                                  "max_tokens": 2})  # fmt: skip
+        assert out.status_code == 400, prompt
+        assert out.json()["error"]["param"] == "prompt", prompt
