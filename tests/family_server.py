@@ -19,11 +19,13 @@ from runtime.families import get_family
 
 
 def serve(
-    folder: Path, tmp: pytest.TempPathFactory, name: str, dp_encoder: bool = False
+    folder: Path, tmp: pytest.TempPathFactory, name: str, dp_encoder: bool = False, *extra: str
 ) -> Iterator[Server]:
-    """A module's server on `folder`: tp 1, or tp 2 with the DP encoder; its teardown checked."""
+    """A module's server on `folder`: tp 1, or tp 2 with the DP encoder (with `extra` flags);
+    its teardown checked."""
     log = tmp.mktemp(name) / "server.log"
-    server = Server(str(folder), log) if dp_encoder else OneRankServer(str(folder), log)
+    kind = Server if dp_encoder else OneRankServer
+    server = kind(str(folder), log, *extra)
     yield from serve_then_check_teardown(server)
 
 

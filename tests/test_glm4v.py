@@ -3,7 +3,8 @@ against Glm4vImageProcessor's, the partial pairwise MRoPE and the interpolated p
 against transformers' own functions, checkpoint names of both published layouts, videos (frame
 sampling, clip resize, patch layout, the timestamped prompt and its positions against
 Glm4vVideoProcessor's and Glm4vProcessor's own functions), and the composite model against
-transformers' `Glm4vForConditionalGeneration` at tp 1 and 2, vision tower in TP, DP and auto mode.
+transformers' `Glm4vForConditionalGeneration` at tp 1, 2 and 4, vision tower in TP, DP and auto
+mode.
 
 The oracle's inputs are the checkpoint's tokenizer, chat template and Glm4vImageProcessorPil
 (no torchvision here: video frames are resized by tessera's code, every other video rule is
@@ -329,7 +330,7 @@ def test_cases_cover_small_and_large_grids(oracle: dict[str, Case]) -> None:
     assert len(oracle["image"].hf_inputs["mm_token_type_ids"][0].nonzero()) == 4
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
 def ranks(request: pytest.FixtureRequest, folder: Path, oracle: dict) -> tuple[int, list]:
     cases = [(c.name, c.input_ids, c.mm) for c in oracle.values()]
     jobs = [("glm4v", str(folder), mode, cases) for mode in MODES]

@@ -1,6 +1,6 @@
 """InternVL 3, tessera's fourth family: config reading, the tiling rule against GotOcr2's,
 checkpoint names of both published layouts, and the composite model against transformers'
-`InternVLForConditionalGeneration` at tp 1 and 2, vision tower in TP, DP and auto mode.
+`InternVLForConditionalGeneration` at tp 1, 2 and 4, vision tower in TP, DP and auto mode.
 
 The oracle's inputs come from transformers' own InternVLProcessor (its chat template, the
 GotOcr2 image processor's tiles, its placeholder expansion); tessera's prompt ids, built by its
@@ -9,6 +9,7 @@ own expansion, must equal them. DP mode balances tiles: one 13-tile image spread
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,18 @@ from runtime.distributed import TPGroup
 from runtime.families import internvl
 from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.multimodal import Modality, MultimodalDataItem
+from tokenizer_manager.media.limits import MediaLimits
 from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,
     build_multimodal_inputs,
     expand_placeholder_ids,
     expand_placeholders,
 )
+from tokenizer_manager.media.settings import checked_settings, request_spec
+from tokenizer_manager.media.types import ProcessorSpec
 from tokenizer_manager.media.video_processor import tile_patches
+from tokenizer_manager.media.worker import process_image_bytes
+from tokenizer_manager.protocol import APIError
 from vision.vlm import build_model
 
 MODES = ("tp", "dp", "auto")
@@ -42,7 +48,7 @@ NEW_TOKENS = 16
 CASES = ("text", "image", "wide_image", "two_images")
 # The presets checked against transformers here; hd64 (a peer benchmark's shape, 224-pixel tiles)
 # is too slow for that on a CPU and is checked in test_tiny_checkpoint.py.
-PARITY_PRESETS = ("tiny", "qk-norm")
+PARITY_PRESETS = ("tiny", "qk-norm", "heads5")
 
 
 def wide_image() -> Image.Image:
@@ -82,22 +88,30 @@ def hf_processor(folder: Path) -> Any:
         ProcessorMixin.check_argument_for_proper_class = check
 
 
-def image_media(processor: Any, image: Image.Image) -> PreparedMedia:
-    """One image's tiles as the processor makes them, as tessera's patch rows."""
-    out = processor.image_processor(images=[image], crop_to_patches=True, return_tensors="np")
+def image_media(processor: Any, image: Image.Image, **settings: Any) -> PreparedMedia:
+    """One image's tiles as the processor makes them (with these GotOcr2 settings), as
+    tessera's patch rows."""
+    settings = {"crop_to_patches": True, **settings}
+    out = processor.image_processor(images=[image], return_tensors="np", **settings)
     rows, grid = tile_patches(out["pixel_values"], 14)
     return PreparedMedia(Modality.IMAGE, torch.from_numpy(rows), grid)
 
 
-def make_case(processor: Any, config: ModelConfig, name: str, content: list[Any]) -> Case:
-    """HF's inputs from its processor; tessera's from its own expansion (which must agree)."""
+def make_case(
+    processor: Any, config: ModelConfig, name: str, content: list[Any],
+    system: str | None = None, **settings: Any,
+) -> Case:
+    """HF's inputs from its processor (with these image settings); tessera's from its own
+    expansion (which must agree)."""
     parts = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
              for p in content]  # fmt: skip
     messages = [{"role": "user", "content": parts}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     images = [p for p in content if isinstance(p, Image.Image)]
-    hf = processor(images=images or None, text=[prompt], return_tensors="pt")
-    media = [image_media(processor, image) for image in images]
+    hf = processor(images=images or None, text=[prompt], return_tensors="pt", **settings)
+    media = [image_media(processor, image, **settings) for image in images]
     ids = expand_placeholder_ids(processor.tokenizer(prompt)["input_ids"], media, config)
     assert ids == hf["input_ids"][0].tolist(), name
     assert processor.tokenizer(expand_placeholders(prompt, media, config))["input_ids"] == ids
@@ -260,12 +274,12 @@ def test_cases_cover_tiles_and_thumbnails(oracle: dict) -> None:
     assert cases["image"].hf_tokens != cases["wide_image"].hf_tokens  # the image matters
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda tp: f"tp{tp}")
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
 def ranks(request: pytest.FixtureRequest, folders: dict, oracle: dict) -> tuple[int, list]:
     jobs = [
         (preset, str(folders[preset]), mode,
          [(c.name, c.input_ids, c.mm) for c in oracle[preset].values()])
-        for preset in folders for mode in MODES
+        for preset, mode in PRESET_MODES
     ]  # fmt: skip
     return request.param, run_on_ranks(parity_worker, request.param, jobs, NEW_TOKENS, timeout=500)
 
@@ -276,10 +290,15 @@ def assert_logits_match(folder: Path, logits: torch.Tensor, case: Case) -> float
     return assert_within_rounding(logits, case.hf_logits, terms)
 
 
+# every preset in every mode, but auto for the 5-head tower (its TP plans would shard 5 heads)
+PRESET_MODES = [(p, m) for p in PARITY_PRESETS for m in MODES if (p, m) != ("heads5",
+                                                                                   "auto")]
+
+
 def _params(fn):
     fn = pytest.mark.parametrize("case", CASES)(fn)
-    fn = pytest.mark.parametrize("mode", MODES, ids=[f"vit_{m}" for m in MODES])(fn)
-    return pytest.mark.parametrize("preset", PARITY_PRESETS)(fn)
+    ids = [f"{p}-vit_{m}" for p, m in PRESET_MODES]
+    return pytest.mark.parametrize(("preset", "mode"), PRESET_MODES, ids=ids)(fn)
 
 
 @_params
@@ -307,6 +326,26 @@ def test_no_kv_slot_is_left_behind(ranks) -> None:
         assert all(r["_kv_free"] and r["_cut"]["_kv_free"] for r in per_rank.values())
 
 
+def padded_tower_worker(tp: TPGroup, folder: str) -> dict:
+    """The 5-head tower's local head count in TP mode, and whether auto mode builds."""
+    model = build_model(folder, tp, encoder_mode="tp", dtype="float32")
+    attention = model.visual.layers[0].attention
+    try:
+        build_model(folder, tp, encoder_mode="auto", dtype="float32")
+        auto = "built"
+    except ValueError as exc:
+        auto = str(exc)
+    return {"heads": attention.qkv.num_heads, "auto": auto}
+
+
+def test_a_head_count_tp_does_not_divide_is_padded(folders: dict[str, Path]) -> None:
+    """5 heads at tp 2: 3 per rank (one zero head); the parity tests above hold it exact. Auto
+    mode, whose TP plans shard the one-rank tower, is refused by name instead."""
+    out = run_on_ranks(padded_tower_worker, 2, str(folders["heads5"]))
+    assert [r["heads"] for r in out] == [3, 3]
+    assert all("5 heads" in r["auto"] and "dp encoder mode" in r["auto"] for r in out)
+
+
 # ----------------------------------------------------------------------------- DP balance
 
 
@@ -330,3 +369,48 @@ def test_dp_mode_spreads_one_images_tiles_over_the_ranks(folder: Path, oracle: d
     terms = vision_terms(ModelConfig.from_dir(folder).vision, 4**2 + 1)
     for result in two:  # the same sums, in GEMMs of other row counts
         assert_within_rounding(result["rows"], one["rows"], terms)
+
+
+# ----------------------------------------------------------------------------- request settings
+
+
+def request_tiles(folder: Path, raw: dict) -> tuple[ProcessorSpec, tuple[int, int, int]]:
+    """A request's spec with these mm_processor_kwargs, and the grid its header is charged for
+    the wide image."""
+    spec = ProcessorSpec.from_checkpoint(str(folder), MediaLimits())
+    spec = request_spec(spec, checked_settings(raw, spec))
+    return spec, spec.image_grid(*wide_image().size[::-1])
+
+
+@pytest.mark.parametrize("raw", [{"max_patches": 2}, {"min_patches": 3, "max_patches": 5},
+                                 {"crop_to_patches": False}, {"min_patches": 9}])  # fmt: skip
+def test_tile_settings_of_a_request_are_gotocr2s(folder: Path, raw: dict) -> None:
+    """A request's GotOcr2 settings: the worker's tiles equal the processor's with them, and
+    the header's charge counts them (the token budget's view)."""
+    from transformers import AutoImageProcessor
+
+    spec, grid = request_tiles(folder, raw)
+    png = io.BytesIO()
+    wide_image().save(png, format="PNG")
+    ours = process_image_bytes(png.getvalue(), spec, MediaLimits())
+    theirs = AutoImageProcessor.from_pretrained(folder)(
+        images=[wide_image()], return_tensors="np", **{"crop_to_patches": True, **raw})
+    rows, hf_grid = tile_patches(theirs["pixel_values"], 14)
+    assert ours.grid_thw == hf_grid == grid != (8, 4, 4)
+    assert np.array_equal(ours.to_prepared().pixel_values.numpy(), rows)
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ({"max_patches": 13}, "max_patches"),  # more than the server's own 12
+        ({"max_patches": 0}, "max_patches"),
+        ({"min_patches": 5, "max_patches": 2}, "min_patches"),
+        ({"crop_to_patches": "yes"}, "crop_to_patches"),
+        ({"max_pixels": 100000}, "max_pixels"),
+    ],
+)
+def test_bad_tile_settings_are_refused_by_name(folder: Path, raw: dict, param: str) -> None:
+    with pytest.raises(APIError) as info:
+        request_tiles(folder, raw)
+    assert info.value.status == 400 and info.value.param == f"mm_processor_kwargs.{param}"

@@ -284,6 +284,24 @@ def test_processor_tokens_from_the_client_are_refused(
     assert (err.status, err.param, err.code) == (400, param, "invalid_special_token"), str(err)
 
 
+@pytest.mark.parametrize(
+    ("make", "param"),
+    [
+        (lambda: text_with("look: <|image_pad|>"), "prompt"),  # a placeholder and no image
+        (lambda: text_with("<|image_pad|> and <|image_pad|>", image=True), "prompt"),
+        (lambda: chat_with("look: <|image_pad|>", image=False), "messages"),
+    ],
+)
+def test_placeholders_that_do_not_match_the_media_name_the_requests_field(
+    checkpoint: Path, make: Any, param: str
+) -> None:
+    """A text prompt's placeholders without their media are a 400 naming `prompt` (the field a
+    completions or /generate request has), a chat's naming `messages`."""
+    with pytest.raises(APIError) as info:
+        run(manager(checkpoint), make())
+    assert (info.value.status, info.value.param) == (400, param), str(info.value)
+
+
 def test_text_prompts_still_place_their_media_with_placeholders(checkpoint: Path) -> None:
     tm = manager(checkpoint)
     req = run(tm, text_with("first <|vision_start|><|image_pad|><|vision_end|> then", True))

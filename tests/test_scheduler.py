@@ -1,15 +1,18 @@
 """Scheduler ranks over the real ZMQ path: mixed requests against HF greedy outputs, at tp 1, 2
 and 4, with chunked prefill cutting images, a KV pool small enough to force retraction, the radix
-cache and the encoder cache."""
+cache and the encoder cache. Qwen2-VL runs every setting; each other family (FAMILY_SETTINGS)
+runs tp 1 with mixed steps and tp 1 plain (retraction), on its own processor's prompts."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from family_cases import FamilyCases
 from scheduler_harness import SchedulerHarness
-from vlm_cases import Case, Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
+from vlm_cases import Case, gradient_image, noise_image, run_hf, video_frames
 
 from runtime.io_struct import (
     AbortReq,
@@ -27,7 +30,8 @@ SYSTEM = "You are a careful assistant who looks at every picture twice and answe
 QUESTIONS = ["What is this?", "Describe the colors.", "Is anything moving?", "Count the shapes."]
 
 
-def build_cases(ckpt: Checkpoint) -> list[Case]:
+def build_cases(ckpt: FamilyCases) -> list[Case]:
+    """The workload; its videos only for a family that takes them."""
     big = noise_image((168, 168), seed=3)
     cases = []
     for i, q in enumerate(QUESTIONS):
@@ -38,23 +42,37 @@ def build_cases(ckpt: Checkpoint) -> list[Case]:
     cases.append(ckpt.case("other_image", [gradient_image(), QUESTIONS[0]]))
     cases.append(ckpt.case("two_images", [gradient_image(), "and", noise_image(), "Compare."]))
     cases.append(ckpt.case("two_images_b", [noise_image(seed=2), noise_image(), "Compare."]))
-    cases.append(ckpt.case("video0", [video_frames(), QUESTIONS[2]]))
-    cases.append(ckpt.case("video1", [video_frames(), QUESTIONS[3]], system=SYSTEM))
-    cases.append(ckpt.case("video_two_images", [video_frames(seed=4), gradient_image(), "Say."]))
+    if ckpt.takes_video:
+        cases.append(ckpt.case("video0", [video_frames(), QUESTIONS[2]]))
+        cases.append(ckpt.case("video1", [video_frames(), QUESTIONS[3]], system=SYSTEM))
+        video = [video_frames(seed=4), gradient_image(), "Say."]
+        cases.append(ckpt.case("video_two_images", video))
     cases.append(ckpt.case("long_text", [" ".join(QUESTIONS * 6)], system=SYSTEM))
     cases.append(ckpt.case("short", ["Hi"]))
     return cases
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    folder = make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("sched") / "qwen2_vl")
-    ckpt = Checkpoint(Path(folder))
-    cases = build_cases(ckpt)
-    model = load_hf(Path(folder))
-    for case in cases:
-        run_hf(model, case, NEW_TOKENS)
-    return {"folder": str(folder), "cases": cases}
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    """A family's checkpoint and its workload with HF's outputs, built on first use."""
+    built: dict[str, dict] = {}
+
+    def world(arch: str) -> dict:
+        if arch not in built:
+            folder = make_checkpoint(arch, tmp_path_factory.mktemp("sched") / arch)
+            ckpt = FamilyCases(Path(folder))
+            cases, model = build_cases(ckpt), ckpt.model()
+            for case in cases:
+                run_hf(model, case, NEW_TOKENS)
+            built[arch] = {"folder": str(folder), "cases": cases, "arch": arch}
+        return built[arch]
+
+    return world
+
+
+@pytest.fixture(scope="module")
+def world(worlds: Callable[[str], dict]) -> dict:
+    return worlds("qwen2_vl")
 
 
 def request(case: Case, rid: str | None = None, max_new: int = NEW_TOKENS) -> TokenizedGenerateReq:
@@ -101,20 +119,33 @@ TP_SETTINGS = [
 ]
 
 
-@pytest.fixture(scope="module", params=TP_SETTINGS)
-def served(request: pytest.FixtureRequest, world: dict) -> dict:
-    with SchedulerHarness(base_args(world["folder"], **request.param)) as h:
+# Every other family: tp 1 with mixed steps, and plain (so its decodes retract)
+FAMILY_SETTINGS = [
+    pytest.param((arch, settings), id=f"{arch}-{name}")
+    for arch in ("internvl", "glm4v")
+    for name, settings in (("tp1", {"tp_size": 1}),
+                           ("tp1-plain", {"tp_size": 1, "enable_mixed_chunk": False}))
+]  # fmt: skip
+SETTINGS = [pytest.param(("qwen2_vl", p.values[0]), id=p.id) for p in TP_SETTINGS]
+
+
+@pytest.fixture(scope="module", params=SETTINGS + FAMILY_SETTINGS)
+def served(request: pytest.FixtureRequest, worlds: Callable[[str], dict]) -> dict:
+    arch, settings = request.param
+    world = worlds(arch)
+    with SchedulerHarness(base_args(world["folder"], **settings)) as h:
         results = h.generate([request_for(c) for c in world["cases"]])
         info = h.info()
-    mode = request.param.get("mm_encoder_mode")
-    return {"results": results, "info": info, "mode": mode, "args": request.param}
+    mode = settings.get("mm_encoder_mode")
+    return {"results": results, "info": info, "mode": mode, "args": settings, "world": world}
 
 
 def request_for(case: Case) -> TokenizedGenerateReq:
     return request(case)
 
 
-def test_every_output_equals_hf_alone(served: dict, world: dict) -> None:
+def test_every_output_equals_hf_alone(served: dict) -> None:
+    world = served["world"]
     mismatched = [
         c.name for c in world["cases"] if served["results"][c.name]["tokens"] != c.hf_tokens
     ]
@@ -133,7 +164,10 @@ def test_server_info_counts_auto_encoder_plans(served: dict) -> None:
 def test_pool_was_small_enough_to_retract_and_chunks_cut_images(served: dict) -> None:
     counters = served["info"].counters
     mixed = served["args"].get("enable_mixed_chunk", True)
-    assert (counters.retractions > 0) == (not mixed)
+    assert counters.retractions > 0 or mixed
+    # the mixed settings' pacing keeps Qwen2-VL's workload from retracting; the other
+    # families' prompts (more tokens per image) may still retract a little
+    assert counters.retractions == 0 or not mixed or served["world"]["arch"] != "qwen2_vl"
     assert counters.prefill_steps > 1
     assert (counters.mixed_steps > 0) == mixed
     budget = served["args"].get("max_encoder_patches_per_step", 0)
@@ -157,8 +191,8 @@ def test_chunk_size_cuts_through_images(world: dict) -> None:
     assert len(cut) >= 4
 
 
-def test_repeated_image_is_encoded_once_per_residency(served: dict, world: dict) -> None:
-    stats = served["info"].encoder_cache
+def test_repeated_image_is_encoded_once_per_residency(served: dict) -> None:
+    stats, world = served["info"].encoder_cache, served["world"]
     distinct = {item.hash for c in world["cases"] if c.mm for item in c.mm.items}
     assert stats.hits > 0
     assert stats.items_encoded == len(distinct)

@@ -409,7 +409,8 @@ class TokenizerManager:
         with self.metrics.timed("tokenize"):
             ids = await self.encode_prompt(prompt)
         media = await self.prepare_media(refs, ids, inp.max_tokens, spec)
-        return await self.expand_ids(prompt, ids, media), media
+        field = "messages" if inp.messages is not None else "prompt"
+        return await self.expand_ids(prompt, ids, media, field), media
 
     async def prompt_of(self, inp: GenerateInput) -> tuple[str | None, list[MediaRef]]:
         """The prompt text (None for token ids) and its media, placeholders in place."""
@@ -565,24 +566,27 @@ class TokenizerManager:
         )
 
     async def expand_ids(
-        self, prompt: str, ids: list[int], media: list[PreparedMedia]
+        self, prompt: str, ids: list[int], media: list[PreparedMedia], field: str = "messages"
     ) -> list[int]:
         """The prompt's ids with every placeholder expanded to its item's tokens: spliced into
-        the ids, or (Qwen3-VL videos) the expanded text tokenized."""
+        the ids, or (Qwen3-VL videos) the expanded text tokenized. Placeholders that do not
+        match the media are a 400 naming `field`, the request's prompt field."""
         try:
             expanded = expand_placeholder_ids(ids, media, self.config)
         except ValueError as e:
-            raise APIError(str(e), param="messages") from e
+            raise APIError(str(e), param=field) from e
         if expanded is None:
-            expanded = await self.in_thread(self.tokenize, prompt, media)
+            expanded = await self.in_thread(self.tokenize, prompt, media, field)
         return expanded
 
-    def tokenize(self, prompt: str, media: list[PreparedMedia]) -> list[int]:
+    def tokenize(
+        self, prompt: str, media: list[PreparedMedia], field: str = "messages"
+    ) -> list[int]:
         """Expand each placeholder to its item's prompt text, then tokenize."""
         try:
             text = expand_placeholders(prompt, media, self.config)
         except ValueError as e:
-            raise APIError(str(e), param="messages") from e
+            raise APIError(str(e), param=field) from e
         return self.encode(text)
 
     def build_request(

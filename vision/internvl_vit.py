@@ -10,10 +10,13 @@ tokens are dropped at the end; each merge x merge window of a tile's patches is 
 row (the pixel shuffle: row-major windows, the window's patches row by row inside a row), and
 the projector (LayerNorm, Linear, GELU, Linear) maps the rows to the decoder's width.
 
-Sharded like the Qwen towers: q/k/v column-parallel by heads (a head count the TP size does not
-divide is refused: use the DP encoder), the attention output and the MLP's second layer
-row-parallel, the projector's first layer column- and its second row-parallel. The 6B tower's
-RMSNorm over the whole q (and k) sums its squares over every rank's heads (one small all-reduce).
+Sharded like the Qwen towers: q/k/v column-parallel by heads, the attention output and the MLP's
+second layer row-parallel, the projector's first layer column- and its second row-parallel. A
+head count the TP size does not divide (InternViT-6B's 25) is padded with zero heads up to the
+next multiple: their q/k/v rows and output columns are zeros, so each attends to zeros and adds
+nothing, and the outputs are exactly the unpadded tower's. The 6B tower's RMSNorm over the whole
+q (and k) sums its squares over every rank's heads (one small all-reduce) and divides by the
+real width, so padded zeros do not change it.
 Built with a one-rank group (DP and auto mode) it holds full weights and issues no collective,
 unless a call passes `shard` (then it runs tensor-parallel on that rank's slice of them).
 """
@@ -39,7 +42,7 @@ from runtime.layers.weights import (
     set_weight_loader,
 )
 from runtime.model_config import VisionConfig
-from vision.vit_common import Pixels, VisionMLP, VisionPatchEmbed, VisionTower, check_heads
+from vision.vit_common import Pixels, VisionMLP, VisionPatchEmbed, VisionTower
 from vision.vit_common import load_weights as load_into
 
 # checkpoint names (relative to the tower) -> this module's
@@ -56,19 +59,38 @@ def replicated(*shape: int, fill: float = 0.0) -> nn.Parameter:
     return set_weight_loader(param, default_weight_loader)
 
 
-class ShardedRMSNorm(nn.Module):
-    """RMSNorm over `dim` features split evenly over the ranks (q or k across all heads): each
-    rank holds its slice of the weight; the squares are summed over the group."""
+def padded_heads(heads: int, tp: TPGroup) -> int:
+    """The head count rounded up to a multiple of the TP size (zero heads fill the rest)."""
+    return -(-heads // tp.size) * tp.size
 
-    def __init__(self, dim: int, eps: float, tp: TPGroup):
+
+def zero_padded(weight: LazyWeight | torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """A checkpoint tensor with zeros appended along `dim` up to `size` (itself when it is
+    that long already)."""
+    tensor = as_lazy(weight).load()
+    missing = size - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over `dim` features (q or k across all heads) held as `width` features (`dim`
+    and its padded heads' zeros) split evenly over the ranks: each rank holds its slice of the
+    weight; the squares are summed over the group and averaged over the `dim` real ones."""
+
+    def __init__(self, dim: int, eps: float, tp: TPGroup, width: int | None = None):
         super().__init__()
         self.dim, self.eps, self.tp = dim, eps, tp
-        self.local = dim // tp.size
+        self.width = width or dim
+        self.local = self.width // tp.size
         self.weight = set_weight_loader(replicated(self.local, fill=1.0), self._load)
 
     def _load(self, param: nn.Parameter, weight: LazyWeight | torch.Tensor) -> None:
-        copy_checked(param.data, as_lazy(weight).narrow(0, self.tp.rank * self.local, self.local)
-                     .load())
+        full = zero_padded(weight, 0, self.width)
+        copy_checked(param.data, full.narrow(0, self.tp.rank * self.local, self.local))
 
     def forward(self, x: torch.Tensor, shard: TPGroup | None = None) -> torch.Tensor:
         group, weight = self.tp, self.weight
@@ -83,17 +105,18 @@ class ShardedRMSNorm(nn.Module):
 
 class InternAttention(nn.Module):
     """Merged q/k/v (checkpoint q_proj, k_proj, v_proj), optional RMSNorm over q and k, attention
-    within each tile, row-parallel output projection."""
+    within each tile, row-parallel output projection; heads zero-padded to a multiple of the TP
+    size (`padded_heads`)."""
 
     def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps):
         super().__init__()
-        check_heads(cfg.num_heads, tp)
         self.ops, self.head_dim = ops, cfg.head_dim
-        dim, heads = cfg.embed_dim, cfg.num_heads
+        dim, heads = cfg.embed_dim, padded_heads(cfg.num_heads, tp)
+        self.width = heads * cfg.head_dim  # q's (k's, v's) features, padded heads included
         self.qkv = QKVParallelLinear(dim, cfg.head_dim, heads, heads, tp, bias=cfg.attention_bias)
-        self.q_norm = ShardedRMSNorm(dim, cfg.norm_eps, tp) if cfg.qk_norm else None
-        self.k_norm = ShardedRMSNorm(dim, cfg.norm_eps, tp) if cfg.qk_norm else None
-        self.projection_layer = RowParallelLinear(dim, dim, tp, bias=True)
+        norms = [ShardedRMSNorm(dim, cfg.norm_eps, tp, self.width) for _ in range(2)]
+        self.q_norm, self.k_norm = norms if cfg.qk_norm else (None, None)
+        self.projection_layer = RowParallelLinear(self.width, dim, tp, bias=True)
 
     def forward(
         self, x: torch.Tensor, segments: Segments, shard: TPGroup | None = None
@@ -158,8 +181,8 @@ def pixel_shuffle(x: torch.Tensor, merge: int) -> torch.Tensor:
 class InternVisionTransformer(VisionTower):
     def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps = TORCH_OPS):
         super().__init__()
-        check_heads(cfg.num_heads, tp)
         self.cfg, self.tp = cfg, tp
+        self.width = padded_heads(cfg.num_heads, tp) * cfg.head_dim
         self.spatial_merge_size = cfg.spatial_merge_size
         self.out_hidden_size = cfg.out_hidden_size
         self.side = cfg.image_size // cfg.patch_size  # patches per tile side
@@ -197,8 +220,19 @@ class InternVisionTransformer(VisionTower):
 
     def load_weights(self, weights: Iterable[tuple[str, LazyWeight | torch.Tensor]]) -> set[str]:
         """Names relative to the checkpoint's tower (`visual.` in the composite's layout, the
-        projector under `multi_modal_projector.`); returns the loaded parameters."""
-        return load_into(self, ((rename(name), w) for name, w in weights), STACKED)
+        projector under `multi_modal_projector.`); returns the loaded parameters. With padded
+        heads, q/k/v rows and the output projection's columns get their zeros here."""
+        renamed = ((rename(name), w) for name, w in weights)
+        return load_into(self, ((name, self.padded(name, w)) for name, w in renamed), STACKED)
+
+    def padded(self, name: str, weight: LazyWeight | torch.Tensor) -> LazyWeight | torch.Tensor:
+        if self.width == self.cfg.embed_dim or ".attention." not in name:
+            return weight
+        if name.rsplit(".", 2)[-2] in STACKED:
+            return zero_padded(weight, 0, self.width)
+        if name.endswith("projection_layer.weight"):
+            return zero_padded(weight, 1, self.width)
+        return weight
 
 
 def rename(name: str) -> str:

@@ -76,6 +76,12 @@ class VisionLanguageModel(nn.Module):
         self.config = config
         self.tp = tp
         self.encoder_mode = encoder_mode if tp.size > 1 else "tp"
+        if self.encoder_mode == "auto" and config.vision.num_heads % tp.size:
+            raise ValueError(
+                f"auto encoder mode shards the vision tower's {config.vision.num_heads} heads "
+                f"over up to {tp.size} ranks, which that count does not divide; use the tp "
+                "(padded heads, where the tower pads them) or dp encoder mode"
+            )
         vision_tp = tp if self.encoder_mode == "tp" else TPGroup()
         self.visual = vision_tower_class(config)(config.vision, vision_tp, ops)
         decoder = resolve_class(config.family.decoder_class)

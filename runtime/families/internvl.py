@@ -182,15 +182,18 @@ NAMED_TOKENS = (
     ("video_token", "<video>"),
 )
 # 56-pixel tiles of 14-pixel patches: 16 patches and a class token per tile, 4 tokens per tile.
-# "qk-norm" is the 6B tower's kind: RMSNorm blocks with RMSNorm over q and k. "hd64" is
-# InternVL3-1B/2B's InternViT-300M (LayerNorm, head_dim 64) scaled to 2 cores: 4 blocks of width
-# 256 over 224-pixel tiles (256 patches, 64 tokens a tile), behind the Qwen2-VL hd64 decoder
-# (4 layers of width 512, head_dim 64, what a peer's CPU attention needs).
+# "qk-norm" is the 6B tower's kind: RMSNorm blocks with RMSNorm over q and k; "heads5" has a
+# head count (5, like the 6B tower's 25) that tp 2 and 4 do not divide: padded heads in TP mode.
+# "hd64" is InternVL3-1B/2B's InternViT-300M (LayerNorm, head_dim 64) scaled to 2 cores: 4 blocks
+# of width 256 over 224-pixel tiles (256 patches, 64 tokens a tile), behind the Qwen2-VL hd64
+# decoder (4 layers of width 512, head_dim 64, what a peer's CPU attention needs).
 VISION_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                  intermediate_size=128, norm_type="layer_norm", use_qk_norm=False),
     "qk-norm": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                     intermediate_size=128, norm_type="rms_norm", use_qk_norm=True),
+    "heads5": dict(num_hidden_layers=2, hidden_size=80, num_attention_heads=5,
+                   intermediate_size=160, norm_type="rms_norm", use_qk_norm=True),
     "hd64": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
                  intermediate_size=1024, norm_type="layer_norm", use_qk_norm=False),
 }  # fmt: skip

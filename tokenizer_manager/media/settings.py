@@ -5,10 +5,12 @@ The keys are the ones HF's Qwen2-VL processors take: `min_pixels` and `max_pixel
 video frames), and for video `fps`, `num_frames` (a fixed count instead of `fps`, rounded as HF
 rounds it; the frames are spread as tessera spreads them at `fps`), `min_frames` and
 `max_frames` (GLM-4.1V's video processor samples by `fps` alone: the frame keys are refused
-there). A request's spec is what its items are resized, sampled, digested and cached by:
-`worker.media_digest` hashes the whole spec, so an item processed with one setting never
-serves a request that asked for another (the processed-item cache, the encoder cache and the
-radix cache all key on that digest)."""
+there); for a family that tiles images (InternVL's GotOcr2 processor) `min_patches`,
+`max_patches` (tile counts, a thumbnail aside) and `crop_to_patches` (false: the image as one
+tile), the pixel bounds being refused there. A request's spec is what its items are resized,
+sampled, digested and cached by: `worker.media_digest` hashes the whole spec, so an item
+processed with one setting never serves a request that asked for another (the processed-item
+cache, the encoder cache and the radix cache all key on that digest)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from tokenizer_manager.protocol import APIError
 PARAM = "mm_processor_kwargs"
 PIXEL_KEYS = ("min_pixels", "max_pixels")
 FRAME_KEYS = ("min_frames", "max_frames")
-KEYS = (*PIXEL_KEYS, "fps", "num_frames", *FRAME_KEYS)
+TILE_KEYS = ("min_patches", "max_patches", "crop_to_patches")
+KEYS = (*PIXEL_KEYS, *TILE_KEYS, "fps", "num_frames", *FRAME_KEYS)
 MAX_FPS = 60.0
 
 
@@ -61,15 +64,13 @@ def checked_settings(raw: dict[str, Any] | None, spec: ProcessorSpec) -> dict[st
     if unknown:
         message = f"unknown key(s) {', '.join(unknown)}; supported: {', '.join(KEYS)}"
         raise APIError(f"{PARAM}: {message}", param=f"{PARAM}.{unknown[0]}", code="invalid_value")
-    tiled = next((k for k in PIXEL_KEYS if k in raw and spec.model_family.tiling), None)
-    if tiled is not None:
-        raise _bad(tiled, f"{spec.family} checkpoints tile images; pixel bounds do not apply")
+    settings = _tile_settings(raw, spec)
     frames = (*FRAME_KEYS, "num_frames")
     by_fps = next((k for k in frames if k in raw and spec.video.sampling != "uniform"), None)
     if by_fps is not None:
         raise _bad(by_fps, f"{spec.family} checkpoints sample video frames by fps alone")
     low, high = pixel_range(spec)
-    settings: dict[str, Any] = {k: _integer(k, raw[k], low, high) for k in PIXEL_KEYS if k in raw}
+    settings |= {k: _integer(k, raw[k], low, high) for k in PIXEL_KEYS if k in raw}
     settings |= {k: _integer(k, raw[k], 1, spec.video.max_frames) for k in frames if k in raw}
     if "fps" in raw and "num_frames" in raw:
         raise _bad("num_frames", "fps and num_frames are mutually exclusive")
@@ -77,6 +78,24 @@ def checked_settings(raw: dict[str, Any] | None, spec: ProcessorSpec) -> dict[st
         settings["fps"] = _fps(raw["fps"])
     _check_order(settings, "min_pixels", "max_pixels")
     _check_order(settings, "min_frames", "max_frames")
+    return settings
+
+
+def _tile_settings(raw: dict[str, Any], spec: ProcessorSpec) -> dict[str, Any]:
+    """The tiling keys of a tiling family (refused by name for any other, as the pixel bounds
+    are for a tiling one): tile counts up to the server's own most."""
+    tiling = spec.model_family.tiling is not None
+    wrong = next((k for k in (PIXEL_KEYS if tiling else TILE_KEYS) if k in raw), None)
+    if wrong is not None:
+        kind = "tile images; pixel bounds do not apply" if tiling else "do not tile images"
+        raise _bad(wrong, f"{spec.family} checkpoints {kind}")
+    most = spec.image.max_tiles
+    settings = {k: _integer(k, raw[k], 1, most) for k in TILE_KEYS[:2] if k in raw}
+    if "crop_to_patches" in raw:
+        if not isinstance(raw["crop_to_patches"], bool):
+            raise _bad("crop_to_patches", f"must be true or false, got {raw['crop_to_patches']!r}")
+        settings["crop_to_patches"] = raw["crop_to_patches"]
+    _check_order(settings, "min_patches", "max_patches")
     return settings
 
 
@@ -92,7 +111,7 @@ def request_spec(spec: ProcessorSpec, settings: dict[str, Any]) -> ProcessorSpec
     if not settings:
         return spec
     pixels = {k: settings[k] for k in PIXEL_KEYS if k in settings}
-    image = _bounded(spec.image, pixels)
+    image = _tiled(_bounded(spec.image, pixels), settings)
     frames = {k: settings[k] for k in ("fps", "num_frames", *FRAME_KEYS) if k in settings}
     if "min_frames" not in frames and "max_frames" in frames:
         frames["min_frames"] = min(spec.video.min_frames, frames["max_frames"])
@@ -100,6 +119,16 @@ def request_spec(spec: ProcessorSpec, settings: dict[str, Any]) -> ProcessorSpec
     if video.min_frames > video.max_frames:
         raise _bad("min_frames", f"must not exceed max_frames ({video.max_frames})")
     return dataclasses.replace(spec, image=image, video=video)
+
+
+def _tiled(config: Any, settings: dict[str, Any]) -> Any:
+    """The image config with the request's tile counts; without cropping, one tile (the whole
+    image resized to it, no thumbnail)."""
+    if settings.get("crop_to_patches") is False:
+        return dataclasses.replace(config, min_tiles=1, max_tiles=1)
+    most = settings.get("max_patches", config.max_tiles)
+    least = settings.get("min_patches", min(config.min_tiles, most))
+    return dataclasses.replace(config, min_tiles=least, max_tiles=max(least, most))
 
 
 def _bounded(config: Any, pixels: dict[str, int], **other: Any) -> Any:
