@@ -1,10 +1,16 @@
-"""Write a random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint folder (runtime/tiny_checkpoint.py).
+"""Write a random checkpoint folder of any registered family (runtime/tiny_checkpoint.py).
 
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/tiny-qwen2-vl
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /data/q25-7b --preset 7b
     python scripts/make_tiny_checkpoint.py --arch qwen3_vl --out /tmp/tiny-qwen3-vl
     python scripts/make_tiny_checkpoint.py --arch qwen2_vl --out /tmp/vit-heavy --preset vit-heavy
     python scripts/make_tiny_checkpoint.py --arch qwen2_5_vl --out /tmp/vit-hd64 --preset vit-hd64
+    python scripts/make_tiny_checkpoint.py --arch internvl --out /tmp/ivl-heavy --preset vit-heavy
+    python scripts/make_tiny_checkpoint.py --arch glm4v --out /tmp/glm-heavy --preset vit-heavy
+
+Encoder-heavy presets, one per family (its tower shaped like the published one, scaled to a
+2-core CPU, in front of a tiny decoder): qwen2_vl vit-heavy, qwen2_5_vl vit-hd64, internvl and
+glm4v vit-heavy. A new family adds its own to its `TinyCheckpoint.presets`.
 """
 
 from __future__ import annotations

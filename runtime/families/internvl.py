@@ -182,18 +182,24 @@ NAMED_TOKENS = (
     ("video_token", "<video>"),
 )
 # 56-pixel tiles of 14-pixel patches: 16 patches and a class token per tile, 4 tokens per tile.
-# "qk-norm" is the 6B tower's kind: RMSNorm blocks with RMSNorm over q and k.
+# "qk-norm" is the 6B tower's kind: RMSNorm blocks with RMSNorm over q and k. "vit-heavy" is
+# InternViT-300M's shape scaled to a 2-core CPU (layer-norm blocks, heads of 64, a 4x MLP; 6
+# layers of width 256 for 24 of 1024, 224-pixel tiles of 256 patches for 448 of 1024) in front
+# of the tiny decoder: its time goes to the tower, for the encoder modes' benchmarks.
 VISION_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                  intermediate_size=128, norm_type="layer_norm", use_qk_norm=False),
     "qk-norm": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                     intermediate_size=128, norm_type="rms_norm", use_qk_norm=True),
+    "vit-heavy": dict(num_hidden_layers=6, hidden_size=256, num_attention_heads=4,
+                      intermediate_size=1024, norm_type="layer_norm", use_qk_norm=False),
 }  # fmt: skip
-TILE = 56
+TILES = {"vit-heavy": 224}  # tile side in pixels; 56 otherwise
 
 
 def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
     """A published InternVL3 -hf config.json: Qwen2 text_config, InternViT vision_config."""
+    tile = TILES.get(preset, 56)
     text = dict(qwen2_vl.TEXT_SHAPES["tiny"])
     text.pop("mrope_section")
     text_config = {
@@ -207,7 +213,7 @@ def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
     vision = {
         "architectures": ["InternVisionModel"], "attention_bias": True,
         "attention_dropout": 0.0, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
-        **VISION_SHAPES[preset], "image_size": [TILE, TILE], "initializer_range": 0.02,
+        **VISION_SHAPES[preset], "image_size": [tile, tile], "initializer_range": 0.02,
         "layer_norm_eps": 1e-06, "layer_scale_init_value": 0.1, "model_type": "internvl_vision",
         "num_channels": 3, "patch_size": [14, 14], "projection_dropout": 0.0,
         "use_absolute_position_embeddings": True, "use_mask_token": False,
@@ -215,7 +221,7 @@ def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
     }  # fmt: skip
     return {
         "architectures": [ARCHITECTURE], "downsample_ratio": 0.5,
-        "image_seq_length": (TILE // 14) ** 2 // 4, "image_token_id": ids[TOKENS.image_pad],
+        "image_seq_length": (tile // 14) ** 2 // 4, "image_token_id": ids[TOKENS.image_pad],
         "model_type": "internvl", "projector_hidden_act": "gelu", "text_config": text_config,
         "tie_word_embeddings": False, "torch_dtype": dtype, "vision_config": vision,
         "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
@@ -225,13 +231,14 @@ def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
 def preprocessor_config(preset: str) -> dict[str, Any]:
     """GotOcr2's image processor settings as the -hf checkpoints publish them (the processor,
     not this file, turns tiling on)."""
+    tile = TILES.get(preset, 56)
     return {
         "crop_to_patches": False, "data_format": "channels_first", "default_to_square": True,
         "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
         "image_mean": IMAGENET_MEAN, "image_processor_type": "GotOcr2ImageProcessor",
         "image_std": IMAGENET_STD, "max_patches": 12, "min_patches": 1,
         "processor_class": "InternVLProcessor", "resample": 3,
-        "rescale_factor": 0.00392156862745098, "size": {"height": TILE, "width": TILE},
+        "rescale_factor": 0.00392156862745098, "size": {"height": tile, "width": tile},
     }  # fmt: skip
 
 
