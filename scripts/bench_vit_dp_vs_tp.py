@@ -2,6 +2,9 @@
 
     python scripts/bench_vit_dp_vs_tp.py --tp 2 --workload all --warmup 2 --repeat 5 \
         --json vit.json --plot vit.png
+    python scripts/bench_vit_dp_vs_tp.py --served --tp 2 --model-path /tmp/vit-hd64 --rounds 2
+
+(--served: each mode on a fresh server, one client's stream; see scripts/vit_served.py.)
 
 Spawns --tp ranks (Gloo on CPU, NCCL on CUDA). Every rank builds the tower twice: sharded over
 the group (TP mode: per-layer all-reduce) and as a full replica, which runs DP mode (greedy
@@ -143,6 +146,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="CPU: each rank runs on its own share of the usable CPUs (as a GPU per rank would)",
     )
+    p.add_argument("--served", action="store_true",
+                   help="serve instead: each mode a fresh server, first-12 and all req/s of "
+                        "one client's stream (scripts/vit_served.py; needs --model-path)")
+    p.add_argument("--requests", type=int, default=32, help="--served: timed requests")
+    p.add_argument("--rounds", type=int, default=2, help="--served: server starts per mode")
+    p.add_argument("--server-flags", default="", help="--served: more launch.py flags")
+    p.add_argument("--log-dir", default=None, help="--served: keep the server logs here")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart here (needs matplotlib)")
     args = p.parse_args(argv)
@@ -151,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown workload {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     args.workloads = names
+    if args.served and not args.model_path:
+        p.error("--served needs --model-path")
     return args
 
 
@@ -488,6 +500,14 @@ def plot_history(choice, ratios, history: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.served:
+        from vit_served import print_served, run_served
+
+        out = run_served(args)
+        print_served(out, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), **out}, indent=2))
+        return
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.device_count() >= args.tp else "cpu"
     if args.attention_backend == "auto":

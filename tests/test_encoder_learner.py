@@ -152,7 +152,9 @@ def test_a_plan_twice_as_slow_is_seldom_tried_on_a_drifting_machine() -> None:
     A try of DP is worth making only while DP's optimistic estimate is below TP's estimate,
     not below TP's own pessimistic end: comparing both ends kept DP unseparated on such a
     machine and tried it 110 times over ten runs of 200 calls (up to 23 in one run; the runs
-    took 5.5% longer than TP alone would have); now at most 40 (33 measured, 1.8% longer)."""
+    took 5.5% longer than TP alone would have); now at most 42 (41 measured, 2.1% longer: an
+    untried DP takes TP's whole measured level, so a slow spell no longer moves it under TP
+    before it is tried)."""
     dp, tp = (plans_by_kind(ONE_LARGE, 2, SHAPE, CALIBRATED)[k].est_s for k in ("dp", "tp"))
     truth = Scale(dp=2.0 * tp / dp)
     tries, excess, ran_dp = [], [], []
@@ -165,7 +167,7 @@ def test_a_plan_twice_as_slow_is_seldom_tried_on_a_drifting_machine() -> None:
         excess.append(spent / (200 * true_seconds(ONE_LARGE, plans_by_kind(
             ONE_LARGE, 2, SHAPE, CALIBRATED)["tp"], truth)))
         ran_dp.append(sum(c.plan.kind == "dp" for c in runs))
-    assert sum(tries) <= 40 and max(tries) <= 10, tries
+    assert sum(tries) <= 42 and max(tries) <= 10, tries
     assert sum(ran_dp) <= 45, ran_dp  # greedy runs of DP after a lucky try included
     assert statistics.fmean(excess) < 1.025, excess
 
@@ -201,14 +203,14 @@ def test_exploration_resumes_when_the_chosen_plans_cost_drifts() -> None:
 
 
 def test_decisive_neighbours_spare_a_new_class_its_exploration() -> None:
-    """DP is 3x slower than calibrated. Two single-image classes each try DP once and agree
-    about it; a third single-image size then borrows DP's ratio with a narrow band and never
-    tries it (an untried kind's 4x band made every new class try it once)."""
+    """DP is 3x slower than calibrated. One single-image class tries DP once; the other, and
+    then a third single-image size, borrow DP's ratio from it and never try it (an untried
+    kind's 4x band made every new class try it once)."""
     learner = EncoderLearner()
     truth = Scale(dp=3.0)
     for i in range(120):
         step(learner, [[1, 64, 64]] if i % 2 else [[1, 32, 32]], truth)
-    assert learner.borrow_miss() == pytest.approx(0.0, abs=1e-9)
+    assert learner.explored == 1
     new = [step(learner, [[1, 48, 48]], truth) for _ in range(40)]
     assert {c.plan.kind for c in new} == {"tp"} and not any(c.explored for c in new)
 
@@ -231,12 +233,15 @@ def test_one_try_at_a_time_while_its_time_is_not_yet_learned() -> None:
     assert not learner.pending[size_class(MANY_SMALL), tried[0]]
 
 
-def test_a_plan_measured_slower_switches_without_exploring() -> None:
-    """The calibration's TP measures 3x slower: DP's estimate is lower now, so auto runs it."""
+def test_a_plan_measured_slower_is_left_after_one_try_of_the_other() -> None:
+    """The calibration's TP measures 3x slower. That alone cannot tell a wrong model of TP
+    from a machine slower than at calibration, so the untried DP takes the same level and TP
+    runs until the budget allows one try of DP (call 8); DP measures faster and runs from
+    then on."""
     learner = EncoderLearner()
     runs = [step(learner, ONE_LARGE, TRUTHS["tp 3x slower"]) for _ in range(100)]
-    assert [c.plan.kind for c in runs[:2]] == ["tp", "dp"]
-    assert {c.plan.kind for c in runs[1:]} == {"dp"} and learner.explored == 0
+    assert [c.plan.kind for c in runs[:7]] == ["tp"] * 7 and runs[7].explored
+    assert {c.plan.kind for c in runs[7:]} == {"dp"} and learner.explored == 1
 
 
 def test_no_exploration_before_the_budget_allows_it() -> None:
@@ -276,9 +281,9 @@ def test_size_classes_learn_apart() -> None:
     learner = EncoderLearner()
     plan = plans_by_kind(ONE_LARGE, 2, SHAPE, CALIBRATED)["tp"]
     learner.observe(Choice(plan, size_class(ONE_LARGE), False), 2 * plan.est_s)
-    # DP, tried nowhere, takes half the class's measured level (in log units)
+    # DP, tried nowhere, takes the class's measured level
     assert learner.ratios_of(size_class(ONE_LARGE)) == {
-        "tp": pytest.approx(2.0), "dp": pytest.approx(2.0**0.5)}
+        "tp": pytest.approx(2.0), "dp": pytest.approx(2.0)}
     assert learner.ratios_of(size_class(MANY_SMALL)) == {}
     assert math.isclose(learner.ratios()["tp"], 2.0) and learner.ratios()["dp"] == 1.0
     assert size_class([[1, 4, 4]] * 3) == (6, 2) and size_class([]) == (0, 0)
@@ -317,7 +322,9 @@ def test_a_hybrids_factor_does_not_carry_to_another_split() -> None:
     TP's slice does 62% of the full tower's work per patch. The try of a hybrid runs the split
     its parts' factors favour (2 items TP); a factor learned from that split must not price
     another split (14 items TP, 48% slower than DP: it ran right after the try, and for five
-    rounds on end in the benchmark)."""
+    rounds on end in the benchmark). TP, the calibration's choice, measures 1.86x its model,
+    which the untried DP shares until it is tried (the machine may be slower): TP runs until
+    DP's try, which the budget allows within 24 calls, and never after it."""
     shape = TowerShape(depth=4, embed_dim=320, out_dim=64, merge=2, elem_bytes=4,
                        window_units=0, full_blocks=4)
     wrong = replace(ZERO, dp_call_s=4e-3, dp_patch_s=87.6e-6, dp_pair_s=2.16e-8,
@@ -340,9 +347,10 @@ def test_a_hybrids_factor_does_not_carry_to_another_split() -> None:
         learner.observe(choice, seconds(choice.plan))
         runs.append(choice)
     assert any(c.explored and c.plan.kind == "hybrid" for c in runs)  # a hybrid was tried
-    slow = [len(c.plan.tp_items) for c in runs[1:] if not c.explored
+    dp_try = next(i for i, c in enumerate(runs) if c.explored and c.plan.kind == "dp")
+    slow = [len(c.plan.tp_items) for c in runs[dp_try:] if not c.explored
             and seconds(c.plan) > 1.05 * best]
-    assert slow == [], "greedy calls slower than DP after the first (items run TP)"
+    assert dp_try < 24 and slow == [], "greedy calls slower than DP after its try"
 
 
 def test_one_unlucky_try_does_not_settle_a_class_on_the_slower_plan() -> None:
@@ -415,3 +423,44 @@ def test_a_lucky_hybrid_try_does_not_undercut_dp() -> None:
     assert {c.plan.kind for c in greedy} == {"dp"}, [c.plan.kind for c in runs]
     assert all(true_seconds(batch, c.plan, truth) <= dp_s * 1.0001 for c in greedy)
     assert learner.explored <= learner.explore_fraction * learner.calls
+
+
+MID = [[1, 48, 48]]  # calibration: TP, as for ONE_LARGE
+
+
+def first_calls(truth: Scale, slow: float, calls: int = 32) -> list[Choice]:
+    """As issue 54's stream: two batch shapes taking turns whose first calls run the same kind
+    (so neither class can borrow the other kind's level), on a machine `slow` times slower for
+    every kind than at calibration."""
+    learner = EncoderLearner()
+    return [step(learner, ONE_LARGE if i % 2 == 0 else MID, truth, slow) for i in range(calls)]
+
+
+@pytest.mark.parametrize("slow", [1.0, 2.0])
+def test_a_right_calibration_is_followed_from_the_first_call(slow: float) -> None:
+    """The calibration is right (TP for both shapes, 1.3x ahead of DP), and the machine may be
+    twice as slow as when it was calibrated (the load of a 2-core host, a first call's
+    allocations). Every greedy call of the first 32 runs TP, and at most one of the first 12
+    explores: with an untried kind priced at half the tried kind's measured level, each
+    class's first slow TP call made DP look cheaper, and it ran DP from its second call."""
+    runs = first_calls(Scale(), slow)
+    assert truly_best(ONE_LARGE, Scale()) == truly_best(MID, Scale()) == "tp"
+    wrong = [i for i, c in enumerate(runs) if not c.explored and c.plan.kind != "tp"]
+    assert wrong == []
+    assert sum(c.explored for c in runs[:12]) <= 1
+
+
+def test_a_clearly_slower_kind_is_not_tried() -> None:
+    """Many small items on a slow link: the calibration prices TP 3.4x and the hybrid 3x over
+    DP, and it is right. Neither is worth a try: DP runs every call, and nothing explores
+    (every plan was tried up to the budget while an untried kind's band spanned 4x)."""
+    costs = replace(CALIBRATED, all_reduce_s=2e-4)
+    plans = plans_by_kind(MANY_SMALL, 2, SHAPE, costs)
+    assert min(plans["tp"].est_s, plans["hybrid"].est_s) > 2.5 * plans["dp"].est_s
+    learner, runs = EncoderLearner(), []
+    for i in range(64):
+        plans = plans_by_kind(MANY_SMALL, 2, SHAPE, costs, scale_of(learner, MANY_SMALL))
+        choice = learner.choose(size_class(MANY_SMALL), plans)
+        learner.observe(choice, NOISE[i % len(NOISE)] * choice.plan.est_s / choice.plan.factor)
+        runs.append(choice)
+    assert {c.plan.kind for c in runs} == {"dp"} and learner.explored == 0

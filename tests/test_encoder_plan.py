@@ -609,6 +609,23 @@ def test_calibration_agrees_across_ranks() -> None:
     assert 0 < costs0.dp_alone_factor <= 1
 
 
+def test_a_tiled_tower_is_calibrated_on_whole_tiles(tmp_path: Path) -> None:
+    """InternViT encodes only tiles of its position table's size: the calibration times it on
+    whole tiles (it raised on the first frame probe, so auto mode could not start on InternVL
+    without --mm-encoder-costs)."""
+    from runtime.tiny_checkpoint import make_checkpoint
+    from vision.internvl_vit import InternVisionTransformer
+
+    cfg = ModelConfig.from_dir(str(make_checkpoint("internvl", tmp_path / "internvl"))).vision
+    tower = InternVisionTransformer(cfg, TPGroup()).eval()
+    side = cfg.image_size // cfg.patch_size
+    assert {g[1:] for g in tower.calibration_grids()} == {(side, side)}
+    costs = calibrate_encoder_costs(tower, TPGroup(), TowerShape.of(cfg, 4), repeats=1)
+    shape = TowerShape.of(cfg, 4)
+    one, six = (dp_cost([item_work((n, side, side), shape)], 1, shape, costs) for n in (1, 6))
+    assert 0 < one <= six
+
+
 def test_tp_calibration_keeps_the_shape_of_the_work() -> None:
     """TP compute probes of a tower whose slice does 60% of DP's work per patch and pair plus
     20 ms a call, with one probe 10% slow and one 20% fast (a busy 2-core machine): a free fit

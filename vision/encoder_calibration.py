@@ -25,13 +25,11 @@ from torch import nn
 from runtime.distributed import TPGroup
 from runtime.logging_utils import get_logger, log_rank0
 from vision.encoder_plan import EncoderCosts, TowerShape, item_work, tp_cost
+from vision.vit_common import FRAME_PROBES
 
 logger = get_logger(__name__)
 
-# Frames of 16x16 to 48x48 patches, and 4 frames of 16x16 (the patches of one 32x32 frame with a
-# quarter of its attention pairs): more probes than unknowns, so one noisy timing is outvoted
-# when the call, per-patch and per-pair costs are told apart.
-PROBE_GRIDS = ((1, 16, 16), (1, 32, 32), (4, 16, 16), (1, 48, 48), (2, 32, 32))
+PROBE_GRIDS = FRAME_PROBES  # a tower's own probes: `VisionTower.calibration_grids`
 PROBE_BYTES = (1 << 14, 1 << 21)
 
 
@@ -44,7 +42,7 @@ def calibrate_encoder_costs(
         gather = _fit_collective(lambda x: tp.all_gather(x, dim=0), tp, repeats, tower, gather=True)
         times = _probe_times(tower, tp, repeats)
     comm = EncoderCosts(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, *reduce, 0.0, 0.0)
-    works = [item_work(g, shape) for g in PROBE_GRIDS]
+    works = [item_work(g, shape) for g in tower.calibration_grids()]
     dp = fit_free(works, times["dp"])
     tp_times = [max(0.0, t - tp_cost([w], shape, comm)) for w, t in zip(works, times["tp"])]
     tp_fit = fit_tp(works, tp_times, dp)
@@ -61,7 +59,7 @@ def _probe_times(tower: nn.Module, tp: TPGroup, repeats: int) -> dict[str, list[
     ("tp"), and the full tower on rank 0 with the others idle ("alone"). The three take turns
     on every repeat, so a change of load on the machine hits them alike."""
     out: dict[str, list[float]] = {"dp": [], "tp": [], "alone": []}
-    for grid in PROBE_GRIDS:
+    for grid in tower.calibration_grids():
         pixels = _probe_pixels(tower, grid[0] * grid[1] * grid[2])
         grid_t = torch.tensor([grid], dtype=torch.long)
         full = _bind(tower, pixels, grid_t)

@@ -8,9 +8,12 @@ of plan ("dp", "tp", "hybrid"). A kind's estimate for a class is the median of i
 ratios there: one slow outlier moves nothing. A kind not yet measured in a class borrows its
 ratio from the other classes, scaled by how the class's measured kinds compare with theirs (see
 `ratios_of`): load that arrives after the calibration then cannot make an untried plan look
-cheaper than the tried ones. A kind measured nowhere yet takes `untried_share` of the class's
-measured level: how far a tried kind missed its model is partly the machine, which the untried
-kind shares, and partly that kind's own model, which it does not.
+cheaper than the tried ones. A kind measured nowhere yet takes the class's measured level:
+how far a tried kind missed its model is, on a class's first calls, the machine (load that came
+after the calibration, a first call's allocations), which the untried kind shares; what is that
+kind's own model is found by trying the other kind, not by guessing. (At half the level, one
+slow first call of TP on a loaded tp 2 host made an untried DP look cheaper, and a class ran
+the slower DP greedily from its second call: the first calls of issue 54's stream.)
 
 Choosing (`EncoderLearner.choose`), given the best plan of each kind under the model:
 - the greedy plan is the one with the lowest estimate. With nothing measured every ratio is 1
@@ -25,8 +28,12 @@ Choosing (`EncoderLearner.choose`), given the best plan of each kind under the m
   kind one try could misjudge by up to 2x is tried again; past a quarter it is separated after
   two tries; a plan 1.3x slower on a quiet machine after one or two. Borrowed from
   other classes: how far borrowing missed in the classes where it can be checked, plus the
-  noise. Untried anywhere: `untried_spread`. Another kind is *separated* from the greedy plan
-  once its optimistic end lies above the greedy plan's estimate, less `tolerance` once it has
+  noise. Untried anywhere: `untried_spread`, 2x: the start-up calibration timed every kind on
+  this device and group, so its order of two kinds is trusted where they are more than 2x
+  apart, and only nearer kinds are ever tried (a 4x band tried every kind of every class, a
+  tenth of the first calls, even where the calibration was decisive). Another kind is
+  *separated* from the greedy plan once its optimistic end lies above the greedy plan's
+  estimate, less `tolerance` once it has
   `min_tries` measurements in the class (two plans within 3% of each other are not worth
   telling apart: with only the last 9 calls in a median, their bands never would). A try is
   made for a possible gain: comparing with the greedy plan's pessimistic end as well kept a
@@ -123,7 +130,7 @@ class EncoderLearner:
     """Per (size class, kind) ratio statistics, the exploration budget, and the choice rule."""
 
     window: int = 9  # recent measurements per kind and class the median is taken over
-    untried_spread: float = 4.0  # a calibration may be off by this factor either way
+    untried_spread: float = 2.0  # the calibration's order of two kinds is trusted beyond this
     prior_noise: float = 0.15  # one call's log spread until `min_misses` misses are measured
     noise_floor: float = 0.02  # no machine is trusted to repeat a call closer than this
     min_misses: int = 6
@@ -132,7 +139,6 @@ class EncoderLearner:
     tolerance: float = 0.03  # a plan tried `min_tries` times that cannot gain this is left alone
     min_tries: int = 3
     early_spread: tuple[float, ...] = (2.0, 1.25)  # least band after 1, 2 tries in a class
-    untried_share: float = 0.5  # of a class's measured level (log), a kind tried nowhere takes
     calls: int = 0
     explored: int = 0
     stats: dict[tuple[SizeClass, str], RatioStats] = field(default_factory=dict)
@@ -154,12 +160,12 @@ class EncoderLearner:
         after the start-up calibration slows every kind alike, so an untried kind must not
         look cheaper merely because the tried ones were measured on the slower machine.
 
-        A TP or DP measured nowhere yet takes `untried_share` of the level of the class's
-        measured TP and DP (the mean of their log ratios): at 1, an untried TP priced a
-        hybrid's TP part 10-30% under the DP measured beside it, and the hybrid, truly slower,
-        ran greedily for rounds (tp 2, the benchmark's random workload); at the full level the
-        calibration's order could not change before an exploration, and a kind whose own
-        model was 3x wrong kept running until one."""
+        A TP or DP measured nowhere yet takes the level of the class's measured TP and DP
+        (the mean of their log ratios): priced at 1, an untried TP priced a hybrid's TP part
+        10-30% under the DP measured beside it, and the hybrid, truly slower, ran greedily for
+        rounds (tp 2, the benchmark's random workload); at half the level, a first call slowed
+        by the machine moved its class to the untried kind (issue 54's stream). At the full
+        level the calibration's order stands until the other kind is tried."""
         own = {k: self.stats[klass, k].log_ratio() for k in KINDS if (klass, k) in self.stats}
         if not own:
             return {}  # a class's first call does what the calibration says (the safe default)
@@ -167,7 +173,7 @@ class EncoderLearner:
         logs = {k: _borrowed(own, overall, k) for k in overall}
         level = [v for k, v in own.items() if k not in RELATIVE]
         if level:
-            guess = self.untried_share * statistics.fmean(level)
+            guess = statistics.fmean(level)
             logs |= {k: guess for k in KINDS if k not in RELATIVE and k not in logs}
         return {k: math.exp(v) for k, v in {**logs, **own}.items()}
 

@@ -42,7 +42,7 @@ from runtime.layers.weights import (
     set_weight_loader,
 )
 from runtime.model_config import VisionConfig
-from vision.vit_common import Pixels, VisionMLP, VisionPatchEmbed, VisionTower
+from vision.vit_common import Pixels, VisionMLP, VisionPatchEmbed, VisionTower, tile_probes
 from vision.vit_common import load_weights as load_into
 
 # checkpoint names (relative to the tower) -> this module's
@@ -193,6 +193,9 @@ class InternVisionTransformer(VisionTower):
         self.layers = nn.ModuleList([InternBlock(cfg, tp, ops) for _ in range(cfg.depth)])
         width = dim * cfg.spatial_merge_size**2
         self.multi_modal_projector = InternProjector(width, cfg.out_hidden_size, tp)
+
+    def calibration_grids(self) -> tuple[tuple[int, int, int], ...]:
+        return tile_probes(self.side)
 
     def tiles(self, grid_thw: torch.Tensor) -> int:
         """The call's tile count; every grid must be whole tiles of the position table's size."""

@@ -331,10 +331,24 @@ class VisionBlock(nn.Module):
         return self.mlp(self.norm2(x), shard).add_(x)
 
 
+# Frames of 16x16 to 48x48 patches, and 4 frames of 16x16 (the patches of one 32x32 frame with a
+# quarter of its attention pairs): more probes than unknowns, so one noisy timing is outvoted
+# when the call, per-patch and per-pair costs are told apart.
+FRAME_PROBES = ((1, 16, 16), (1, 32, 32), (4, 16, 16), (1, 48, 48), (2, 32, 32))
+TILE_PROBES = (1, 2, 3, 4, 6)  # tile counts, for a tower of one fixed tile size
+
+
 class VisionTower(nn.Module):
-    """What every vision tower shares: its dtype and device are those of its patch embedding."""
+    """What every vision tower shares: its dtype and device are those of its patch embedding,
+    and the grids the auto encoder mode's start-up calibration times it on."""
 
     patch_embed: nn.Module
+
+    def calibration_grids(self) -> tuple[tuple[int, int, int], ...]:
+        """(t, h, w) grids in patches this tower encodes, for the start-up calibration
+        (vision/encoder_calibration.py): frames of any size by default. A tower of fixed-size
+        tiles returns whole tiles (`tile_probes`)."""
+        return FRAME_PROBES
 
     @property
     def dtype(self) -> torch.dtype:
@@ -343,3 +357,9 @@ class VisionTower(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.patch_embed.weight.device
+
+
+def tile_probes(side: int) -> tuple[tuple[int, int, int], ...]:
+    """Calibration grids for a tower that encodes tiles of `side` x `side` patches only: its
+    items' work is their tile count, so the probes count tiles."""
+    return tuple((n, side, side) for n in TILE_PROBES)

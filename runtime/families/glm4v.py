@@ -137,11 +137,17 @@ TEXT_SHAPES: dict[str, dict[str, Any]] = {
                  num_key_value_heads=2, intermediate_size=1536, vocab_size=512,
                  max_position_embeddings=8192, mrope_section=[4, 6, 6]),
 }  # fmt: skip
+TEXT_SHAPES["vit-heavy"] = TEXT_SHAPES["tiny"]
+# "vit-heavy": GLM-4.1V's tower scaled to a 2-core CPU (24 blocks of width 1536, heads of 128, a
+# 336-pixel position table) as 6 blocks of width 256 in 4 heads of 64 with a 4x MLP and the same
+# 24 x 24 position table, in front of the tiny decoder: its time goes to the tower.
 VISION_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=96, out_hidden_size=64,
                  image_size=112),
     "hd64": dict(depth=4, hidden_size=256, num_heads=4, intermediate_size=1536,
                  out_hidden_size=512, image_size=336),
+    "vit-heavy": dict(depth=6, hidden_size=256, num_heads=4, intermediate_size=1024,
+                      out_hidden_size=64, image_size=336),
 }  # fmt: skip
 
 
