@@ -51,26 +51,15 @@ def vision_tower_class(config: ModelConfig) -> type:
     return resolve_class(config.family.tower_class)
 
 
-class VisionLanguageModel(nn.Module):
-    """Vision tower + fusion + decoder. Media tokens attend causally, like text: a family whose
-    image attention rule is another is refused here (`IMAGE_ATTENTION`)."""
-
-    IMAGE_ATTENTION = ("causal",)
+class VisionEncoderModel(nn.Module):
+    """The vision tower (its projector or merger included) in one of the encoder modes: what a
+    composite model's encode step runs, and all that an encoder server (`--encoder-only`) loads.
+    `encode_items` returns each item's rows, DeepStack levels included where the tower has them."""
 
     def __init__(
-        self,
-        config: ModelConfig,
-        tp: TPGroup,
-        backend: AttentionBackend,
-        encoder_mode: str = "tp",
-        ops: KernelOps = TORCH_OPS,
+        self, config: ModelConfig, tp: TPGroup, encoder_mode: str = "tp", ops: KernelOps = TORCH_OPS
     ):
         super().__init__()
-        if config.family.image_attention not in self.IMAGE_ATTENTION:
-            raise ModelConfigError(
-                f"image attention {config.family.image_attention!r} of family "
-                f"{config.family.name!r} is not supported (supported: {self.IMAGE_ATTENTION})"
-            )
         if encoder_mode not in ENCODER_MODES:
             raise ValueError(f"encoder mode {encoder_mode!r} is not one of {ENCODER_MODES}")
         self.config = config
@@ -78,8 +67,6 @@ class VisionLanguageModel(nn.Module):
         self.encoder_mode = encoder_mode if tp.size > 1 else "tp"
         vision_tp = tp if self.encoder_mode == "tp" else TPGroup()
         self.visual = vision_tower_class(config)(config.vision, vision_tp, ops)
-        decoder = resolve_class(config.family.decoder_class)
-        self.language_model = decoder(config.text, tp, backend, ops)
         self.auto_encoder: AutoEncoder | None = None  # auto mode: set by set_encoder_costs
 
     @property
@@ -126,6 +113,39 @@ class VisionLanguageModel(nn.Module):
         if self.auto_encoder is None:
             raise RuntimeError("auto encoder mode needs set_encoder_costs() before encoding")
         return self.auto_encoder(pixels, grids)
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
+        """Load the tower's tensors of the checkpoint; the decoder's are skipped unread."""
+        vision = []
+        for name, weight in weights:
+            name = self.config.family.checkpoint_name(name)
+            if name.startswith("visual."):
+                vision.append((name[len("visual.") :], weight))
+        return {"visual." + n for n in self.visual.load_weights(vision)}
+
+
+class VisionLanguageModel(VisionEncoderModel):
+    """Vision tower + fusion + decoder. Media tokens attend causally, like text: a family whose
+    image attention rule is another is refused here (`IMAGE_ATTENTION`)."""
+
+    IMAGE_ATTENTION = ("causal",)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        encoder_mode: str = "tp",
+        ops: KernelOps = TORCH_OPS,
+    ):
+        if config.family.image_attention not in self.IMAGE_ATTENTION:
+            raise ModelConfigError(
+                f"image attention {config.family.image_attention!r} of family "
+                f"{config.family.name!r} is not supported (supported: {self.IMAGE_ATTENTION})"
+            )
+        super().__init__(config, tp, encoder_mode, ops)
+        decoder = resolve_class(config.family.decoder_class)
+        self.language_model = decoder(config.text, tp, backend, ops)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, encode: ItemEncoder | None = None) -> torch.Tensor:
@@ -176,7 +196,8 @@ def build_model(
     show_progress: bool = False,
     cpu_linear: str = "onednn",
     pad_vit_mlp: bool = True,
-) -> VisionLanguageModel:
+    encoder_only: bool = False,
+) -> VisionEncoderModel:
     """Build this rank's shard of the model and load its slice of the checkpoint.
 
     Auto encoder mode with tp > 1 uses `encoder_costs`, or calibrates them here (every rank).
@@ -184,7 +205,8 @@ def build_model(
     (runtime/layers/linear.py); "aten" keeps aten's (MKL) path. GPU weights are never packed.
     On CUDA the vision tower's MLP hidden size is zero-padded where its rows are not 16-byte
     aligned (Qwen2.5-VL's 3420; vision/vit_common.py `pad_vision_mlps`, exact); `pad_vit_mlp`
-    False keeps the checkpoint's sizes (the server's `--disable-vit-mlp-padding`)."""
+    False keeps the checkpoint's sizes (the server's `--disable-vit-mlp-padding`).
+    `encoder_only`: the vision tower alone (`VisionEncoderModel`, an encoder server's model)."""
     if cpu_linear not in CPU_LINEAR_PATHS:
         raise ValueError(f"cpu_linear {cpu_linear!r} is not one of {CPU_LINEAR_PATHS}")
     config = ModelConfig.from_dir(model_path)
@@ -193,13 +215,13 @@ def build_model(
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device(device):
-            model = resolve_class(config.family.model_class)(
-                config,
-                tp,
-                create_attention_backend(attention_backend),
-                encoder_mode,
-                get_kernel_ops(attention_backend),
-            )
+            ops = get_kernel_ops(attention_backend)
+            if encoder_only:
+                model = VisionEncoderModel(config, tp, encoder_mode, ops)
+            else:
+                backend = create_attention_backend(attention_backend)
+                model_class = resolve_class(config.family.model_class)
+                model = model_class(config, tp, backend, encoder_mode, ops)
     finally:
         torch.set_default_dtype(previous)
     load_checkpoint(model, model_path, show_progress)
