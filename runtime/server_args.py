@@ -326,6 +326,12 @@ class ServerArgs:
         return tuple(url.strip() for url in urls if url.strip())
 
     @property
+    def loads_tower(self) -> bool:
+        """Whether the scheduler ranks load the vision tower (not with --encoder-urls, unless
+        --encoder-fallback local keeps it)."""
+        return not self.encoder_url_list or self.encoder_fallback == "local"
+
+    @property
     def encoder_key(self) -> bytes | None:
         """The encoder channel's HMAC key (None: messages carry no mac)."""
         return self.encoder_secret.encode() if self.encoder_secret else None

@@ -45,6 +45,7 @@ logger = get_logger(__name__)
 IDLE_POLL_MS = 20
 MAX_ITEMS_PER_JOB = 256
 MAX_PATCHES_PER_JOB = 1 << 22
+DIGEST_BITS = 128  # an item's digest (tokenizer_manager/media/multimodal_inputs.py)
 
 
 class JobError(ValueError):
@@ -91,7 +92,7 @@ def check_item(
     if not isinstance(raw, dict):
         raise JobError("a job item is a JSON object")
     digest, grid, pixels = raw.get("digest"), raw.get("grid"), raw.get("pixels")
-    if type(digest) is not int or not 0 <= digest < 2**64:
+    if type(digest) is not int or not 0 <= digest < 2**DIGEST_BITS:
         raise JobError(f"bad digest {digest!r}")
     if not (isinstance(grid, list) and len(grid) == 3 and all(type(n) is int for n in grid)):
         raise JobError(f"item {digest}: bad grid {grid!r}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from stress import LaunchedServer
+from encoder_servers import EncoderProc, start_encoder
 from waits import wait_until
 
 from runtime.distributed import TPGroup
@@ -27,39 +27,6 @@ from runtime.transport.shm import SHM_DIR, new_media_path
 from vision.vlm import build_model
 
 GRIDS = [(1, 4, 6), (2, 4, 4)]
-
-
-class EncoderProc(LaunchedServer):
-    """launch.py --encoder-only; `url` is its job address."""
-
-    def __init__(self, folder: str, log: Path, *extra: str):
-        super().__init__(["--encoder-only", "--model-path", folder, "--device", "cpu", *extra], log)
-        self.job_url = f"tcp://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout: float = 240) -> None:
-        def ready() -> bool:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            return "encoder server ready" in self.log.read_text()
-
-        assert wait_until(ready, timeout), self.log.read_text()[-3000:]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except Exception:  # noqa: BLE001 - then kill
-            self.proc.kill()
-            self.proc.wait()
-
-
-def start_encoder(folder: str, log: Path, *extra: str) -> EncoderProc:
-    proc = EncoderProc(folder, log, *extra)
-    try:
-        proc.wait_ready()
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
 
 
 def items_for(folder: str, seed: int = 0) -> list[MultimodalDataItem]:

@@ -57,16 +57,21 @@ class VisionEncoderModel(nn.Module):
     `encode_items` returns each item's rows, DeepStack levels included where the tower has them."""
 
     def __init__(
-        self, config: ModelConfig, tp: TPGroup, encoder_mode: str = "tp", ops: KernelOps = TORCH_OPS
+        self,
+        config: ModelConfig,
+        tp: TPGroup,
+        encoder_mode: str = "tp",
+        ops: KernelOps = TORCH_OPS,
+        tower: bool = True,
     ):
         super().__init__()
         if encoder_mode not in ENCODER_MODES:
             raise ValueError(f"encoder mode {encoder_mode!r} is not one of {ENCODER_MODES}")
         self.config = config
         self.tp = tp
-        self.encoder_mode = encoder_mode if tp.size > 1 else "tp"
+        self.encoder_mode = encoder_mode if tp.size > 1 and tower else "tp"
         vision_tp = tp if self.encoder_mode == "tp" else TPGroup()
-        self.visual = vision_tower_class(config)(config.vision, vision_tp, ops)
+        self.visual = vision_tower_class(config)(config.vision, vision_tp, ops) if tower else None
         self.auto_encoder: AutoEncoder | None = None  # auto mode: set by set_encoder_costs
 
     @property
@@ -93,7 +98,21 @@ class VisionEncoderModel(nn.Module):
         self.auto_encoder = AutoEncoder(self.visual, self.tp, self.tower_shape, costs)
 
     def encode_items(self, items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
-        """Vision embeddings per item hash; every rank calls this with the same items."""
+        """Vision embeddings per item hash; every rank calls this with the same items. Items an
+        encoder server has encoded (`embedded`) bring their rows; the others run the tower."""
+        out = {i.hash: self._arrived(i.feature) for i in items if i.embedded}
+        pixels = [i for i in items if not i.embedded]
+        if pixels:
+            out |= self._encode_pixels(pixels)
+        return out
+
+    def _arrived(self, rows: torch.Tensor) -> torch.Tensor:
+        weight = next(self.parameters())
+        return rows.to(weight.device, weight.dtype)
+
+    def _encode_pixels(self, items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
+        if self.visual is None:
+            raise RuntimeError("this server's ranks have no vision tower (--encoder-urls)")
         pixels = [item.feature for item in items]  # joined only where a mode slices them
         grids = [list(item.grid_thw) for item in items]
         out = self._encode(pixels, grids)
@@ -137,13 +156,14 @@ class VisionLanguageModel(VisionEncoderModel):
         backend: AttentionBackend,
         encoder_mode: str = "tp",
         ops: KernelOps = TORCH_OPS,
+        tower: bool = True,
     ):
         if config.family.image_attention not in self.IMAGE_ATTENTION:
             raise ModelConfigError(
                 f"image attention {config.family.image_attention!r} of family "
                 f"{config.family.name!r} is not supported (supported: {self.IMAGE_ATTENTION})"
             )
-        super().__init__(config, tp, encoder_mode, ops)
+        super().__init__(config, tp, encoder_mode, ops, tower)
         decoder = resolve_class(config.family.decoder_class)
         self.language_model = decoder(config.text, tp, backend, ops)
 
@@ -178,7 +198,8 @@ class VisionLanguageModel(VisionEncoderModel):
             args = (shard,) if shard is not None else ()
             param.weight_loader(param, weight, *args)
             loaded.add("language_model." + target)
-        loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
+        if self.visual is not None:  # else the tower's tensors stay unread
+            loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
         if self.config.text.tie_word_embeddings:
             loaded.add("language_model.lm_head.weight")
         return loaded
@@ -197,6 +218,7 @@ def build_model(
     cpu_linear: str = "onednn",
     pad_vit_mlp: bool = True,
     encoder_only: bool = False,
+    vision_tower: bool = True,
 ) -> VisionEncoderModel:
     """Build this rank's shard of the model and load its slice of the checkpoint.
 
@@ -206,7 +228,8 @@ def build_model(
     On CUDA the vision tower's MLP hidden size is zero-padded where its rows are not 16-byte
     aligned (Qwen2.5-VL's 3420; vision/vit_common.py `pad_vision_mlps`, exact); `pad_vit_mlp`
     False keeps the checkpoint's sizes (the server's `--disable-vit-mlp-padding`).
-    `encoder_only`: the vision tower alone (`VisionEncoderModel`, an encoder server's model)."""
+    `encoder_only`: the vision tower alone (`VisionEncoderModel`, an encoder server's model);
+    `vision_tower` False: the composite without its tower (media come encoded, `--encoder-urls`)."""
     if cpu_linear not in CPU_LINEAR_PATHS:
         raise ValueError(f"cpu_linear {cpu_linear!r} is not one of {CPU_LINEAR_PATHS}")
     config = ModelConfig.from_dir(model_path)
@@ -221,12 +244,13 @@ def build_model(
             else:
                 backend = create_attention_backend(attention_backend)
                 model_class = resolve_class(config.family.model_class)
-                model = model_class(config, tp, backend, encoder_mode, ops)
+                model = model_class(config, tp, backend, encoder_mode, ops, vision_tower)
     finally:
         torch.set_default_dtype(previous)
     load_checkpoint(model, model_path, show_progress)
     model.eval()
-    if pad_vit_mlp and torch.device(device).type == "cuda":  # auto mode runs shards of tp
+    on_cuda = torch.device(device).type == "cuda"
+    if pad_vit_mlp and model.visual is not None and on_cuda:  # auto mode runs shards of tp
         pad_vision_mlps(model.visual, tp.size if model.encoder_mode == "auto" else 1)
     if cpu_linear == "onednn":
         use_onednn_linears(model)

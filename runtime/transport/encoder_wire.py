@@ -55,11 +55,19 @@ class Channel:
     key: bytes | None = None
     shm_dir: str | None = None
 
-    def pack(self, header: Header, tensors: Sequence[torch.Tensor] = ()) -> list[Frame]:
-        """The frames of `header` with `tensors` (described under header["tensors"])."""
+    def pack(
+        self,
+        header: Header,
+        tensors: Sequence[torch.Tensor | SharedTensor] = (),
+        written: list[str] | None = None,
+    ) -> list[Frame]:
+        """The frames of `header` with `tensors` (described under header["tensors"]). A
+        `SharedTensor` goes by its name (the receiver removes the file once read); the files
+        written here for large tensors are noted in `written`, for the sender to remove should
+        the receiver never read them."""
         descriptions, buffers = [], []
         for tensor in tensors:
-            description, buffer = self._put(tensor)
+            description, buffer = self._put(tensor, written)
             descriptions.append(description)
             if buffer is not None:
                 buffers.append(buffer)
@@ -88,7 +96,11 @@ class Channel:
             digest.update(view)
         return digest.digest()
 
-    def _put(self, tensor: torch.Tensor) -> tuple[Header, Frame | None]:
+    def _put(
+        self, tensor: torch.Tensor | SharedTensor, written: list[str] | None
+    ) -> tuple[Header, Frame | None]:
+        if isinstance(tensor, SharedTensor):
+            return {"dtype": tensor.dtype, "shape": list(tensor.shape), "shm": tensor.path}, None
         tensor = tensor.detach().cpu().contiguous()
         dtype = str(tensor.dtype).removeprefix("torch.")
         raw = tensor.reshape(-1).view(torch.uint8).numpy()
@@ -96,6 +108,8 @@ class Channel:
         if self.shm_dir is None or raw.nbytes < SHARED_MIN_BYTES:
             return description, memoryview(raw)
         description["shm"] = SharedTensor.write(raw, new_media_path(self.shm_dir)).path
+        if written is not None:
+            written.append(description["shm"])
         return description, None
 
     def _take(self, description: object, inline: Any) -> torch.Tensor:
