@@ -36,6 +36,8 @@ logger = get_logger(__name__)
 
 LOAD_SLACK = 4  # jobs in flight beyond the least loaded server's before the digest's choice yields
 PROBE_S = 1.0  # a down server is probed at most this often
+PROBE_TIMEOUT_S = 5.0  # a health probe's answer
+CONNECT_MS = 1000  # how long a job waits for a server's connection before it goes elsewhere
 
 
 class EncoderUnavailable(RuntimeError):
@@ -104,6 +106,8 @@ class EncoderPool:
     async def embed(self, items: list[MultimodalDataItem]) -> None:
         """Replace each item's pixels by its embedding rows (items of one digest share them)."""
         unique = list({item.hash: item for item in items}.values())
+        if not any(link.up for link in self.links):  # all down: one may be back (restarted)
+            await asyncio.gather(*(self._probe(link) for link in self.links))
         groups: dict[int, list[MultimodalDataItem]] = {}
         for item in unique:
             groups.setdefault(self.choose(item.hash).index, []).append(item)
@@ -170,23 +174,28 @@ class EncoderPool:
         return dict(zip(reply["digests"], embeddings))
 
     async def _ask(
-        self, link: EncoderServerLink, job: int, header: Header, tensors: list, written: list[str]
+        self, link: EncoderServerLink, job: int, header: Header, tensors: list, written: list[str],
+        timeout_s: float | None = None,
     ) -> tuple[Header, list[torch.Tensor]]:
-        """Send one message and wait for its answer, at most --encoder-timeout seconds."""
+        """Send one message and wait for its answer, at most `timeout_s` (--encoder-timeout)."""
         future = asyncio.get_running_loop().create_future()
         link.pending[job] = future
         try:
             frames = link.channel.pack(header, tensors, written)
+            if not await link.sock.poll(CONNECT_MS, zmq.POLLOUT):  # connected (or not)
+                raise TimeoutError(f"not connected to {link.url} within {CONNECT_MS} ms")
             await link.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             link.jobs_sent += 1
-            return await asyncio.wait_for(future, self.timeout_s)
+            return await asyncio.wait_for(future, timeout_s or self.timeout_s)
         finally:
             link.pending.pop(job, None)
 
     async def _probe(self, link: EncoderServerLink) -> None:
         job = next(self._jobs)
+        link.probed = time.monotonic()
         try:
-            reply, _ = await self._ask(link, job, {"op": "health", "job": job}, [], [])
+            header, wait = {"op": "health", "job": job}, min(self.timeout_s, PROBE_TIMEOUT_S)
+            reply, _ = await self._ask(link, job, header, [], [], wait)
         except (TimeoutError, zmq.ZMQError):
             return
         if reply.get("ok") is True:
