@@ -158,3 +158,34 @@ def test_llm_tp2_with_an_encoder_server_of_tp2(folder: str, oracle: dict, tmp_pa
         assert encoded(enc)["tp"] == 2
     finally:
         enc.stop()
+
+
+def test_qwen3_vl_deepstack_rows_come_from_the_encoder_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Qwen3-VL's embedding rows carry its DeepStack levels: through the encoder server they
+    reach the decoder as from its own tower (greedy text equal to HF's)."""
+    folder = str(make_checkpoint("qwen3_vl", tmp_path_factory.mktemp("q3") / "qwen3_vl"))
+    oracle = chat_oracle(folder, (64, 96), NEW_TOKENS)
+    logs = tmp_path_factory.mktemp("q3log")
+    enc = start_encoder(folder, logs / "enc.log")
+    try:
+        flags = ["--tp", "1", "--encoder-urls", enc.job_url]
+        for server in serve_then_check_teardown(Server(folder, logs / "llm.log", *flags)):
+            model = {"model": "qwen3_vl"}
+            assert chat_text(server, one_image(), model) == oracle["text"]["one_image"]
+            assert chat_text(server, two_images(), model) == oracle["text"]["two_images"]
+            assert_idle_and_leak_free(server)
+        assert encoded(enc)["row_dim"] > 64  # the main rows and the DeepStack levels
+    finally:
+        enc.stop()
+
+
+def chat_text(server: Server, content: list[dict], body: dict) -> str:
+    from test_server import client
+
+    out = client(server).chat.completions.create(
+        messages=[{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
+        **body,
+    )
+    return out.choices[0].message.content
