@@ -123,6 +123,8 @@ class Supervisor:
     def start(self) -> None:
         from runtime.detokenizer import run_detokenizer_process
 
+        if self.args.encoder_only:
+            return self.start_encoder()
         for replica in range(self.args.dp_size):
             self.children += self.spawn_replica(replica)
         if self.args.node_rank == 0:
@@ -132,6 +134,18 @@ class Supervisor:
             self.children.append(self.spawn("detokenizer", run_detokenizer_process, self.args))
         self.wait_ready(self.children)
         logger.info("all %d child processes are ready", len(self.children))
+
+    def start_encoder(self) -> None:
+        """An encoder server's ranks (--encoder-only): the vision tower, no HTTP, no decoder;
+        any rank's death stops it (an LLM server then sends its jobs elsewhere)."""
+        from scheduler.encoder_server import run_encoder_process
+
+        init = f"tcp://{self.args.dist_init_addr or f'127.0.0.1:{free_port()}'}"
+        for rank in range(self.args.tp_size):
+            name = f"encoder-TP{rank}"
+            self.children.append(self.spawn(name, run_encoder_process, self.args, rank, init))
+        self.wait_ready(self.children)
+        logger.info("encoder server ready: jobs on %s", self.args.encoder_bind_url)
 
     def spawn_replica(self, replica: int) -> list[Child]:
         """Start this node's ranks of `replica`: a TP group of its own, its own c10d store."""
@@ -435,7 +449,8 @@ def main(argv: list[str] | None = None, faults: FaultsFactory | None = None) -> 
     # before the first child starts: a child started by exec (every one here) then has
     # SIGTERM's default action, whatever this process inherited (e.g. SIGTERM ignored)
     signal.signal(signal.SIGTERM, _interrupt)
-    if args.node_rank == 0:
+    serves_http = args.node_rank == 0 and not args.encoder_only
+    if serves_http:
         from tokenizer_manager.cpu_pool import start_fork_server
 
         http_socket = bind_http_socket(args.host, args.port)
@@ -445,7 +460,7 @@ def main(argv: list[str] | None = None, faults: FaultsFactory | None = None) -> 
     try:
         supervisor.start()
         threading.Thread(target=supervisor.watch, daemon=True).start()
-        if args.node_rank == 0:
+        if serves_http:
             import uvloop  # here, not at the top: the spawned children import this module
 
             # uvloop's event loop, as uvicorn picks when it runs its own: 6% less main-process

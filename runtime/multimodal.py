@@ -35,6 +35,8 @@ class MultimodalDataItem:
 
     `offsets` lists half-open [start, end) token ranges of the placeholder run in the prompt;
     `grid_thw` is the item's patch grid, `second_per_grid_t` a video's seconds per temporal patch.
+    `embedded`: the feature is already the item's embedding (all its rows, DeepStack levels
+    included), encoded by an encoder server (`--encoder-urls`), not its pixels.
     `model_specific_data` (the design's name) is a read-only view of these by HF's names
     (`image_grid_thw` / `video_grid_thw` as a [1, 3] tensor, `second_per_grid_t`), each also an
     attribute of the item; the grid itself is stored once, in `grid_thw`.
@@ -47,6 +49,7 @@ class MultimodalDataItem:
     offsets: list[tuple[int, int]] = field(default_factory=list)
     grid_thw: tuple[int, int, int] = (0, 0, 0)
     second_per_grid_t: float | None = None
+    embedded: bool = False  # `feature` holds the item's embedding rows (an encoder server's)
 
     def set_pad_value(self) -> None:
         """From the item's digest: the same content, the same pad value on every rank, and

@@ -290,12 +290,61 @@ class ServerArgs:
         "with --dp: the window, in seconds, over which --replica-max-restarts counts",
         default=600.0,
     )
+    encoder_only: bool = _opt(
+        "serve only the checkpoint's vision tower (and projector) as an encoder server: encode "
+        "jobs over ZMQ on tcp://--host:--port, embeddings back by digest; no HTTP, no decoder",
+        default=False,
+    )
+    encoder_urls: str | None = _opt(
+        "encoder servers (tcp://host:port or ipc://path, comma-separated) that encode this "
+        "server's images and videos; the ranks then do not load the vision tower"
+    )
+    encoder_fallback: str = _opt(
+        "with --encoder-urls: when no encoder server answers a job, none (the requests fail "
+        "with 503) or local (the ranks keep their own tower and encode it themselves)",
+        default="none",
+        choices=["none", "local"],
+    )
+    encoder_timeout: float = _opt(
+        "with --encoder-urls: seconds for one encode job on one encoder server", default=60.0
+    )
+    encoder_retries: int = _opt(
+        "with --encoder-urls: encoder servers one job is tried on after the first", default=2
+    )
+    encoder_secret: str | None = _opt(
+        "key of the HMAC every encoder-channel message carries (required where it leaves the "
+        "machine); see --encoder-secret-file"
+    )
+    encoder_secret_file: str | None = _opt("file whose first line is --encoder-secret")
 
     # ------------------------------------------------------------------ derived
     @property
     def mm_enable_dp_encoder(self) -> bool:
         """True when the vision tower is a full replica per rank run data-parallel (dp mode)."""
         return self.mm_encoder_mode == "dp"
+
+    @property
+    def encoder_url_list(self) -> tuple[str, ...]:
+        """--encoder-urls, one URL each (empty: the ranks run their own tower)."""
+        urls = (self.encoder_urls or "").split(",")
+        return tuple(url.strip() for url in urls if url.strip())
+
+    @property
+    def loads_tower(self) -> bool:
+        """Whether the scheduler ranks load the vision tower (not with --encoder-urls, unless
+        --encoder-fallback local keeps it)."""
+        return not self.encoder_url_list or self.encoder_fallback == "local"
+
+    @property
+    def encoder_key(self) -> bytes | None:
+        """The encoder channel's HMAC key (None: messages carry no mac)."""
+        return self.encoder_secret.encode() if self.encoder_secret else None
+
+    @property
+    def encoder_bind_url(self) -> str:
+        """Where an encoder server (--encoder-only) takes jobs."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
 
     @property
     def use_cuda(self) -> bool:
@@ -386,6 +435,8 @@ class ServerArgs:
             reasoning_parser=self._reasoning_parser(),
             api_key=self._read_api_key(),
             api_key_file=None,
+            encoder_secret=self._read_encoder_secret(),
+            encoder_secret_file=None,
         )
         out.check()
         return out
@@ -404,6 +455,16 @@ class ServerArgs:
         if self.model_path is None or not path.is_file():  # the built-in tiny Qwen2-VL, or
             return None  # no checkpoint, which loading it reports
         return family_for(json.loads(path.read_text())).reasoning_parser
+
+    def _read_encoder_secret(self) -> str | None:
+        if self.encoder_secret_file is None:
+            return self.encoder_secret
+        if self.encoder_secret:
+            raise ValueError("give --encoder-secret or --encoder-secret-file, not both")
+        secret = Path(self.encoder_secret_file).read_text().partition("\n")[0].strip()
+        if not secret:
+            raise ValueError(f"--encoder-secret-file {self.encoder_secret_file}: empty first line")
+        return secret
 
     def _read_api_key(self) -> tuple[str, ...]:
         if self.api_key_file is None:
@@ -472,6 +533,15 @@ class ServerArgs:
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
         self.check_http()
+        self.check_encoder()
+
+    def check_encoder(self) -> None:
+        if self.encoder_only and self.encoder_urls:
+            raise ValueError("--encoder-only serves a tower: it takes no --encoder-urls")
+        if self.encoder_only and self.dp_size > 1:
+            raise ValueError("--encoder-only with --dp is not built: start one server per pool")
+        if self.encoder_timeout <= 0 or self.encoder_retries < 0:
+            raise ValueError("--encoder-timeout must be positive, --encoder-retries >= 0")
 
     def check_http(self) -> None:
         if self.http_max_header_bytes < 1024:

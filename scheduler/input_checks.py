@@ -67,8 +67,9 @@ def check_item(item: object, prompt: list[int]) -> None:
     feature = item.feature
     if feature is None:
         return
-    if feature.shape[0] != item.num_patches:
-        raise ValueError(f"media feature has {feature.shape[0]} rows for {item.num_patches}")
+    rows = item.num_tokens if item.embedded else item.num_patches  # embeddings: a row a token
+    if feature.shape[0] != rows:
+        raise ValueError(f"media feature has {feature.shape[0]} rows for {rows}")
     if feature.is_floating_point() and feature.numel() and not _finite(feature):
         raise ValueError("media feature holds NaN or inf")
 

@@ -149,6 +149,9 @@ def rank_faults(faults: FaultsFactory | None, tp: TPGroup) -> RequestFaults | No
 
 
 def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:
+    if not args.loads_tower:
+        logger.info("TP rank %d: no vision tower; media come encoded from %s", tp.rank,
+                    args.encoder_urls)
     device = f"cuda:{torch.cuda.current_device()}" if args.use_cuda else "cpu"
     return build_model(
         args.model_path,
@@ -161,6 +164,7 @@ def load_model(args: ServerArgs, tp: TPGroup) -> nn.Module:
         show_progress=tp.is_first,
         cpu_linear=args.cpu_linear,
         pad_vit_mlp=not args.disable_vit_mlp_padding,
+        vision_tower=args.loads_tower,
     )
 
 

@@ -55,6 +55,9 @@ from vision.encoder_learner import Choice, EncoderLearner  # noqa: E402
 from vision.encoder_plan import EncoderCosts, TowerShape, frame_units  # noqa: E402
 from vision.vlm import vision_tower_class  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_vit_serving  # noqa: E402
+
 
 class CountingGroup(TPGroup):
     """A TPGroup that adds up the bytes each collective is handed on this rank."""
@@ -154,6 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-flags", default="", help="--served: more launch.py flags")
     p.add_argument("--log-dir", default=None, help="--served: keep the server logs here")
     p.add_argument("--json", default=None, help="write the results here")
+    bench_vit_serving.add_serving_args(p)
     p.add_argument("--plot", default=None, help="write a bar chart here (needs matplotlib)")
     args = p.parse_args(argv)
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
@@ -512,6 +516,13 @@ def main(argv: list[str] | None = None) -> None:
         args.device = "cuda" if torch.cuda.device_count() >= args.tp else "cpu"
     if args.attention_backend == "auto":
         args.attention_backend = "triton" if args.device == "cuda" else "torch"
+    if args.serving:  # the tower placed as servers: scripts/bench_vit_serving.py
+        with tempfile.TemporaryDirectory() as tmp:
+            model_path = args.model_path or tiny_checkpoint(args.arch, tmp)
+            out = bench_vit_serving.main(args, model_path, Path(tmp))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), **out}, indent=2))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model_path or tiny_checkpoint(args.arch, tmp)
         out = spawn(args, model_path)

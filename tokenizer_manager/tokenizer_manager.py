@@ -58,6 +58,7 @@ from runtime.token_budget import TokenBudget, context_length
 from runtime.transport.frames import to_frames
 from runtime.transport.shm import SharedTensor
 from tokenizer_manager.dispatcher import Balance, Dispatcher, Route
+from tokenizer_manager.encoder_pool import EncoderPool, EncoderRefused, EncoderUnavailable
 from tokenizer_manager.grammar_check import GrammarCheck
 from tokenizer_manager.media.limits import media_param
 from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
@@ -215,7 +216,10 @@ class TokenizerManager:
         self.chat_template = load_chat_template(args.model_path, self.tokenizer)
         self.mm = mm
         # pixels go to a replica's ranks only when their encoder caches may lack the item
-        keyed, shm = args.mm_cache_size_mb > 0, mm.shm_dir if mm else None
+        # (with encoder servers every item goes, encoded: the ranks cannot ask for one again)
+        keyed = args.mm_cache_size_mb > 0 and not args.encoder_url_list
+        shm = mm.shm_dir if mm else None
+        self.encoders: EncoderPool | None = None  # --encoder-urls: made in `start`
         self.pixels = [PixelLedger(keyed, shm) for _ in range(args.dp_size)]
         self.context_length = context_length(args, self.config)
         # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
@@ -260,6 +264,10 @@ class TokenizerManager:
         self._from_detok = self._ctx.socket(zmq.PULL)
         self._from_detok.bind(self.args.tokenizer_ipc)
         self._recv_task = asyncio.create_task(self._recv_loop())
+        args = self.args
+        if args.encoder_url_list:
+            urls, key = args.encoder_url_list, args.encoder_key
+            self.encoders = EncoderPool(urls, key, args.encoder_timeout, args.encoder_retries)
         if self.args.dp_size > 1 and self.replicas is not None:
             self._stall_task = asyncio.create_task(self._watch_stalls())
 
@@ -277,6 +285,8 @@ class TokenizerManager:
         self._cpu.shutdown(wait=False, cancel_futures=True)
         self._long.shutdown(wait=False, cancel_futures=True)
         await self.grammar.close()
+        if self.encoders is not None:
+            await self.encoders.close()
         self._ctx.destroy(linger=0)
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -621,6 +631,7 @@ class TokenizerManager:
         a client that reuses an id after its request ended never meets that request's leftovers
         in the scheduler or the detokenizer."""
         self.check_admission(req.rid)
+        await self.encode_media(req)
         if not self.running():
             self.last_progress = time.monotonic()
         replica = self.choose_replica(req.input_ids, route)
@@ -658,6 +669,25 @@ class TokenizerManager:
                 cached = [*req.input_ids, *state.output_ids] if tracks else []
                 self.dispatcher.ended(replica, cached, state.load)
 
+    async def encode_media(self, req: TokenizedGenerateReq) -> None:
+        """With --encoder-urls: the request's items encoded by the encoder servers before it
+        goes to a replica (whose ranks have no tower). No server answers: a 503, or, with
+        --encoder-fallback local, the pixels go and the ranks encode them."""
+        mm = req.mm_inputs
+        items = [i for i in mm.items if i.feature is not None and not i.embedded] if mm else []
+        if self.encoders is None or not items:
+            return
+        try:
+            with self.metrics.timed("encode"):
+                await self.encoders.embed(items)
+        except EncoderUnavailable as exc:
+            if self.args.encoder_fallback == "local":
+                logger.warning("request %s: %s; its ranks encode its media", req.rid, exc)
+                return
+            raise APIError(f"no encoder server could encode the media: {exc}", 503) from None
+        except EncoderRefused as exc:
+            raise APIError(f"the encoder server refused the media: {exc}", 500) from None
+
     def choose_replica(self, ids: list[int], route: Route) -> int:
         """The replica for a prompt of `ids` (503 when none serves, or the one named)."""
         try:
@@ -690,7 +720,10 @@ class TokenizerManager:
         if self.mm is None:
             return None
         ledgers = [ledger.info() for ledger in self.pixels]
-        return self.mm.info() | {k: sum(info[k] for info in ledgers) for k in ledgers[0]}
+        info = self.mm.info() | {k: sum(info[k] for info in ledgers) for k in ledgers[0]}
+        if self.encoders is not None:
+            info["encoder_servers"] = self.encoders.info()
+        return info
 
     def stalled(self) -> bool:
         """Requests are running and nothing came back for --health-stall-timeout seconds. A

@@ -51,31 +51,25 @@ def vision_tower_class(config: ModelConfig) -> type:
     return resolve_class(config.family.tower_class)
 
 
-class VisionLanguageModel(nn.Module):
-    """Vision tower + fusion + decoder. Media tokens attend causally, like text: a family whose
-    image attention rule is another is refused here (`IMAGE_ATTENTION`)."""
-
-    IMAGE_ATTENTION = ("causal",)
+class VisionEncoderModel(nn.Module):
+    """The vision tower (its projector or merger included) in one of the encoder modes: what a
+    composite model's encode step runs, and all that an encoder server (`--encoder-only`) loads.
+    `encode_items` returns each item's rows, DeepStack levels included where the tower has them."""
 
     def __init__(
         self,
         config: ModelConfig,
         tp: TPGroup,
-        backend: AttentionBackend,
         encoder_mode: str = "tp",
         ops: KernelOps = TORCH_OPS,
+        tower: bool = True,
     ):
         super().__init__()
-        if config.family.image_attention not in self.IMAGE_ATTENTION:
-            raise ModelConfigError(
-                f"image attention {config.family.image_attention!r} of family "
-                f"{config.family.name!r} is not supported (supported: {self.IMAGE_ATTENTION})"
-            )
         if encoder_mode not in ENCODER_MODES:
             raise ValueError(f"encoder mode {encoder_mode!r} is not one of {ENCODER_MODES}")
         self.config = config
         self.tp = tp
-        self.encoder_mode = encoder_mode if tp.size > 1 else "tp"
+        self.encoder_mode = encoder_mode if tp.size > 1 and tower else "tp"
         if self.encoder_mode == "auto" and config.vision.num_heads % tp.size:
             raise ValueError(
                 f"auto encoder mode shards the vision tower's {config.vision.num_heads} heads "
@@ -83,9 +77,7 @@ class VisionLanguageModel(nn.Module):
                 "(padded heads, where the tower pads them) or dp encoder mode"
             )
         vision_tp = tp if self.encoder_mode == "tp" else TPGroup()
-        self.visual = vision_tower_class(config)(config.vision, vision_tp, ops)
-        decoder = resolve_class(config.family.decoder_class)
-        self.language_model = decoder(config.text, tp, backend, ops)
+        self.visual = vision_tower_class(config)(config.vision, vision_tp, ops) if tower else None
         self.auto_encoder: AutoEncoder | None = None  # auto mode: set by set_encoder_costs
 
     @property
@@ -112,7 +104,21 @@ class VisionLanguageModel(nn.Module):
         self.auto_encoder = AutoEncoder(self.visual, self.tp, self.tower_shape, costs)
 
     def encode_items(self, items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
-        """Vision embeddings per item hash; every rank calls this with the same items."""
+        """Vision embeddings per item hash; every rank calls this with the same items. Items an
+        encoder server has encoded (`embedded`) bring their rows; the others run the tower."""
+        out = {i.hash: self._arrived(i.feature) for i in items if i.embedded}
+        pixels = [i for i in items if not i.embedded]
+        if pixels:
+            out |= self._encode_pixels(pixels)
+        return out
+
+    def _arrived(self, rows: torch.Tensor) -> torch.Tensor:
+        weight = next(self.parameters())
+        return rows.to(weight.device, weight.dtype)
+
+    def _encode_pixels(self, items: list[MultimodalDataItem]) -> dict[int, torch.Tensor]:
+        if self.visual is None:
+            raise RuntimeError("this server's ranks have no vision tower (--encoder-urls)")
         pixels = [item.feature for item in items]  # joined only where a mode slices them
         grids = [list(item.grid_thw) for item in items]
         out = self._encode(pixels, grids)
@@ -132,6 +138,40 @@ class VisionLanguageModel(nn.Module):
         if self.auto_encoder is None:
             raise RuntimeError("auto encoder mode needs set_encoder_costs() before encoding")
         return self.auto_encoder(pixels, grids)
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyWeight]]) -> set[str]:
+        """Load the tower's tensors of the checkpoint; the decoder's are skipped unread."""
+        vision = []
+        for name, weight in weights:
+            name = self.config.family.checkpoint_name(name)
+            if name.startswith("visual."):
+                vision.append((name[len("visual.") :], weight))
+        return {"visual." + n for n in self.visual.load_weights(vision)}
+
+
+class VisionLanguageModel(VisionEncoderModel):
+    """Vision tower + fusion + decoder. Media tokens attend causally, like text: a family whose
+    image attention rule is another is refused here (`IMAGE_ATTENTION`)."""
+
+    IMAGE_ATTENTION = ("causal",)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        encoder_mode: str = "tp",
+        ops: KernelOps = TORCH_OPS,
+        tower: bool = True,
+    ):
+        if config.family.image_attention not in self.IMAGE_ATTENTION:
+            raise ModelConfigError(
+                f"image attention {config.family.image_attention!r} of family "
+                f"{config.family.name!r} is not supported (supported: {self.IMAGE_ATTENTION})"
+            )
+        super().__init__(config, tp, encoder_mode, ops, tower)
+        decoder = resolve_class(config.family.decoder_class)
+        self.language_model = decoder(config.text, tp, backend, ops)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, encode: ItemEncoder | None = None) -> torch.Tensor:
@@ -164,7 +204,8 @@ class VisionLanguageModel(nn.Module):
             args = (shard,) if shard is not None else ()
             param.weight_loader(param, weight, *args)
             loaded.add("language_model." + target)
-        loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
+        if self.visual is not None:  # else the tower's tensors stay unread
+            loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
         if self.config.text.tie_word_embeddings:
             loaded.add("language_model.lm_head.weight")
         return loaded
@@ -182,7 +223,9 @@ def build_model(
     show_progress: bool = False,
     cpu_linear: str = "onednn",
     pad_vit_mlp: bool = True,
-) -> VisionLanguageModel:
+    encoder_only: bool = False,
+    vision_tower: bool = True,
+) -> VisionEncoderModel:
     """Build this rank's shard of the model and load its slice of the checkpoint.
 
     Auto encoder mode with tp > 1 uses `encoder_costs`, or calibrates them here (every rank).
@@ -190,7 +233,9 @@ def build_model(
     (runtime/layers/linear.py); "aten" keeps aten's (MKL) path. GPU weights are never packed.
     On CUDA the vision tower's MLP hidden size is zero-padded where its rows are not 16-byte
     aligned (Qwen2.5-VL's 3420; vision/vit_common.py `pad_vision_mlps`, exact); `pad_vit_mlp`
-    False keeps the checkpoint's sizes (the server's `--disable-vit-mlp-padding`)."""
+    False keeps the checkpoint's sizes (the server's `--disable-vit-mlp-padding`).
+    `encoder_only`: the vision tower alone (`VisionEncoderModel`, an encoder server's model);
+    `vision_tower` False: the composite without its tower (media come encoded, `--encoder-urls`)."""
     if cpu_linear not in CPU_LINEAR_PATHS:
         raise ValueError(f"cpu_linear {cpu_linear!r} is not one of {CPU_LINEAR_PATHS}")
     config = ModelConfig.from_dir(model_path)
@@ -199,18 +244,19 @@ def build_model(
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device(device):
-            model = resolve_class(config.family.model_class)(
-                config,
-                tp,
-                create_attention_backend(attention_backend),
-                encoder_mode,
-                get_kernel_ops(attention_backend),
-            )
+            ops = get_kernel_ops(attention_backend)
+            if encoder_only:
+                model = VisionEncoderModel(config, tp, encoder_mode, ops)
+            else:
+                backend = create_attention_backend(attention_backend)
+                model_class = resolve_class(config.family.model_class)
+                model = model_class(config, tp, backend, encoder_mode, ops, vision_tower)
     finally:
         torch.set_default_dtype(previous)
     load_checkpoint(model, model_path, show_progress)
     model.eval()
-    if pad_vit_mlp and torch.device(device).type == "cuda":  # auto mode runs shards of tp
+    on_cuda = torch.device(device).type == "cuda"
+    if pad_vit_mlp and model.visual is not None and on_cuda:  # auto mode runs shards of tp
         pad_vision_mlps(model.visual, tp.size if model.encoder_mode == "auto" else 1)
     if cpu_linear == "onednn":
         use_onednn_linears(model)

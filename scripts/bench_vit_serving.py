@@ -1,0 +1,215 @@
+"""The serving side of scripts/bench_vit_dp_vs_tp.py (`--serving`): the vision tower placed
+three ways at equal resources, served and loaded through the HTTP API.
+
+    python scripts/bench_vit_dp_vs_tp.py --serving --modes disagg,dp,tp --json serve.json
+
+Modes: `disagg`, an encoder server (`--encoder-only`, one rank, pinned to the first half of the
+CPUs) plus an LLM server (`--tp 1 --encoder-urls`, pinned to the second half); `dp`, one server
+at `--tp 2` with the DP encoder; `tp`, `--tp 2` with the TP encoder. Two streams, each measured
+on a fresh set of servers: `encoder-heavy` (requests of --burst-images images each, all at
+once, at most --concurrency in flight) and `mixed` (--chats text chats decoding long answers
+while bursts of image requests arrive from --burst-at seconds on). Requests come from
+bench_serving's generator (seeded; ignore_eos, so every mode generates the same tokens). The
+table gives requests/s, TTFT and ITL p50 / p99 per mode and stream, for the mixed stream the
+chats' ITL (the decode that image bursts stall) and the bursts' TTFT apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import bench_serving
+import httpx
+from bench_serving import Workload
+from stress import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("disagg", "dp", "tp")
+STREAMS = ("encoder-heavy", "mixed")
+
+
+def pinned(cpus: list[int]):
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def start(cmd: list[str], log: Path, cpus: list[int] | None) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=ROOT, preexec_fn=pinned(cpus) if cpus else None,
+    )  # fmt: skip
+
+
+def wait_for(proc: subprocess.Popen, log: Path, ready: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 600
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"a server did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def launch(mode: str, model: str, workdir: Path) -> tuple[str, list[subprocess.Popen]]:
+    """The mode's servers, ready; returns the LLM server's URL and the processes."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    base = [sys.executable, str(ROOT / "launch.py"), "--model-path", model, "--device", "cpu"]
+    port = free_port()
+    llm = [*base, "--port", str(port), "--max-total-tokens", "16000"]
+    procs: list[subprocess.Popen] = []
+    if mode == "disagg":
+        enc_port = free_port()
+        enc = start([*base, "--encoder-only", "--port", str(enc_port)],
+                    workdir / "encoder.log", cpus[:half])  # fmt: skip
+        procs.append(enc)
+        log = workdir / "encoder.log"
+        wait_for(enc, log, lambda: "encoder server ready" in log.read_text())
+        flags = ["--tp", "1", "--encoder-urls", f"tcp://127.0.0.1:{enc_port}"]
+        procs.append(start([*llm, *flags], workdir / "llm.log", cpus[half:] or cpus))
+    else:
+        encoder = ["--mm-enable-dp-encoder"] if mode == "dp" else ["--mm-encoder-mode", "tp"]
+        procs.append(start([*llm, "--tp", "2", *encoder], workdir / "llm.log", None))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(procs[-1], workdir / "llm.log", lambda: healthy(url))
+    except BaseException:
+        stop(procs)
+        raise
+    return url, procs
+
+
+def workloads(args: argparse.Namespace) -> tuple[Workload, Workload]:
+    sizes = bench_serving.parse_image_sizes(args.serving_sizes)
+    burst = Workload(args.burst_images, sizes, "png", 16, args.burst_tokens, seed=args.seed)
+    chat = Workload(0, sizes, "png", 32, args.chat_tokens, seed=args.seed)
+    return burst, chat
+
+
+async def drive(url: str, model: str, requests: list, offsets: list[float], cap: int | None):
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        payloads = [bench_serving.build_payload(r, model, ignore_eos=True) for r in requests]
+        chat_url = url + "/v1/chat/completions"
+        return await bench_serving.run_requests(session, chat_url, payloads, {}, offsets, cap)
+
+
+async def model_id(url: str) -> str:
+    async with aiohttp.ClientSession() as session:
+        return await bench_serving.first_model_id(session, url, {})
+
+
+async def run_stream(stream: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
+    burst, chat = workloads(args)
+    model = await model_id(url)
+    warm = bench_serving.generate_requests(burst, 2, bench_serving.WARMUP_STREAM)
+    await drive(url, model, warm, [0.0, 0.0], None)
+    bursts = bench_serving.generate_requests(burst, args.bursts)
+    if stream == "encoder-heavy":
+        records, took = await drive(url, model, bursts, [0.0] * len(bursts), args.concurrency)
+        return {"all": bench_serving.summarize(records, took)}
+    chats = bench_serving.generate_requests(chat, args.chats)
+    offsets = [args.burst_at + i * args.burst_gap for i in range(len(bursts))]
+    started = time.perf_counter()
+    (chat_records, _), (burst_records, _) = await asyncio.gather(
+        drive(url, model, chats, [0.0] * len(chats), None),
+        drive(url, model, bursts, offsets, None),
+    )
+    took = time.perf_counter() - started
+    return {
+        "all": bench_serving.summarize(chat_records + burst_records, took),
+        "chats": bench_serving.summarize(chat_records, took),
+        "bursts": bench_serving.summarize(burst_records, took),
+    }
+
+
+def main(args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Any]:
+    """Run every mode on every stream; print the table; the results by "mode/stream"."""
+    results = serving_benchmark(args, model, workdir)
+    print("\n".join(table(results)))
+    return results
+
+
+def serving_benchmark(args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for stream in STREAMS:
+        for mode in args.modes.split(","):
+            folder = workdir / f"{mode}-{stream}"
+            folder.mkdir(parents=True, exist_ok=True)
+            url, procs = launch(mode, model, folder)
+            try:
+                results[f"{mode}/{stream}"] = asyncio.run(run_stream(stream, url, args))
+            finally:
+                stop(procs)
+            print(f"done: {mode} {stream}", flush=True)
+    return results
+
+
+def ms(summary: dict[str, Any], key: str, stat: str) -> str:
+    value = summary[key][stat]
+    return "-" if value is None else f"{value:.0f}"
+
+
+def table(results: dict[str, Any]) -> list[str]:
+    lines = ["| mode | stream | req/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | chats' ITL p50 "
+             "| chats' ITL p99 | bursts' TTFT p50 | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, out in results.items():
+        mode, stream = name.split("/")
+        s, chats, bursts = out["all"], out.get("chats"), out.get("bursts")
+        extra = ["-", "-", "-"]
+        if chats is not None:
+            extra = [ms(chats, "itl_ms", "median"), ms(chats, "itl_ms", "p99"),
+                     ms(bursts, "ttft_ms", "median")]  # fmt: skip
+        row = [mode, stream, f"{s['request_throughput']:.2f}", ms(s, "ttft_ms", "median"),
+               ms(s, "ttft_ms", "p99"), ms(s, "itl_ms", "median"), ms(s, "itl_ms", "p99"),
+               *extra, str(s["failed"])]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def add_serving_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--serving", action="store_true", help="the serving benchmark (module doc)")
+    p.add_argument("--modes", default=",".join(MODES), help="serving: disagg, dp, tp")
+    p.add_argument("--serving-image-sizes", dest="serving_sizes", default="224x224,336x224")
+    p.add_argument("--burst-images", type=int, default=4, help="serving: images per request")
+    p.add_argument("--bursts", type=int, default=8, help="serving: image requests per stream")
+    p.add_argument("--burst-tokens", type=int, default=8)
+    p.add_argument("--burst-at", type=float, default=2.0, help="mixed: first burst (s)")
+    p.add_argument("--burst-gap", type=float, default=0.5, help="mixed: between bursts (s)")
+    p.add_argument("--chats", type=int, default=4, help="mixed: text chats decoding")
+    p.add_argument("--chat-tokens", type=int, default=96)
+    p.add_argument("--concurrency", type=int, default=4, help="encoder-heavy: in flight")
+
+
+
+if __name__ == "__main__":  # the same as bench_vit_dp_vs_tp.py --serving
+    import bench_vit_dp_vs_tp
+
+    bench_vit_dp_vs_tp.main(["--serving", *sys.argv[1:]])

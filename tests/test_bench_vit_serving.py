@@ -1,0 +1,36 @@
+"""The serving mode of scripts/bench_vit_dp_vs_tp.py: its flags and its table (the runs
+themselves start servers and are measured by hand, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import bench_vit_dp_vs_tp
+import bench_vit_serving
+
+
+def summary(rps: float, ttft: float, itl: float, failed: int = 0) -> dict:
+    stats = {"median": ttft, "p99": ttft * 2, "mean": ttft}
+    return {"request_throughput": rps, "ttft_ms": stats, "failed": failed,
+            "itl_ms": {"median": itl, "p99": None, "mean": itl}}  # fmt: skip
+
+
+def test_serving_flags_parse() -> None:
+    args = bench_vit_dp_vs_tp.parse_args(["--serving", "--modes", "disagg,dp", "--bursts", "3"])
+    assert args.serving and args.modes == "disagg,dp" and args.bursts == 3
+    burst, chat = bench_vit_serving.workloads(args)
+    assert burst.images_per_request == 4 and chat.images_per_request == 0
+    assert chat.output_len == args.chat_tokens > burst.output_len
+
+
+def test_table_rows_name_mode_stream_and_the_mixed_stream_parts() -> None:
+    results = {
+        "disagg/encoder-heavy": {"all": summary(1.5, 100, 20)},
+        "dp/mixed": {"all": summary(2.0, 50, 30), "chats": summary(1, 10, 40, 1),
+                     "bursts": summary(1, 300, 0)},  # fmt: skip
+    }
+    header, rule, heavy, mixed = bench_vit_serving.table(results)
+    assert header.count("|") == rule.count("|") == heavy.count("|") == mixed.count("|")
+    assert heavy.split(" | ")[:3] == ["| disagg", "encoder-heavy", "1.50"]
+    assert heavy.rstrip(" |").endswith("- | - | - | 0")
+    cells = mixed.strip("| ").split(" | ")
+    assert cells[:7] == ["dp", "mixed", "2.00", "50", "100", "30", "-"]
+    assert cells[7:] == ["40", "-", "300", "0"]

@@ -1,0 +1,101 @@
+"""Encoder servers that die: an LLM server with two encoder servers loses one mid-load and its
+jobs go to the other (every request answers, with the right text); with none left an image
+request is its own 503 (OpenAI JSON) while text requests are served; a restarted encoder server
+is used again; `--encoder-fallback local` encodes on the ranks when no server answers. Every
+server's idle check holds and no shared-memory file is left (the fixtures' teardown)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from dist_utils import free_port
+from encoder_servers import EncoderProc, start_encoder
+from test_encoder_disagg import (
+    TEXT,
+    assert_idle_and_leak_free,
+    encoded,
+    one_image,
+    text_of,
+)
+from test_server import NEW_TOKENS, Server, chat_oracle, image_part, serve_then_check_teardown
+from vlm_cases import noise_image
+from waits import wait_until
+
+from runtime.tiny_checkpoint import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_checkpoint("qwen2_vl", tmp_path_factory.mktemp("faults") / "qwen2_vl"))
+
+
+@pytest.fixture(scope="module")
+def oracle(folder: str) -> dict:
+    return chat_oracle(folder, (56, 84), NEW_TOKENS)
+
+
+def kill(proc: EncoderProc) -> None:
+    os.killpg(proc.proc.pid, signal.SIGKILL)
+    proc.proc.wait()
+    assert wait_until(lambda: not proc.group_alive())
+
+
+def image_chat(server: Server, seed: int) -> httpx.Response:
+    content = [image_part(noise_image((56, 56), seed=seed)), {"type": "text", "text": "Hi."}]
+    body = {"model": "qwen2_vl", "messages": [{"role": "user", "content": content}],
+            "max_tokens": 4, "temperature": 0}  # fmt: skip
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+
+
+def test_a_dead_encoder_server_fails_over_then_503_then_is_used_again(
+    folder: str, oracle: dict, tmp_path: Path
+) -> None:
+    first = start_encoder(folder, tmp_path / "a.log")
+    second = start_encoder(folder, tmp_path / "b.log")
+    urls = f"{first.job_url},{second.job_url}"
+    flags = ["--tp", "1", "--encoder-urls", urls, "--encoder-timeout", "20"]
+    server = Server(folder, tmp_path / "llm.log", *flags)
+    try:
+        for _ in serve_then_check_teardown(server):
+            with ThreadPoolExecutor(6) as pool:  # one dies while these are in flight
+                replies = [pool.submit(image_chat, server, seed) for seed in range(100, 106)]
+                kill(first)
+                codes = [r.result().status_code for r in replies]
+            assert codes == [200] * 6
+            assert text_of(server, one_image()) == oracle["text"]["one_image"]
+            kill(second)
+            reply = image_chat(server, 200)
+            assert reply.status_code == 503
+            error = reply.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert "no encoder server" in error["message"]
+            assert text_of(server, [{"type": "text", "text": TEXT}])  # text needs no encoder
+            assert_idle_and_leak_free(server)
+            back = start_encoder(folder, tmp_path / "a2.log", port=first.port)
+            try:
+                assert image_chat(server, 201).status_code == 200
+                assert encoded(back)["jobs"] >= 1  # the restarted server took the job
+                media = httpx.get(server.url + "/server_info").json()["media"]
+                assert media["encoder_servers"]["servers"][0]["up"] is True
+                assert_idle_and_leak_free(server)
+            finally:
+                back.stop()
+    finally:
+        for proc in (first, second):
+            if proc.proc.poll() is None:
+                proc.stop()
+
+
+def test_fallback_local_encodes_on_the_ranks(folder: str, oracle: dict, tmp_path: Path) -> None:
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    flags = ["--tp", "1", "--encoder-urls", dead, "--encoder-fallback", "local"]
+    for server in serve_then_check_teardown(Server(folder, tmp_path / "llm.log", *flags)):
+        assert "no vision tower" not in server.log.read_text()
+        assert text_of(server, one_image()) == oracle["text"]["one_image"]
+        assert "its ranks encode its media" in server.log.read_text()
+        assert_idle_and_leak_free(server)
