@@ -297,6 +297,8 @@ class TokenizerManager:
             case BatchStrOut(outputs=outputs):
                 for out in outputs:
                     self._route(out)
+                if msg.evicted:
+                    self.dispatcher.evicted(msg.replica, msg.evicted)
             case FlushCacheOut() | ServerInfo():
                 self._reply(msg)
             case PixelsWanted(rid=rid, hashes=hashes):
