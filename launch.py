@@ -88,8 +88,10 @@ class Supervisor:
     With --dp > 1 a replica may die alone (invariant 20): when any of its ranks exits, the
     others are ended (their collectives are broken), the front end fails the requests it held
     (`on_replica` hooks), and it is started again as `runtime.replica_health` rules (bounded
-    tries, with backoff), by one long-lived thread: a child's kernel death signal follows the
-    thread that started it, so no child is started from a thread that ends. The death of the
+    tries, with backoff), by a long-lived thread of its own (one per replica, so replicas that
+    die together restart side by side, and one that is slow to start delays no other): a
+    child's kernel death signal follows the thread that started it, so no child is started
+    from a thread that ends. The death of the
     detokenizer, of any rank with --dp 1, or of the last replica with its restarts spent stops
     the server."""
 
@@ -102,13 +104,16 @@ class Supervisor:
         self._replica_hooks: list[ReplicaHooks] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # children, _starting and health: the watch, the
-        # restarts and the front end's questions run in three threads
+        # replicas' restarts and the front end's questions run in threads of their own
         policy = RestartPolicy(args.replica_max_restarts, args.replica_restart_window)
         self.health = [ReplicaHealth(policy) for _ in range(args.dp_size)]
         self._replica_of: dict[str, int] = {}  # a scheduler rank's name -> its replica
-        self._starting: list[Child] = []  # a restarted replica's ranks, until ready
+        self._starting: dict[int, list[Child]] = {}  # restarted replicas' ranks, until ready
         self._killed: dict[int, str] = {}  # why a replica was killed (`kill`)
-        self._restarts: queue.Queue[tuple[int, list[Child], float | None]] = queue.Queue()
+        # each replica's deaths (its dead ranks, the delay before its restart), for its thread
+        self._restarts: list[queue.Queue[tuple[list[Child], float | None]]] = [
+            queue.Queue() for _ in range(args.dp_size)
+        ]
 
     def spawn(self, name: str, target, *args: object, **kwargs: object) -> Child:
         reader, writer = self.ctx.Pipe(duplex=False)
@@ -211,9 +216,10 @@ class Supervisor:
         Wakes on the first death (the children's sentinels), not on a poll: a rank whose peer
         was killed fails its next collective and exits within milliseconds, and a poll that saw
         both dead named the wrong one."""
-        restarts = threading.Thread(target=self._restart_loop, name="replica-restarts")
-        restarts.daemon = True
-        restarts.start()
+        for replica in range(self.args.dp_size):
+            loop = threading.Thread(target=self._restart_loop, args=(replica,), daemon=True)
+            loop.name = f"replica-{replica}-restarts"
+            loop.start()
         while not self._stopping.is_set():
             with self._lock:
                 children = list(self.children)
@@ -246,12 +252,12 @@ class Supervisor:
         logger.error("replica %d failed: %s", replica, reason)
         for hooks in self._replica_hooks:
             guarded(hooks.lost, replica, reason)
-        self._restarts.put((replica, ranks, delay))
+        self._restarts[replica].put((ranks, delay))
 
-    def _restart_loop(self) -> None:
-        """The restart thread: end a dead replica's other ranks, then start it again."""
+    def _restart_loop(self, replica: int) -> None:
+        """`replica`'s restart thread: end its other ranks once it died, then start it again."""
         while not self._stopping.is_set():
-            replica, ranks, delay = self._restarts.get()
+            ranks, delay = self._restarts[replica].get()
             end_children(ranks)
             self.recover(replica, delay)
 
@@ -292,7 +298,7 @@ class Supervisor:
     def start_replica(self, replica: int) -> list[Child]:
         """Spawn `replica`'s ranks and wait until they are ready (ended again if they fail)."""
         with self._lock:
-            ranks = self._starting = self.spawn_replica(replica)
+            ranks = self._starting[replica] = self.spawn_replica(replica)
         try:
             self.wait_ready(ranks)
         except BaseException:
@@ -300,7 +306,7 @@ class Supervisor:
             raise
         finally:
             with self._lock:
-                self._starting = []
+                self._starting.pop(replica, None)
         return ranks
 
     def die(self, reason: str) -> None:
@@ -326,7 +332,7 @@ class Supervisor:
     def stop(self) -> None:
         self._stopping.set()
         with self._lock:
-            children = [*self.children, *self._starting]
+            children = [*self.children, *(c for r in self._starting.values() for c in r)]
         end_children(children)
 
 

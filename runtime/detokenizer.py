@@ -312,7 +312,8 @@ class DetokenizerManager:
         for start in batch.started:
             self.start(start)
         outputs = (self._detokenize(out) for out in batch.outputs)
-        return BatchStrOut(outputs=[out for out in outputs if out is not None])
+        kept = [out for out in outputs if out is not None]
+        return BatchStrOut(kept, evicted=batch.evicted, replica=batch.replica)
 
     def forget(self, rids: list[str]) -> None:
         """Drop the state of every choice of `rids` (their scheduler died), and whatever of
@@ -442,7 +443,7 @@ def serve(manager: DetokenizerManager, channel: DetokenizerChannel) -> None:
             logger.info("shutdown requested; detokenizer exits")
             return
         out = manager.handle(msg)
-        if not (isinstance(out, BatchStrOut) and not out.outputs):
+        if not (isinstance(out, BatchStrOut) and out.empty):
             channel.send(out)
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from runtime.multimodal import MultimodalInputs
 from runtime.sampling_params import SamplingParams, TokenLogprobs
@@ -258,13 +259,32 @@ class ReqOutput:
     index: int = 0  # which of the request's n choices
 
 
+class PrefixCut(NamedTuple):
+    """A prefix a replica's radix cache no longer holds: it evicted the leaf that began at token
+    `depth` with token `token` under the path `ids[:depth]`, `digest` being
+    `prefix_digest(ids[: depth + 1])`. Whatever extends `ids[: depth + 1]` is gone with it."""
+
+    depth: int
+    token: int
+    digest: int
+
+
+def prefix_digest(ids: Sequence[int]) -> int:
+    """The digest of a token prefix both sides compute alike (ints hash to themselves and a
+    tuple's hash is not salted per process)."""
+    return hash(tuple(ids))
+
+
 @dataclass
 class BatchTokenOut:
     """Scheduler rank 0 -> detokenizer: the requests admitted in one step (read first), then the
-    outputs of that step."""
+    outputs of that step, and what the replica's radix cache evicted in it (for the front end's
+    dispatcher)."""
 
     outputs: list[ReqOutput]
     started: list[ReqStart] = field(default_factory=list)
+    evicted: list[PrefixCut] = field(default_factory=list)
+    replica: int = 0  # the data-parallel replica whose entry rank sent it
 
 
 @dataclass
@@ -310,9 +330,15 @@ class StrOutput:
 
 @dataclass
 class BatchStrOut:
-    """Detokenizer -> TokenizerManager."""
+    """Detokenizer -> TokenizerManager; `evicted` and `replica` passed on from the batch."""
 
     outputs: list[StrOutput]
+    evicted: list[PrefixCut] = field(default_factory=list)
+    replica: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.outputs and not self.evicted
 
 
 # ---------------------------------------------------------------------- one union per channel

@@ -74,8 +74,9 @@ class SchedulerChannel:
             msgs.append([part.buffer for part in parts])
 
     def send(self, result: StepResult) -> None:
-        if result.outputs or result.started:
-            self.send_sock.send_pyobj(BatchTokenOut(result.outputs, result.started))
+        if result.outputs or result.started or result.evicted:
+            batch = BatchTokenOut(result.outputs, result.started, result.evicted, self.replica)
+            self.send_sock.send_pyobj(batch)
         for reply in result.replies:
             if isinstance(reply, ServerInfo | FlushCacheOut):
                 reply = dataclasses.replace(reply, replica=self.replica)
@@ -133,6 +134,8 @@ def build_scheduler(
         },
     )
     radix = RadixCache(runner.kv_pool, disable=args.disable_radix_cache)
+    # the front end's dispatcher follows what rank 0 evicts where it routes by prefix
+    radix.report_evictions = tp.is_first and args.dp_size > 1 and args.dp_policy == "cache_aware"
     eos, vocab = list(cfg.eos_token_ids), cfg.vocab_size
     compiler = partial(checkpoint_compiler, args.model_path, vocab, eos)  # built by rank 0 only
     sampler = Sampler(seed=args.random_seed)

@@ -20,6 +20,10 @@ Ownership of KV slots (the rule that keeps the pool exact):
   free the request's duplicates of what the tree already had, and move or drop that lock, so
   that afterwards the request owns no slot at all.
 
+Evictions may be reported (`report_evictions`, rank 0 of a replica the front end routes to by
+prefix): each evicted leaf is kept as a `PrefixCut` (its depth, first token and the digest of
+its path up to that token) until `take_evicted`.
+
 Accounting: every slot of the pool is free, owned by a request, evictable (in the tree on an
 unlocked node) or protected (in the tree on a locked node). When the server is idle,
 `kv_pool.available_size + evictable_size == kv_pool.size`.
@@ -32,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from runtime.io_struct import PrefixCut, prefix_digest
 
 
 class SlotFreer(Protocol):
@@ -97,6 +103,8 @@ class RadixCache:
         self.disable = disable
         self._clock = 0
         self._next_id = 0
+        self.report_evictions = False  # keep each evicted leaf as a PrefixCut
+        self._evicted: list[PrefixCut] = []
         self._init_root()
 
     def _init_root(self) -> None:
@@ -249,6 +257,8 @@ class RadixCache:
         return node.last_access, node.node_id, node
 
     def _remove_leaf(self, node: TreeNode) -> int:
+        if self.report_evictions:
+            self._evicted.append(self._cut_at(node))
         self._free(node.value)
         del self._parent(node).children[node.key[0]]
         node.parent = None
@@ -258,6 +268,16 @@ class RadixCache:
     def _free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self.kv_pool.free(slots)
+
+    def _cut_at(self, leaf: TreeNode) -> PrefixCut:
+        path = self._path_key(self._parent(leaf))
+        path.append(leaf.key[0])
+        return PrefixCut(len(path) - 1, leaf.key[0], prefix_digest(path))
+
+    def take_evicted(self) -> list[PrefixCut]:
+        """The leaves evicted since the last call, in order (empty unless reported)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def reset(self) -> None:
         """Free every cached slot and start empty. Refused while any request holds a lock."""
@@ -350,7 +370,10 @@ class RadixCache:
         return torch.cat(values) if values else _empty_slots()
 
     def _path_key(self, node: TreeNode) -> list[int]:
-        return [token for n in self._path_nodes(node) for token in n.key]
+        key: list[int] = []
+        for n in self._path_nodes(node):
+            key.extend(n.key)
+        return key
 
     def _nodes(self) -> list[TreeNode]:
         """Every node except the root, parents before children."""

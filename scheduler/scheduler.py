@@ -34,6 +34,7 @@ from runtime.io_struct import (
     GetServerInfoReq,
     ItemPixels,
     PixelsWanted,
+    PrefixCut,
     ReqOutput,
     ReqStart,
     SchedulerCounters,
@@ -97,6 +98,7 @@ class StepResult:
     outputs: list[ReqOutput] = field(default_factory=list)
     started: list[ReqStart] = field(default_factory=list)  # admitted this step
     replies: list[object] = field(default_factory=list)  # control answers for rank 0 to send
+    evicted: list[PrefixCut] = field(default_factory=list)  # radix leaves evicted this step
 
 
 class Scheduler:
@@ -147,6 +149,7 @@ class Scheduler:
         result.started, self._started = self._started, []
         result.replies.extend(self._asks)
         self._asks = []
+        result.evicted = self.radix.take_evicted()
         if self.idle and not self._was_idle and self.cfg.check_integrity_when_idle:
             self.check_idle_accounting()  # once per transition to idle, not on every poll
         self._was_idle = self.idle

@@ -52,7 +52,8 @@ turn) row, with the 1-minute load average seen while the rows were measured.
 `--routing`: the data-parallel routing benchmark (issue 55). Each setup runs in turn (started,
 measured, stopped: at most two replicas are up at a time): tessera `--dp 1` (the reference
 for the cached share), `--dp 2` under each `--dp-policy`, and sglang-router `--policy
-cache_aware` in front of two `--dp 1` servers (`--routing-setups` picks some). On each,
+cache_aware` in front of two `--dp 1` servers (`--routing-setups` picks some; `router_pinned`,
+only when named, pins those two servers to half the CPUs each, as `--dp 2` splits them). On each,
 `--conversations` conversations run at once, each of `--turns` turns that resend its 2 images,
 while `--single-turn` unrelated one-turn chats with new images go one after another. Per setup:
 the cached share of the prompt tokens (usage `prompt_tokens_details.cached_tokens`), time to
@@ -99,6 +100,7 @@ from bench_vs_vllm import (
 )
 from PIL import Image
 
+from runtime.cpus import rank_cpus
 from tokenizer_manager.dispatcher import POLICIES as DP_POLICIES
 
 DEFAULT_SERVERS = ["cache-on=--tp 1", "cache-off=--tp 1 --mm-processor-cache-gb 0"]
@@ -469,6 +471,7 @@ class Setup:
     flags: tuple[str, ...]
     servers: int = 1
     router: str | None = None
+    pinned: bool = False  # each server on its own share of the CPUs, as --dp splits them
 
 
 TP1 = ("--tp", "1")
@@ -477,13 +480,18 @@ ROUTING_SETUPS = (
     *(Setup(p, (*TP1, "--dp", "2", "--dp-policy", p)) for p in DP_POLICIES),
     Setup("router", (*TP1, "--dp", "1"), servers=2, router="cache_aware"),
 )
+# run only when named: the router's two workers on one CPU share each (`taskset`), as `--dp 2`
+# shares the CPUs out between its replicas; the plain `router` lets the one busy worker take all
+NAMED_SETUPS = (
+    Setup("router_pinned", (*TP1, "--dp", "1"), servers=2, router="cache_aware", pinned=True),
+)
 
 
 def routing_setups(names: str | None) -> list[Setup]:
     """The setups named (comma-separated, in the order given); all of them for None."""
     if names is None:
         return list(ROUTING_SETUPS)
-    known = {s.name: s for s in ROUTING_SETUPS}
+    known = {s.name: s for s in (*ROUTING_SETUPS, *NAMED_SETUPS)}
     unknown = [n for n in names.split(",") if n not in known]
     if unknown:
         raise SystemExit(f"--routing-setups: unknown {unknown}; known: {', '.join(known)}")
@@ -615,7 +623,10 @@ def setup_servers(setup: Setup, args: argparse.Namespace) -> list[Server]:
     router."""
     names = [f"{setup.name}-w{i}" for i in range(setup.servers)] if setup.router else [setup.name]
     spec = shlex.join(setup.flags)
-    return [make_server(f"{name}={spec}", args.model_path, args.log_dir) for name in names]
+    servers = [make_server(f"{name}={spec}", args.model_path, args.log_dir) for name in names]
+    for i, server in enumerate(servers if setup.pinned else []):
+        server.cpus = rank_cpus(i, len(servers))
+    return servers
 
 
 def start_setup(servers: list[Server], router: list[Server], timeout_s: float) -> None:

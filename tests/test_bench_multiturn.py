@@ -11,6 +11,7 @@ import bench_multiturn
 import numpy as np
 import pytest
 
+from runtime.cpus import rank_cpus
 from runtime.tiny_checkpoint import make_checkpoint
 
 
@@ -207,3 +208,17 @@ def test_routing_rounds_are_summarised_per_setup() -> None:
     assert a == {"setup": "a", "cached_share": pytest.approx(0.6), "routed": [4, 4],
                  "load_ratio": 1.0, "rounds": 2}  # fmt: skip
     assert (b["setup"], b["routed"], b["rounds"]) == ("b", [4], 1)
+
+
+def test_the_pinned_router_setup_splits_the_cpus_between_its_workers(tmp_path: Path) -> None:
+    """`router_pinned` (only when named): each worker on its own half of the CPUs, as `--dp 2`
+    shares them out; the plain router's workers take whatever they find."""
+    argv = ["--routing", "--model-path", "/ck", "--log-dir", str(tmp_path)]
+    args = bench_multiturn.parse_args(argv)
+    assert "router_pinned" not in [s.name for s in bench_multiturn.routing_setups(None)]
+    (pinned,) = bench_multiturn.routing_setups("router_pinned")
+    workers = bench_multiturn.setup_servers(pinned, args)
+    cpus = [w.cpus for w in workers]
+    assert cpus == [rank_cpus(0, 2), rank_cpus(1, 2)] and pinned.router == "cache_aware"
+    plain = bench_multiturn.setup_servers(bench_multiturn.routing_setups("router")[0], args)
+    assert [w.cpus for w in plain] == [None, None]

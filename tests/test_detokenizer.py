@@ -29,6 +29,7 @@ from runtime.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     ForgetReqs,
+    PrefixCut,
     ReadyReport,
     ReqOutput,
     ReqStart,
@@ -415,3 +416,15 @@ def test_constants_arrive_once_and_a_restart_forgets_the_old_request(tok: Tokeni
     out = manager.handle(batch).outputs[0]
     assert (out.text, out.finish_reason) == ("the cat", LENGTH)
     assert manager.states == {} and manager.stopped == {}
+
+
+def test_a_replicas_evictions_pass_on_with_its_index(tok: Tokenizer) -> None:
+    """A batch's radix evictions reach the TokenizerManager stamped with the replica, with the
+    outputs or alone (a batch with nothing else is still sent: not `empty`)."""
+    manager = DetokenizerManager(tok)
+    cut = PrefixCut(3, 7, 12345)
+    alone = manager.handle(BatchTokenOut([], evicted=[cut], replica=1))
+    assert alone == BatchStrOut([], evicted=[cut], replica=1) and not alone.empty
+    both = manager.handle(BatchTokenOut([req_out("a", tok.encode("hi"))], evicted=[cut]))
+    assert len(both.outputs) == 1 and both.evicted == [cut] and both.replica == 0
+    assert manager.handle(BatchTokenOut([])).empty

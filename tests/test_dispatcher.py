@@ -6,7 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
+from runtime.io_struct import PrefixCut, prefix_digest
+from runtime.memory_pool import KVPool
+from scheduler.radix_cache import RadixCache
 from tokenizer_manager.dispatcher import (
     Balance,
     Dispatcher,
@@ -181,3 +185,72 @@ def test_one_replica_or_another_policy_keeps_no_prefix_tree() -> None:
     two = Dispatcher(2, "cache_aware", tree_tokens=1000)
     two.sent(0, [1, 2, 3])
     assert two.tracks_prefixes and two.replicas[0].tree.tokens == 3
+
+
+def cut_of(ids: list[int], depth: int) -> PrefixCut:
+    return PrefixCut(depth, ids[depth], prefix_digest(ids[: depth + 1]))
+
+
+def test_a_reported_eviction_cuts_that_branch_only() -> None:
+    """A cut removes whatever extends the prefix it names, at an edge's start or inside one;
+    the other branches and the shared part stay; a prefix the tree lacks changes nothing."""
+    tree = PrefixTree(max_tokens=1000)
+    a, b = [1, 2, 3, 4, 5, 6], [1, 2, 7, 8]
+    tree.insert(a)
+    tree.insert(b)
+    assert tree.cut(cut_of([1, 2, 3, 4, 9], 4)) == 0  # not held: [1 2 3 4] then 9
+    assert tree.cut(cut_of([5, 2, 7], 2)) == 0  # the token 7 at depth 2, but another path
+    assert tree.cut(cut_of(a, 4)) == 2  # inside the edge 3 4 5 6
+    assert tree.match(a) == 4 and tree.match(b) == 4 and tree.tokens == 6
+    assert tree.cut(cut_of(b, 2)) == 2  # at the edge 7 8's start
+    assert tree.match(b) == 2 and tree.match(a) == 4 and tree.tokens == 4
+    assert tree.cut(cut_of(a, 0)) == 4 and tree.tokens == 0 and tree.match(a) == 0
+
+
+def test_the_tree_follows_a_radix_cache_that_evicts() -> None:
+    """Random prompts go into a replica's radix cache and into the dispatcher's tree (bound far
+    above the pool); the radix cache evicts under pressure and reports its cuts: after each, the
+    tree matches every prompt exactly as far as the radix cache does (without the cuts it would
+    claim the evicted prefixes)."""
+    rng = random.Random(7)
+    pool = KVPool(200, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    radix, tree = RadixCache(pool), PrefixTree(max_tokens=10**6)
+    radix.report_evictions = True
+    prompts: list[list[int]] = []
+    for _ in range(120):
+        base = rng.choice(prompts) if prompts and rng.random() < 0.6 else []
+        ids = base[: rng.randrange(len(base) + 1)] + [rng.randrange(4) for _ in range(12)]
+        if pool.available_size < len(ids):
+            radix.evict(len(ids) - pool.available_size)
+            for cut in radix.take_evicted():
+                tree.cut(cut)
+        slots = pool.alloc(len(ids))
+        pool.free(slots[: radix.insert(ids, slots)])
+        tree.insert(ids)
+        prompts.append(ids)
+        for p in prompts:
+            assert tree.match(p) == radix.match_prefix(p).slots.numel()
+    assert tree.tokens == radix.total_cached_tokens() < 200
+
+
+def test_the_dispatcher_applies_cuts_where_it_keeps_trees() -> None:
+    """`evicted`: the replica's tree forgets the prefix, so a resent prompt is no longer sent
+    after a ghost (the replicas then balance); a replica that is down, or a dispatcher that
+    keeps no trees, ignores the report."""
+    d = Dispatcher(2, "cache_aware", tree_tokens=1000)
+    prompt = list(range(40))
+    d.sent(0, prompt)
+    d.ended(0, prompt, load=len(prompt))
+    d.sent(1, [99])
+    d.ended(1, [99], load=1)
+    assert d.choose(prompt) == 0
+    d.evicted(0, [cut_of(prompt, 0)])
+    assert d.replicas[0].tree.tokens == 0 and d.choose(prompt) == 0  # ties: the smaller tree
+    d.sent(0, prompt)
+    d.evicted(1, [cut_of([99], 0)])
+    assert d.replicas[1].tree.tokens == 0 and d.choose(prompt) == 0
+    d.lost(0)
+    d.evicted(0, [cut_of(prompt, 0)])  # nothing to cut in an empty tree: no error
+    rr = Dispatcher(2, "round_robin", tree_tokens=1000)
+    rr.evicted(0, [cut_of(prompt, 0)])
+    assert rr.replicas[0].tree.tokens == 0

@@ -196,3 +196,40 @@ def test_two_replicas_of_two_ranks_with_the_dp_encoder(
         assert all(r["kv_free"] + r["kv_evictable"] == r["kv_total"] for r in replicas)
     finally:
         next(body, None)
+
+
+LONG_QUESTION = " ".join(f"Tell me what the number {i} means to a cat." for i in range(11))
+
+
+def test_a_prefix_its_replica_evicted_is_not_chased(folder: str, tmp_path: Path) -> None:
+    """Replicas of 1000 KV tokens. A long conversation's first turn goes to one replica; four
+    long choices sent there need the room, so its radix cache evicts the conversation (the
+    front end's own tree, bound by the pool, has room for both and would keep it). The replica
+    reports the eviction, its prefix tree forgets the conversation, and the next turn is
+    balanced to the other replica (the less loaded, the smaller tree) instead of going after a
+    prefix that is gone, where it would be computed again anyway."""
+    flags = ["--dp", "2", "--max-total-tokens", "1000"]
+    body = serve_then_check_teardown(OneRankServer(folder, tmp_path / "server.log", *flags))
+    srv = next(body)
+    try:
+        messages = [user(LONG_QUESTION)]
+        before = routed(srv)
+        first = chat(srv, messages)
+        home = delta(before, routed(srv)).index(1)
+        held = info(srv)["replicas"][home]["tree_tokens"]
+        assert held >= first.usage.prompt_tokens > 250
+        crowd = chat(
+            srv, [user("Count.")], n=4, max_tokens=200,
+            extra_body={"data_parallel_rank": home, "ignore_eos": True},
+        )  # fmt: skip
+        assert [c.finish_reason for c in crowd.choices] == ["length"] * 4
+        trees = [r["tree_tokens"] for r in idle_replicas(srv)]
+        assert trees[home] < first.usage.prompt_tokens, trees  # the conversation is gone
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+        before = routed(srv)
+        chat(srv, [*messages, user("And then?")])
+        assert delta(before, routed(srv))[1 - home] == 1, "sent after the evicted prefix"
+        replicas = idle_replicas(srv)
+        assert all(r["kv_free"] + r["kv_evictable"] == r["kv_total"] for r in replicas)
+    finally:
+        next(body, None)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from runtime.io_struct import PrefixCut, prefix_digest
 from runtime.memory_pool import KVPool
 from scheduler.radix_cache import RadixCache, TreeNode
 
@@ -432,3 +433,24 @@ def test_random_operations_keep_the_accounting_exact(seed: int) -> None:
     assert_idle(sim.cache, sim.pool)
     sim.cache.evict(sim.pool.size)
     assert sim.pool.available_size == sim.pool.size and sim.cache.total_cached_tokens() == 0
+
+
+def test_reported_evictions_name_each_evicted_leaf() -> None:
+    """With `report_evictions`, each evicted leaf is kept as a PrefixCut (its depth, its first
+    token, the digest of its path up to that token) until `take_evicted`; without, nothing."""
+    cache, pool = cache_with_pool()
+    insert_fresh(cache, pool, [1, 2, 3, 4])
+    insert_fresh(cache, pool, [1, 2, 5, 6])
+    cache.evict(1)
+    assert cache.take_evicted() == []
+    cache.report_evictions = True
+    insert_fresh(cache, pool, [1, 2, 3, 4])
+    cache.match_prefix([1, 2, 3, 4])  # [1, 2, 5, 6] is the oldest leaf now
+    assert cache.evict(1) == 2
+    assert cache.take_evicted() == [PrefixCut(2, 5, prefix_digest([1, 2, 5]))]
+    assert cache.evict(3) == 4, "the leaf, then its parent once a leaf"
+    assert cache.take_evicted() == [
+        PrefixCut(2, 3, prefix_digest([1, 2, 3])), PrefixCut(0, 1, prefix_digest([1]))
+    ]  # fmt: skip
+    assert cache.take_evicted() == []
+    assert_idle(cache, pool)

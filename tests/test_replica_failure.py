@@ -5,12 +5,16 @@ greedy text taken before, /health stays 200, /server_info shows replica 1 restar
 with one restart, a request pinned to it is served again, every process of the dead replica is
 gone and no other process was lost or added, and each replica is idle-clean afterwards. With
 its restarts spent a replica stays down, and the death of the last one stops the server. With
---tp 2 a replica is ended and restarted whole, also when one of its ranks hangs (a stall)."""
+--tp 2 a replica is ended and restarted whole, also when one of its ranks hangs (a stall). The
+shared files of requests a dead replica never read are removed when it is declared dead, and
+replicas that die together restart independently."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -20,7 +24,14 @@ from typing import Any
 import httpx
 import pytest
 from test_openai_sampling import OneRankServer
-from test_server import Server, serve_then_check_teardown
+from test_server import (
+    Server,
+    group_pids,
+    image_part,
+    serve_then_check_teardown,
+    shm_media_files,
+)
+from vlm_cases import noise_image
 from waits import process_dead, wait_until
 
 from runtime.tiny_checkpoint import make_checkpoint
@@ -78,7 +89,8 @@ def in_threads(calls: list[Any]) -> list[threading.Thread]:
 @pytest.fixture(scope="module")
 def server(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("log") / "server.log"
-    yield from serve_then_check_teardown(OneRankServer(folder, log, "--dp", "2"))
+    flags = ["--dp", "2", "--health-stall-timeout", "20"]
+    yield from serve_then_check_teardown(OneRankServer(folder, log, *flags))
 
 
 def test_a_killed_replica_fails_its_own_requests_and_comes_back(server: Server) -> None:
@@ -155,6 +167,49 @@ def test_every_replica_is_idle_clean_after_the_restart(server: Server) -> None:
     assert info(server)["api"]["in_flight"] == 0
 
 
+def media_files(server: Server) -> set[str]:
+    """The shared-memory media files of the server's processes."""
+    return {name for pid in group_pids(server.proc.pid) for name in shm_media_files(pid)}
+
+
+def test_a_dead_replicas_unread_requests_leave_no_shared_files(server: Server) -> None:
+    """Replica 1's rank frozen (SIGSTOP): image chats sent to it wait unread in its socket, each
+    with its pixels in a shared-memory file handed to its ranks, until the front end sees the
+    replica stall (--health-stall-timeout 20) and has it killed. Once the replica is declared
+    dead those files are removed at once (the front end's processed-media cache keeps its own,
+    one per image), not left until the server stops; the replica then serves again."""
+    assert wait_until(lambda: replica(server, 1)["in_flight"] == 0, 120)
+    base = media_files(server)
+    victim = replica(server, 1)["pids"][0]
+    images = [noise_image((56, 56), seed=100 + i) for i in range(3)]
+    payloads = [body(PROMPTS[0], 4, 1) for _ in images]
+    for payload, image in zip(payloads, images, strict=True):
+        payload["messages"][0]["content"] = [image_part(image), {"type": "text", "text": "Hi"}]
+    failed: list[httpx.Response] = []
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        threads = in_threads([lambda p=p: failed.append(post(server, p)) for p in payloads])
+        # per image: the cache's file and the ranks' link to it
+        assert wait_until(lambda: len(media_files(server) - base) == 6, 120)
+        assert wait_until(lambda: state_of(server, 1) == "restarting", 180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    assert len(media_files(server) - base) == 3, "the ranks' links outlived their replica"
+    for thread in threads:
+        thread.join(240)
+    assert [r.status_code for r in failed] == [503] * 3
+    assert wait_until(lambda: state_of(server, 1) == "up", 180)
+    assert post(server, payloads[0]).status_code == 200  # served again, from the cache's file
+    assert "replica 1 stalled" in server.log.read_text()
+
+
+def state_of(server: Server, index: int) -> str | None:
+    """A replica's state, None while /server_info cannot answer (a replica frozen)."""
+    reply = httpx.get(server.url + "/server_info", timeout=60)
+    return reply.json()["replicas"][index]["state"] if reply.status_code == 200 else None
+
+
 def test_a_replica_with_no_restarts_left_stays_down_and_the_last_stops_the_server(
     folder: str, tmp_path: Path
 ) -> None:
@@ -216,4 +271,39 @@ def test_a_replica_of_two_ranks_is_ended_whole_and_one_that_stalls_is_restarted(
         assert all(wait_until(lambda p=p: process_dead(p)) for p in new)
         assert "replica 1 stalled (no output for 5s with requests in flight)" in log.read_text()
     finally:
+        next(teardown, None)
+
+
+def rank_starts(log: Path) -> list[tuple[int, int]]:
+    """(replica, pid) of each start of a replica's entry rank the launch log names, in order."""
+    found = re.findall(r"started scheduler-DP(\d+)-TP0 \(pid (\d+)\)", log.read_text())
+    return [(int(r), int(p)) for r, p in found]
+
+
+def test_replicas_that_die_together_restart_independently(folder: str, tmp_path: Path) -> None:
+    """Both replicas' ranks killed at once: each replica restarts in a thread of its own, so
+    with the first new rank frozen while it starts (it never reports ready), the other replica
+    still comes back and serves; the frozen one follows once its rank runs again."""
+    log = tmp_path / "server.log"
+    teardown = serve_then_check_teardown(OneRankServer(folder, log, "--dp", "2"))
+    srv = next(teardown)
+    frozen = None
+    try:
+        for r in (0, 1):
+            os.kill(replica(srv, r)["pids"][0], signal.SIGKILL)
+        assert wait_until(lambda: len(rank_starts(log)) > 2, 120)
+        slow, frozen = rank_starts(log)[2]  # the first restart to begin
+        os.kill(frozen, signal.SIGSTOP)
+        other = 1 - slow
+        assert wait_until(lambda: state_of(srv, other) == "up", 180), "one restart waited"
+        assert state_of(srv, slow) == "restarting"
+        assert post(srv, body(PROMPTS[0], 4, other)).status_code == 200
+        os.kill(frozen, signal.SIGCONT)
+        frozen = None
+        assert wait_until(lambda: state_of(srv, slow) == "up", 180)
+        assert post(srv, body(PROMPTS[0], 4, slow)).status_code == 200
+        assert [replica(srv, r)["restarts"] for r in (0, 1)] == [1, 1]
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGCONT)
         next(teardown, None)

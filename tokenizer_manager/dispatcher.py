@@ -15,12 +15,15 @@ The policies are pure functions of what the front end knows about each replica:
 
 What a replica caches is approximated by a `PrefixTree` per replica, fed with what was routed
 there (the prompt when it is sent, prompt and output when it ends: a finished request's tokens
-stay in the replica's radix cache). Each tree is bounded by the replica's KV pool in tokens and
-forgets its least recently used branches first, as the replica's radix cache evicts; a flush or
-a replica's death clears it (`Dispatcher.lost`: it then takes nothing until its restart is
-ready, and its requests in flight no longer count). The replicas do not report their
-evictions, so under pressure the tree can claim a prefix the replica has dropped: the cost is a
-request sent where its prefix no longer is (it is computed again), never a wrong answer.
+stay in the replica's radix cache). The replica's entry rank reports each leaf its radix cache
+evicts (a `PrefixCut`: depth, first token, digest of the path, riding on its step's outputs to
+the detokenizer and on here), and `Dispatcher.evicted` cuts that branch from the replica's
+tree, so the tree does not claim a prefix the replica dropped to make room for running
+requests. Each tree is also bounded by the replica's KV pool in tokens (its least recently used
+branches go first); a flush or a replica's death clears it (`Dispatcher.lost`: it then takes
+nothing until its restart is ready, and its requests in flight no longer count). What the tree
+still gets wrong (a report in flight, a request sent just before its prefix was evicted) costs
+a request sent where its prefix no longer is (it is computed again), never a wrong answer.
 
 A request may name its replica (`data_parallel_rank`) or a session (the `X-Session-Id` header or
 the `user` field): a session keeps to the replica its first request went to while that serves.
@@ -33,6 +36,8 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from runtime.io_struct import PrefixCut, prefix_digest
 
 POLICIES = ("cache_aware", "round_robin", "shortest_queue")
 MAX_SESSIONS = 1 << 16  # sessions remembered (least recently used forgotten first)
@@ -184,8 +189,46 @@ class PrefixTree:
             if parent is not self.root and not parent.children:
                 heapq.heappush(heap, (parent.used, id(parent), parent))
 
+    def cut(self, cut: PrefixCut) -> int:
+        """Forget whatever extends the prefix `cut` names (found by its depth, first token and
+        digest); returns the tokens forgotten (0 when the tree does not hold it)."""
+        depth = cut.depth
+        todo = [(child, 0) for child in self.root.children.values()]
+        while todo:
+            node, start = todo.pop()
+            end = start + len(node.key)
+            if end <= depth:
+                todo += [(child, end) for child in node.children.values()]
+            elif node.key[depth - start] == cut.token:
+                if prefix_digest(self._path(node)[: depth + 1]) == cut.digest:
+                    return self._drop(node, depth - start)
+        return 0
+
     def clear(self) -> None:
         self.root, self.tokens = _Node(), 0
+
+    def _path(self, node: _Node) -> list[int]:
+        """The token ids from the root to the end of `node`'s edge."""
+        keys, path = [], []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        for key in reversed(keys):
+            path.extend(key)
+        return path
+
+    def _drop(self, node: _Node, at: int) -> int:
+        """Remove `node`'s edge from its `at`-th token on, and everything below it."""
+        if at:
+            self._split(node, at)  # `node` keeps the lower part
+        del node.parent.children[node.key[0]]
+        gone, todo = 0, [node]
+        while todo:
+            below = todo.pop()
+            gone += len(below.key)
+            todo += below.children.values()
+        self.tokens -= gone
+        return gone
 
     def _add_leaf(self, parent: _Node, key: list[int], now: int) -> None:
         parent.children[key[0]] = _Node(key, parent, used=now)
@@ -307,6 +350,13 @@ class Dispatcher:
         self.set_up(replica, False)
         self.replicas[replica].load = 0
         self.replicas[replica].in_flight = 0
+
+    def evicted(self, replica: int, cuts: Sequence[PrefixCut]) -> None:
+        """`replica`'s radix cache evicted these prefixes: its tree forgets them too."""
+        view = self.replicas[replica]
+        if self.tracks_prefixes and view.up:
+            for cut in cuts:
+                view.tree.cut(cut)
 
     def flushed(self, replica: int) -> None:
         self.replicas[replica].tree.clear()

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,7 @@ from runtime.io_struct import (
     FlushCacheReq,
     ForgetReqs,
     GetServerInfoReq,
+    ItemPixels,
     PixelsWanted,
     ServerInfo,
     ShutdownReq,
@@ -56,7 +58,7 @@ from runtime.sampling_params import SamplingParams, bad_words_token_ids
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget, context_length
 from runtime.transport.frames import to_frames
-from runtime.transport.shm import SharedTensor
+from runtime.transport.shm import SharedTensor, remove_file
 from tokenizer_manager.dispatcher import Balance, Dispatcher, Route
 from tokenizer_manager.encoder_pool import EncoderPool, EncoderRefused, EncoderUnavailable
 from tokenizer_manager.grammar_check import GrammarCheck
@@ -83,6 +85,7 @@ logger = get_logger(__name__)
 
 T = TypeVar("T")
 LONG_PROMPT_CHARS = 16_384  # prompts longer than this are tokenized in a lane of their own
+MAX_HANDED = 1024  # requests whose handed-off files are tracked per replica before a prune
 # A request of at most this many tokens with no video is built on the event loop: its pad ids
 # and MRoPE positions took 0.5 ms for a resent 2-image turn of 572 tokens there, against 0.8 ms
 # through the CPU thread and back (0.02 against 0.2 ms for a text request; docs/benchmarks.md).
@@ -221,6 +224,9 @@ class TokenizerManager:
         shm = mm.shm_dir if mm else None
         self.encoders: EncoderPool | None = None  # --encoder-urls: made in `start`
         self.pixels = [PixelLedger(keyed, shm) for _ in range(args.dp_size)]
+        # the shared files handed to each replica's ranks, by request, until it has started
+        # (its ranks read their files on receipt): a replica that dies first leaves them here
+        self.handed: list[dict[str, list[str]]] = [{} for _ in range(args.dp_size)]
         self.context_length = context_length(args, self.config)
         # prompt + output tokens one request may hold: the context, and the scheduler's KV pool
         shared = not args.disable_radix_cache  # a request's choices share its prompt's KV
@@ -307,6 +313,8 @@ class TokenizerManager:
             case BatchStrOut(outputs=outputs):
                 for out in outputs:
                     self._route(out)
+                if msg.evicted:
+                    self.dispatcher.evicted(msg.replica, msg.evicted)
             case FlushCacheOut() | ServerInfo():
                 self._reply(msg)
             case PixelsWanted(rid=rid, hashes=hashes):
@@ -330,6 +338,8 @@ class TokenizerManager:
         state = self.states.get(out.rid)
         if state is None or out.index in state.ended:
             return
+        if not state.started:
+            self.handed[state.replica].pop(out.rid, None)  # its ranks have read its files
         state.started = True
         self.replica_progress[state.replica] = self.last_progress
         state.load += len(out.token_ids)
@@ -361,7 +371,8 @@ class TokenizerManager:
         with its own 503 (the other replicas' go on), the replica takes nothing until
         `replica_ready`, and what the front end assumed it held (its pixel ledger, its prefix
         tree, its load) is forgotten, as is its requests' state in the detokenizer. Messages
-        still queued for its dead ranks are dropped with their socket."""
+        still queued for its dead ranks are dropped with their socket, and the shared files
+        they (or requests its ranks had not started) carried are removed (`remove_handed`)."""
         self.dispatcher.lost(replica)
         self._to_scheduler[replica].close(linger=0)
         self._to_scheduler[replica] = self._scheduler_socket(replica)
@@ -371,6 +382,7 @@ class TokenizerManager:
             state.lost = True
             self._fail(rid, state, finish)
         self.pixels[replica].forget()
+        self.remove_handed(replica)
         for key in [key for key in self._replies if key[1] == replica]:
             future = self._replies.pop(key)
             if not future.done():
@@ -390,6 +402,24 @@ class TokenizerManager:
         self._to_scheduler[replica].send_multipart(to_frames(msg, shared), copy=False)
         for handle in shared:  # the scheduler ranks own these files now
             handle.hand_off()
+        if shared and isinstance(msg, TokenizedGenerateReq | ItemPixels):
+            self.handed[replica].setdefault(msg.rid, []).extend(h.path for h in shared)
+            if len(self.handed[replica]) > MAX_HANDED:
+                self.prune_handed(replica)
+
+    def remove_handed(self, replica: int) -> None:
+        """`replica` died: the files it was sent and may not have read (its requests queued in
+        its socket or not yet started) are removed; those it read are gone already."""
+        for paths in self.handed[replica].values():
+            for path in paths:
+                remove_file(path)
+        self.handed[replica].clear()
+
+    def prune_handed(self, replica: int) -> None:
+        """Forget the requests whose files are all gone (read, or ended before they started)."""
+        kept = self.handed[replica]
+        for rid in [rid for rid, paths in kept.items() if not any(map(os.path.exists, paths))]:
+            del kept[rid]
 
     # ------------------------------------------------------------------ prompts
     async def tokenize_request(self, inp: GenerateInput) -> TokenizedGenerateReq:
