@@ -22,7 +22,6 @@ from tokenizer_manager.api.tool_parser import partial_tag_length
 
 THINK_START, THINK_END = "<think>", "</think>"
 ANSWER_TAGS = ("<answer>", "</answer>")  # the glm45 rule's content wrapper
-RULES = ("qwen3", "deepseek_r1", "glm45")
 
 
 @dataclass
