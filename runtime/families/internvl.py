@@ -196,7 +196,7 @@ VISION_SHAPES: dict[str, dict[str, Any]] = {
     "qk-norm": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                     intermediate_size=128, norm_type="rms_norm", use_qk_norm=True),
     "heads5": dict(num_hidden_layers=2, hidden_size=80, num_attention_heads=5,
-                   intermediate_size=160, norm_type="rms_norm", use_qk_norm=True),
+                   intermediate_size=128, norm_type="rms_norm", use_qk_norm=True),
     "hd64": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
                  intermediate_size=1024, norm_type="layer_norm", use_qk_norm=False),
     "vit-heavy": dict(num_hidden_layers=6, hidden_size=256, num_attention_heads=4,

@@ -9,7 +9,7 @@ from typing import Any
 
 # Presets built in float32 from a transformers model in memory; the others are streamed in
 # bfloat16 (a family's large preset, shaped like a published checkpoint).
-SMALL_PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m", "qk-norm")
+SMALL_PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m", "qk-norm", "heads5")
 
 
 @dataclass(frozen=True)
