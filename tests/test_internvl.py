@@ -21,7 +21,14 @@ from numerics import assert_within_rounding, model_terms, vision_terms
 from parity_worker import parity_worker
 from PIL import Image
 from safetensors.torch import load_file
-from vlm_cases import Case, assert_layouts_load_alike, gradient_image, noise_image, run_hf
+from vlm_cases import (
+    Case,
+    assert_layouts_load_alike,
+    gradient_image,
+    noise_image,
+    processor_case,
+    run_hf,
+)
 
 import runtime.tiny_checkpoint as mtc
 from runtime.distributed import TPGroup
@@ -30,9 +37,6 @@ from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.multimodal import Modality, MultimodalDataItem
 from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,
-    build_multimodal_inputs,
-    expand_placeholder_ids,
-    expand_placeholders,
 )
 from tokenizer_manager.media.video_processor import tile_patches
 from vision.vlm import build_model
@@ -88,21 +92,7 @@ def image_media(processor: Any, image: Image.Image) -> PreparedMedia:
 
 def make_case(processor: Any, config: ModelConfig, name: str, content: list[Any]) -> Case:
     """HF's inputs from its processor; tessera's from its own expansion (which must agree)."""
-    parts = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
-             for p in content]  # fmt: skip
-    messages = [{"role": "user", "content": parts}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    images = [p for p in content if isinstance(p, Image.Image)]
-    hf = processor(images=images or None, text=[prompt], return_tensors="pt")
-    media = [image_media(processor, image) for image in images]
-    ids = expand_placeholder_ids(processor.tokenizer(prompt)["input_ids"], media, config)
-    assert ids == hf["input_ids"][0].tolist(), name
-    assert processor.tokenizer(expand_placeholders(prompt, media, config))["input_ids"] == ids
-    inputs = {"input_ids": hf["input_ids"], "attention_mask": hf["attention_mask"]}
-    if images:
-        inputs["pixel_values"] = hf["pixel_values"]
-    our_ids, mm = build_multimodal_inputs(ids, media, config)
-    return Case(name, inputs, our_ids, mm)
+    return processor_case(processor, config, name, content, image_media)
 
 
 def standard_cases(folder: Path) -> list[Case]:
