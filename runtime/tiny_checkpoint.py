@@ -337,10 +337,13 @@ def is_output_matrix(name: str, tied: bool) -> bool:
 
 
 def random_tensor(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, tied: bool
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, tied: bool,
+    arch: str | None = None,
 ) -> torch.Tensor:
-    """Seeded normal values for one published tensor, drawn in fp32 chunks, stored in `dtype`."""
-    mean, std = init_stats(name, shape, tied)
+    """Seeded normal values for one published tensor, drawn in fp32 chunks, stored in `dtype`
+    (by `init_stats`, or family `arch`'s own rule for it: `TinyCheckpoint.init`)."""
+    own = get_family(arch).tiny.init(name, shape) if arch is not None else None
+    mean, std = own or init_stats(name, shape, tied)
     gen = torch.Generator().manual_seed(tensor_seed(seed, name))
     out = torch.empty(shape, dtype=dtype)
     flat = out.view(-1)
@@ -367,7 +370,7 @@ def build_model(arch: str, flat: dict[str, Any], seed: int) -> Any:
         for name, param in model.named_parameters():
             shape, tied = tuple(param.shape), flat["tie_word_embeddings"]
             published = published_name(name, arch)
-            param.copy_(random_tensor(published, shape, param.dtype, seed, tied))
+            param.copy_(random_tensor(published, shape, param.dtype, seed, tied, arch))
     return model
 
 
@@ -390,7 +393,7 @@ def streamed_state(
     if flat["tie_word_embeddings"]:
         shapes.pop("lm_head.weight", None)
     for name, shape in sorted(shapes.items()):
-        yield name, random_tensor(name, shape, dtype, seed, flat["tie_word_embeddings"])
+        yield name, random_tensor(name, shape, dtype, seed, flat["tie_word_embeddings"], arch)
 
 
 def save_weights(weights: Iterator[tuple[str, torch.Tensor]], out: Path, max_bytes: int) -> None:

@@ -248,10 +248,23 @@ def published_name(name: str) -> str:
     return name
 
 
+def tiny_init(name: str, shape: tuple[int, ...]) -> tuple[float, float] | None:
+    """The decoder's and projector's norms scale by 1 + w: their w scatter around zero (a
+    scale near one, as the shared rule's norms have); the embedding is multiplied by
+    sqrt(hidden) before use: drawn that much smaller, so text rows stay of the shared rule's
+    size next to the attention and MLP outputs (else every step repeats the last token)."""
+    if name.endswith("norm.weight") and not name.startswith("vision_tower."):
+        return 0.0, 0.1
+    if name.endswith("embed_tokens.weight"):
+        return 0.0, 0.375 / shape[1] ** 0.5
+    return None
+
+
 TINY = TinyCheckpoint(
     presets=tuple(TEXT_SHAPES), config=tiny_config, preprocessor=preprocessor_config,
     hf_config_class="Gemma3Config", special_tokens=NAMED_TOKENS, chat_template=CHAT_TEMPLATE,
     published_name=published_name, pieces=NEWLINES, eos_tokens=("<eos>", "<end_of_turn>"),
+    init=tiny_init,
     bos_token="<bos>",
 )  # fmt: skip
 
