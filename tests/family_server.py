@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -16,11 +17,13 @@ from vlm_cases import noise_image, video_frames
 
 
 def serve(
-    folder: Path, tmp: pytest.TempPathFactory, name: str, dp_encoder: bool = False
+    folder: Path, tmp: pytest.TempPathFactory, name: str, dp_encoder: bool = False, *extra: str
 ) -> Iterator[Server]:
-    """A module's server on `folder`: tp 1, or tp 2 with the DP encoder; its teardown checked."""
+    """A module's server on `folder`: tp 1, or tp 2 with the DP encoder (and `extra` launch
+    flags); its teardown checked."""
     log = tmp.mktemp(name) / "server.log"
-    server = Server(str(folder), log) if dp_encoder else OneRankServer(str(folder), log)
+    kind = Server if dp_encoder else OneRankServer
+    server = kind(str(folder), log, *extra)
     yield from serve_then_check_teardown(server)
 
 
@@ -34,12 +37,15 @@ def post(server: Server, path: str, body: dict) -> httpx.Response:
 
 
 def assert_chat_is_hfs(
-    server: Server, model: str, content: list, expected: tuple[str, int], new_tokens: int
-) -> None:
-    """A greedy chat of `content` answers the oracle's (text, prompt_tokens)."""
+    server: Server, model: str, content: list, expected: tuple[str, int], new_tokens: int,
+    turns: list[tuple[str, list]] | None = None,
+) -> Any:
+    """A greedy chat of `content` (or of the conversation `turns`, (role, content) each)
+    answers the oracle's (text, prompt_tokens); returns the response."""
+    turns = turns or [("user", content)]
     out = client(server).chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": parts(content)}],
+        messages=[{"role": role, "content": parts(c)} for role, c in turns],
         max_tokens=new_tokens,
         temperature=0,
     )
@@ -47,6 +53,7 @@ def assert_chat_is_hfs(
     assert out.choices[0].message.content == text
     assert out.usage.prompt_tokens == prompt_tokens
     assert out.usage.completion_tokens == new_tokens
+    return out
 
 
 def assert_typed_token_refused(server: Server, model: str, token: str) -> None:

@@ -294,19 +294,22 @@ def processor_case(
     media_of: Callable[[Any, Image.Image], PreparedMedia],
     hf_keys: tuple[str, ...] = ("pixel_values",),
     ids_path: bool = True,
+    turns: list[tuple[str, list[Any]]] | None = None,
 ) -> Case:
     """A case whose HF inputs come from transformers' own processor (its chat template, its
     pixels, its placeholder expansion; `hf_keys` of its output go to the model with images);
     tessera's prompt ids, from its own text expansion (and, with `ids_path`, its splice of the
     ids, `expand_placeholder_ids`), must equal them. `media_of(processor, image)`: tessera's
-    PreparedMedia of one image."""
+    PreparedMedia of one image. `turns`: a conversation of (role, content) instead of one user
+    message of `content` (its images in order)."""
     from tokenizer_manager.media.multimodal_inputs import expand_placeholder_ids
 
-    parts = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
-             for p in content]  # fmt: skip
-    messages = [{"role": "user", "content": parts}]
+    turns = turns or [("user", content)]
+    messages = [{"role": role, "content": [{"type": "text", "text": p} if isinstance(p, str)
+                                           else {"type": "image"} for p in parts]}
+                for role, parts in turns]  # fmt: skip
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    images = [p for p in content if isinstance(p, Image.Image)]
+    images = [p for _, parts in turns for p in parts if isinstance(p, Image.Image)]
     hf = processor(images=images or None, text=[prompt], return_tensors="pt")
     media = [media_of(processor, image) for image in images]
     ids = processor.tokenizer(expand_placeholders(prompt, media, config))["input_ids"]
