@@ -44,6 +44,14 @@ class TextConfig:
     rotary_dim: int = 0
     rotary_pairs: bool = False
     post_norms: bool = False
+    # Gemma 3: each layer's sliding window (0: a global layer), the sliding layers' RoPE base,
+    # the global layers' linear RoPE scaling, q scaled by query_pre_attn_scalar**-0.5 (0: by
+    # head_dim), tanh softcapping of the final logits (0: none)
+    sliding_windows: tuple[int, ...] = ()
+    rope_local_theta: float = 0.0
+    rope_linear_factor: float = 1.0
+    query_pre_attn_scalar: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     @property
     def q_size(self) -> int:
@@ -136,8 +144,7 @@ class ModelConfig:
         """`tokens`: the tokenizer's special token ids by string, for the media token ids a
         config.json leaves to the tokenizer (InternVL's names only its image token)."""
         family = family_for(cfg)
-        text = TextConfig(**family.text_fields(cfg.get("text_config") or cfg, cfg))
-        vision = VisionConfig(**family.vision_fields(cfg["vision_config"], text.hidden_size, cfg))
+        text, vision = text_and_vision(cfg)
         token, keys = _token_ids(cfg, tokens or {}), family.tokens
         video = {} if not keys.video_start else {
             "video_start_token_id": token(keys.video_start_id_key, keys.video_start),
@@ -148,7 +155,7 @@ class ModelConfig:
             text=text,
             vision=vision,
             image_token_id=token(keys.image_id_key, keys.image_pad),
-            video_token_id=token(keys.video_id_key, keys.video_pad),
+            video_token_id=token(keys.video_id_key, keys.video_pad) if keys.video_pad else -1,
             vision_start_token_id=token(keys.start_id_key, keys.start),
             vision_end_token_id=token(keys.end_id_key, keys.end),
             eos_token_ids=_eos_ids(cfg),
@@ -156,6 +163,15 @@ class ModelConfig:
             raw=cfg,
             **video,
         )
+
+
+def text_and_vision(cfg: dict) -> tuple[TextConfig, VisionConfig]:
+    """The text and vision configs of a config.json, as its family reads them (no token ids:
+    those may need the tokenizer)."""
+    family = family_for(cfg)
+    text = TextConfig(**family.text_fields(cfg.get("text_config") or cfg, cfg))
+    vision = VisionConfig(**family.vision_fields(cfg["vision_config"], text.hidden_size, cfg))
+    return text, vision
 
 
 def _token_ids(cfg: dict, tokens: Mapping[str, int]) -> Callable[[str, str], int]:

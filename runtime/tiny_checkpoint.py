@@ -139,9 +139,9 @@ MAX_SHARD_BYTES = 4 * 1024**3
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def build_tokenizer(extra: tuple[str, ...] = ()) -> Tokenizer:
+def build_tokenizer(extra: tuple[str, ...] = (), pieces: tuple[str, ...] = ()) -> Tokenizer:
     """Train the byte-level BPE on the built-in corpus and append the special tokens (the
-    shared ones, then a family's `extra` ones)."""
+    shared ones, then a family's `extra` ones), then a family's plain added `pieces`."""
     tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -162,17 +162,19 @@ def build_tokenizer(extra: tuple[str, ...] = ()) -> Tokenizer:
         raise RuntimeError(f"BPE training gave {tok.get_vocab_size()} tokens")
     specials = (*SPECIAL_TOKENS, *extra)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in pieces])
     return tok
 
 
 def special_ids(tok: Tokenizer) -> dict[str, int]:
     """The tokenizer's special tokens (the shared ones and any family's) by string."""
-    return {t.content: i for i, t in sorted(tok.get_added_tokens_decoder().items())}
+    return {t.content: i for i, t in sorted(tok.get_added_tokens_decoder().items()) if t.special}
 
 
 def family_tokenizer(arch: str) -> Tokenizer:
     """The tiny tokenizer of family `arch`: the shared special tokens and its own."""
-    return build_tokenizer(tuple(token for _, token in get_family(arch).tiny.special_tokens))
+    tiny = get_family(arch).tiny
+    return build_tokenizer(tuple(token for _, token in tiny.special_tokens), tiny.pieces)
 
 
 def save_tokenizer(tok: Tokenizer, out: Path, family: Family | None = None) -> None:
@@ -186,6 +188,7 @@ def save_tokenizer(tok: Tokenizer, out: Path, family: Family | None = None) -> N
     (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
     named = dict(family.tiny.special_tokens)
     config = {**tokenizer_config(tok, chat_template(family)), **named}
+    config |= {"bos_token": family.tiny.bos_token, "eos_token": family.tiny.eos_tokens[0]}
     write_json(out / "tokenizer_config.json", config)
 
 
@@ -196,14 +199,14 @@ def chat_template(family: Family) -> str:
 def tokenizer_config(tok: Tokenizer, template: str = CHAT_TEMPLATE) -> dict[str, Any]:
     added = {
         str(i): {
-            "content": t,
+            "content": t.content,
             "lstrip": False,
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": t.special,
         }
-        for t, i in special_ids(tok).items()
+        for i, t in sorted(tok.get_added_tokens_decoder().items())
     }
     return {
         "add_prefix_space": False,
@@ -231,9 +234,11 @@ def checkpoint_config(arch: str, preset: str, ids: dict[str, int], dtype: str) -
 
 
 
-def generation_config(preset: str, ids: dict[str, int]) -> dict[str, Any]:
+def generation_config(
+    preset: str, ids: dict[str, int], eos_tokens: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
+) -> dict[str, Any]:
     """Published sampling defaults for 7b; plain greedy for tiny so HF comparisons stay simple."""
-    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    eos = [ids[token] for token in eos_tokens]
     base = {"bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"]}
     if preset in SMALL_PRESETS:
         return {**base, "do_sample": False, "eos_token_id": eos}
@@ -271,8 +276,9 @@ def tensor_seed(seed: int, name: str) -> int:
 
 def canonical_name(name: str) -> str:
     """One name per tensor whatever the layout, for the init rules below."""
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model.") :]
+    for prefix in ("model.language_model.", "language_model.model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix) :]
     return name
 
 
@@ -332,10 +338,13 @@ def is_output_matrix(name: str, tied: bool) -> bool:
 
 
 def random_tensor(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, tied: bool
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, tied: bool,
+    arch: str | None = None,
 ) -> torch.Tensor:
-    """Seeded normal values for one published tensor, drawn in fp32 chunks, stored in `dtype`."""
-    mean, std = init_stats(name, shape, tied)
+    """Seeded normal values for one published tensor, drawn in fp32 chunks, stored in `dtype`
+    (by `init_stats`, or family `arch`'s own rule for it: `TinyCheckpoint.init`)."""
+    own = get_family(arch).tiny.init(name, shape) if arch is not None else None
+    mean, std = own or init_stats(name, shape, tied)
     gen = torch.Generator().manual_seed(tensor_seed(seed, name))
     out = torch.empty(shape, dtype=dtype)
     flat = out.view(-1)
@@ -362,7 +371,7 @@ def build_model(arch: str, flat: dict[str, Any], seed: int) -> Any:
         for name, param in model.named_parameters():
             shape, tied = tuple(param.shape), flat["tie_word_embeddings"]
             published = published_name(name, arch)
-            param.copy_(random_tensor(published, shape, param.dtype, seed, tied))
+            param.copy_(random_tensor(published, shape, param.dtype, seed, tied, arch))
     return model
 
 
@@ -385,7 +394,7 @@ def streamed_state(
     if flat["tie_word_embeddings"]:
         shapes.pop("lm_head.weight", None)
     for name, shape in sorted(shapes.items()):
-        yield name, random_tensor(name, shape, dtype, seed, flat["tie_word_embeddings"])
+        yield name, random_tensor(name, shape, dtype, seed, flat["tie_word_embeddings"], arch)
 
 
 def save_weights(weights: Iterator[tuple[str, torch.Tensor]], out: Path, max_bytes: int) -> None:
@@ -492,7 +501,8 @@ def make_checkpoint(
     write_json(out / "config.json", flat)
     write_json(out / "chat_template.json", {"chat_template": chat_template(family)})
     write_processor_configs(family, preset, out)
-    save_generation_config(out, {**generation_config(preset, ids), **(generation or {})})
+    defaults = generation_config(preset, ids, family.tiny.eos_tokens)
+    save_generation_config(out, {**defaults, **(generation or {})})
     if preset in SMALL_PRESETS:
         model = build_model(arch, flat, seed)
         weights = published_state(model, arch, flat["tie_word_embeddings"])

@@ -82,6 +82,10 @@ class ModelRunner:
         self.macs_per_token = sum(p.numel() for p in model.language_model.parameters())
         heads = model.language_model.model.layers[0].self_attn.layer.num_heads
         self.macs_per_context = 2 * layout.num_layers * heads * layout.head_dim
+        # the family's media tokens see their whole item (AttentionBatch.item_spans)
+        config = getattr(model, "config", None)
+        family = getattr(config, "family", None)
+        self.bidirectional_items = getattr(family, "image_attention", "") == "bidirectional_item"
         if cuda_graph_max_bs:
             self.graphs = DecodeGraphRunner(
                 model, self.req_pool, self.kv_pool, cuda_graph_max_bs, device.startswith("cuda")
@@ -197,6 +201,10 @@ class ModelRunner:
             [ids, positions, slots, rows, cols]
         )  # one host-to-device copy for the step's inputs and its request-table entries
         self.req_pool.write_tokens(row_t, col_t, out_cache_loc)
+        spans = None
+        if self.bidirectional_items:
+            head = len(seqs) - decode_tail
+            spans = item_spans(seqs[:head], lens[:head])
         batch = ForwardBatch(
             mode=mode,
             input_ids=input_ids,
@@ -209,6 +217,7 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             mm_inputs=[s.mm for s in seqs],
             decode_tail=decode_tail,
+            item_spans=None if spans is None else spans.to(input_ids.device),
         )
         return self.model(batch, self.item_encoder)
 
@@ -238,6 +247,26 @@ def step_inputs(
         torch.cat((as_long[1], tail_rows)),
         torch.cat((as_long[2], tail_cols)),
     )
+
+
+def item_spans(seqs: list[Req], lens: list[int]) -> torch.Tensor | None:
+    """[tokens, 2] int32: for each new token of the extending `seqs` (the next lens[i] tokens
+    of each), the [start, end) of the media item it lies in, (0, 0) outside any; None when no
+    token lies in one. A chunk may start inside an item (the item's earlier tokens cached) but
+    must not end inside one: its later tokens would be missing (RuntimeError)."""
+    parts, found = [], False
+    for seq, n in zip(seqs, lens):
+        start, part = seq.kv_len, torch.zeros(n, 2, dtype=torch.int32)
+        for item in seq.mm.items if seq.mm is not None else []:
+            for lo, hi in item.offsets:
+                if lo < start + n and hi > start:
+                    if hi > start + n:
+                        raise RuntimeError(f"a prefill chunk ends at {start + n}, inside the "
+                                           f"bidirectional item [{lo}, {hi})")
+                    part[max(lo, start) - start : hi - start] = torch.tensor([lo, hi])
+                    found = True
+        parts.append(part)
+    return torch.cat(parts) if found else None
 
 
 def decode_places(seqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

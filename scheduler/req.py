@@ -158,6 +158,18 @@ class Req:
             if i.offsets and start <= i.span[0] < end
         )
 
+    def item_safe_chunk(self, n: int) -> int:
+        """A chunk of `n` tokens from kv_len, moved so that it ends inside no media item (a
+        family whose items attend both ways computes each item in one forward): down to the
+        start of an item it enters, or, when the item began before the chunk (its start is
+        cached or is kv_len itself), on to the item's end."""
+        end = self.kv_len + n
+        for item in self.mm.items if self.mm is not None else []:
+            for lo, hi in item.offsets:
+                if lo < end < hi:
+                    return lo - self.kv_len if lo > self.kv_len else hi - self.kv_len
+        return n
+
     @property
     def extend_len(self) -> int:
         """Tokens still to prefill before the next token can be sampled."""

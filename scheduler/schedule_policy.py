@@ -7,7 +7,7 @@ Pure logic over numbers, so every rule is unit-tested without a model.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # Share of a request's remaining output budget reserved in KV when it is admitted; retraction
@@ -148,11 +148,18 @@ class PrefillAdder:
     ended: int | None = None  # the earliest arrival whose prompt ends in this batch
 
     def add(
-        self, extend_len: int, remaining_new_tokens: int, arrival: int = 0, retracted: bool = False
+        self,
+        extend_len: int,
+        remaining_new_tokens: int,
+        arrival: int = 0,
+        retracted: bool = False,
+        cut: Callable[[int], int] | None = None,
     ) -> int | None:
         """Tokens of this request to compute now (all, or a chunk), or None if it must wait. A
         retracted request enters only when all it still needs fits: its tokens to recompute
-        and its whole remaining output."""
+        and its whole remaining output. `cut` moves a chunk's length off the inside of a media
+        item (`Req.item_safe_chunk`): shorter, or longer (past the chunk size) when the item
+        began before the chunk; a chunk that would then not fit the KV waits."""
         if not self.open or extend_len <= 0:
             return None
         reserve = decode_reserve(remaining_new_tokens, retracted)
@@ -163,6 +170,15 @@ class PrefillAdder:
             self.ended = arrival if self.ended is None else min(self.ended, arrival)
             return self._take(extend_len, reserve)
         room = min(self.chunk_size, self.rem_input, self.rem_total - reserve, extend_len - 1)
+        if cut is not None and room >= 1:
+            room = cut(room)
+            if room >= extend_len:  # the item runs to the prompt's end: all of it, if it fits
+                if extend_len + reserve > self.rem_total:
+                    return None
+                self.ended = arrival if self.ended is None else min(self.ended, arrival)
+                return self._take(extend_len, reserve)
+            if room > self.rem_total - reserve:
+                return None  # the item's whole run does not fit the KV now
         if room < 1 or (self.ended is not None and self.ended <= arrival):
             return None
         self.chunked = True

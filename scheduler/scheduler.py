@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -282,7 +283,7 @@ class Scheduler:
         adder, batch = self.make_adder(), PrefillBatch()
         if self.chunked is not None:
             chunked = self.chunked
-            n = adder.add(*admission_size(chunked))
+            n = adder.add(*admission_size(chunked), cut=self.chunk_rule(chunked))
             if n is None:
                 return None  # the chunked request waits for KV; decode frees some meanwhile
             batch.add(chunked, n)
@@ -379,13 +380,20 @@ class Scheduler:
             self.cache.unlock(req)
             return True  # it leads the next step's media; text prompts behind it go on now
         adder.rem_total -= locked  # its cached prefix is no longer evictable
-        n = adder.add(*admission_size(req))
+        n = adder.add(*admission_size(req), cut=self.chunk_rule(req))
         if n is None:
             self.cache.unlock(req)
             return False
         batch.add(req, n)
         batch.patches += req.patches_entered(req.kv_len, req.kv_len + n)
         return True
+
+    def chunk_rule(self, req: Req) -> Callable[[int], int] | None:
+        """How a chunk of the request moves off the inside of a media item, where the family's
+        items attend both ways (`Req.item_safe_chunk`); None where any cut is exact."""
+        if req.mm is None or not getattr(self.runner, "bidirectional_items", False):
+            return None
+        return req.item_safe_chunk
 
     def over_encoder_budget(self, batch: PrefillBatch, req: Req, adder: PrefillAdder) -> bool:
         """The images and videos this request's chunk would encode do not fit the step's

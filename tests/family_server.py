@@ -48,12 +48,15 @@ def post(server: Server, path: str, body: dict) -> httpx.Response:
 
 
 def assert_chat_is_hfs(
-    server: Server, model: str, content: list, expected: tuple[str, int], new_tokens: int
-) -> None:
-    """A greedy chat of `content` answers the oracle's (text, prompt_tokens)."""
+    server: Server, model: str, content: list, expected: tuple[str, int], new_tokens: int,
+    turns: list[tuple[str, list]] | None = None,
+) -> Any:
+    """A greedy chat of `content` (or of the conversation `turns`, (role, content) each)
+    answers the oracle's (text, prompt_tokens); returns the response."""
+    turns = turns or [("user", content)]
     out = client(server).chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": parts(content)}],
+        messages=[{"role": role, "content": parts(c)} for role, c in turns],
         max_tokens=new_tokens,
         temperature=0,
     )
@@ -61,6 +64,7 @@ def assert_chat_is_hfs(
     assert out.choices[0].message.content == text
     assert out.usage.prompt_tokens == prompt_tokens
     assert out.usage.completion_tokens == new_tokens
+    return out
 
 
 def assert_typed_token_refused(server: Server, model: str, token: str) -> None:

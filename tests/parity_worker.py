@@ -45,13 +45,23 @@ def cut_points(mm: Any) -> list[int]:
     return sorted({s + (e - s) // 2 for s, e in runs})
 
 
+def safe_chunk(runner: ModelRunner, seq: Req, n: int) -> int:
+    """A chunk of n tokens as the scheduler cuts it: off the inside of an item where the
+    family's items attend both ways (`Req.item_safe_chunk`)."""
+    return seq.item_safe_chunk(n) if runner.bidirectional_items else n
+
+
 def cut_logits(runner: ModelRunner, ids: list[int], mm: Any) -> torch.Tensor:
-    """Prefill in chunks that end inside every image and every video frame run."""
+    """Prefill in chunks that end inside every image and every video frame run (at its start
+    instead, for a family whose items attend both ways)."""
     seq = Req(list(ids), mm)
     runner.admit(seq)
     try:
-        ends = [*cut_points(mm), len(ids)]
-        return torch.cat([extend_all_logits(runner, seq, end - seq.kv_len) for end in ends])
+        parts = []
+        for end in [*cut_points(mm), len(ids)]:
+            n = safe_chunk(runner, seq, end - seq.kv_len)
+            parts += [extend_all_logits(runner, seq, n)] if n > 0 else []
+        return torch.cat(parts)
     finally:
         release(runner, seq)
 
@@ -81,7 +91,8 @@ def chunked_logits(runner: ModelRunner, cases: list[tuple[str, list[int], Any]])
         parts: list[list[torch.Tensor]] = [[] for _ in seqs]
         while any(seq.kv_len < len(seq.token_ids) for seq in seqs):
             active = [i for i, seq in enumerate(seqs) if seq.kv_len < len(seq.token_ids)]
-            lens = [min(CHUNK, len(seqs[i].token_ids) - seqs[i].kv_len) for i in active]
+            lens = [safe_chunk(runner, seqs[i], min(CHUNK, len(seqs[i].token_ids) - seqs[i].kv_len))
+                    for i in active]  # fmt: skip
             rows = extend_all_logits_batch(runner, [seqs[i] for i in active], lens)
             for i, logits in zip(active, rows):
                 parts[i].append(logits)

@@ -24,9 +24,6 @@ import numpy as np
 import pytest
 import torch
 import vlm_cases as vlm
-from dist_utils import run_on_ranks
-from numerics import assert_within_rounding, model_terms
-from parity_worker import parity_worker
 from safetensors.torch import load_file
 from vlm_cases import Case, Checkpoint, load_hf, run_hf
 
@@ -330,41 +327,7 @@ def test_cases_cover_small_and_large_grids(oracle: dict[str, Case]) -> None:
     assert len(oracle["image"].hf_inputs["mm_token_type_ids"][0].nonzero()) == 4
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
-def ranks(request: pytest.FixtureRequest, folder: Path, oracle: dict) -> tuple[int, list]:
-    cases = [(c.name, c.input_ids, c.mm) for c in oracle.values()]
-    jobs = [("glm4v", str(folder), mode, cases) for mode in MODES]
-    return request.param, run_on_ranks(parity_worker, request.param, jobs, NEW_TOKENS, timeout=500)
-
-
-def assert_logits_match(folder: Path, logits: torch.Tensor, case: Case) -> float:
-    """Rounding only (another summation order: GEMM patch embedding, TP splits, chunks)."""
-    terms = model_terms(ModelConfig.from_dir(folder), len(case.input_ids))
-    return assert_within_rounding(logits, case.hf_logits, terms)
-
-
-def _params(fn):  # noqa: ANN001, ANN202
-    fn = pytest.mark.parametrize("case", CASES)(fn)
-    return pytest.mark.parametrize("mode", MODES, ids=[f"vit_{m}" for m in MODES])(fn)
-
-
-@_params
-def test_prefill_logits_match_hf(ranks, folder, oracle, mode: str, case: str) -> None:
-    result = ranks[1][0][("glm4v", mode)]
-    for key in ("logits", "chunked"):
-        assert_logits_match(folder, result[case][key], oracle[case])
-    assert_logits_match(folder, result["_cut"][case], oracle[case])
-
-
-@_params
-def test_greedy_tokens_match_hf_on_every_rank(ranks, oracle, mode: str, case: str) -> None:
-    tp, results = ranks
-    expected = oracle[case].hf_tokens
-    assert len(expected) == NEW_TOKENS
-    for rank in range(tp):
-        assert results[rank][("glm4v", mode)][case]["tokens"] == expected, f"rank {rank}"
-
-
-def test_no_kv_slot_is_left_behind(ranks) -> None:
-    for per_rank in ranks[1]:
-        assert all(r["_kv_free"] and r["_cut"]["_kv_free"] for r in per_rank.values())
+ranks, test_prefill_logits_match_hf, test_greedy_tokens_match_hf_on_every_rank, \
+    test_no_kv_slot_is_left_behind = vlm.parity_tests(
+        "glm4v", MODES, CASES, NEW_TOKENS, tps=(1, 2, 4)
+    )

@@ -22,7 +22,13 @@ from numerics import assert_within_rounding, model_terms, vision_terms
 from parity_worker import parity_worker
 from PIL import Image
 from safetensors.torch import load_file
-from vlm_cases import Case, assert_layouts_load_alike, gradient_image, noise_image, run_hf
+from vlm_cases import (
+    Case,
+    assert_layouts_load_alike,
+    gradient_image,
+    noise_image,
+    run_hf,
+)
 
 import runtime.tiny_checkpoint as mtc
 from runtime.distributed import TPGroup

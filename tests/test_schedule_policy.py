@@ -176,3 +176,36 @@ def test_choices_must_fit_the_kv_pool_together() -> None:
     assert shared.choices_problem(100, 950, 1) == ""  # one choice: `problem`'s rule
     assert shared.room(100, 9) == 100 and own.room(100, 5) == 100
     assert shared.room(100) == 900 == shared.room(100, 1)
+
+
+def item_chunk(items: list[tuple[int, int]], kv_len: int):  # noqa: ANN201
+    """`Req.item_safe_chunk` of a request at `kv_len` whose media runs are `items`."""
+    from types import SimpleNamespace
+
+    from scheduler.req import Req
+
+    mm = SimpleNamespace(items=[SimpleNamespace(offsets=[span]) for span in items])
+    req = SimpleNamespace(kv_len=kv_len, mm=mm)
+    return lambda n: Req.item_safe_chunk(req, n)  # type: ignore[arg-type]
+
+
+def test_a_chunk_never_ends_inside_a_bidirectional_item() -> None:
+    """A chunk end inside an item moves down to the item's start when the item starts in the
+    chunk, else on to its end (the item began before: its start cached, or at kv_len); ends
+    outside items stay."""
+    cut = item_chunk([(10, 26), (30, 46)], kv_len=0)
+    assert [cut(n) for n in (5, 10, 11, 25, 26, 29, 31, 46)] == [5, 10, 10, 10, 26, 29, 30, 46]
+    at_item = item_chunk([(10, 26)], kv_len=10)
+    assert at_item(4) == 16  # the item starts the chunk: all of it
+    inside = item_chunk([(10, 26)], kv_len=18)  # a prefix match ended inside the item
+    assert inside(3) == 8
+
+
+def test_the_adder_applies_the_item_rule_to_a_chunk() -> None:
+    """Rounded down, a chunk takes less; moved on past the chunk size, it takes the whole item
+    if the KV has room, else the request waits; an item running to the prompt's end makes it
+    whole."""
+    assert adder(chunk=64).add(200, 0, cut=item_chunk([(50, 70)], 0)) == 50
+    assert adder(chunk=64).add(200, 0, cut=item_chunk([(0, 80)], 0)) == 80
+    assert adder(total=70, chunk=64).add(200, 0, cut=item_chunk([(0, 80)], 0)) is None
+    assert adder(chunk=64).add(100, 0, cut=item_chunk([(0, 100)], 0)) == 100

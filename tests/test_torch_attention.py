@@ -97,9 +97,18 @@ class DecodeRun:
     every layer's attention through one backend and checks it against `naive_causal` over the
     request's keys read back from the pool; counts the backend's pool gathers."""
 
-    def __init__(self, prompt_lens: list[int], layers: int = 2, heads: int = 4, kv_heads: int = 2):
+    def __init__(
+        self,
+        prompt_lens: list[int],
+        layers: int = 2,
+        heads: int = 4,
+        kv_heads: int = 2,
+        window: int | None = None,
+    ):
+        """`window`: layer 0's sliding window (a local layer; the others global)."""
         self.gen = torch.Generator().manual_seed(sum(prompt_lens))
-        self.layers = [AttentionLayer(i, heads, kv_heads, 8, 8**-0.5) for i in range(layers)]
+        self.layers = [AttentionLayer(i, heads, kv_heads, 8, 8**-0.5, window if i == 0 else None)
+                       for i in range(layers)]  # fmt: skip
         self.kv = KVPool(512, layers, kv_heads, 8, torch.float32)
         self.kv._free = self.kv._free[torch.randperm(self.kv.size, generator=self.gen)]
         self.table = ReqToTokenPool(8, 300)
@@ -152,6 +161,7 @@ class DecodeRun:
             out = self.backend.forward(q, k, v, layer, batch).view(len(rows), -1, 8)
             for i, row in enumerate(rows):
                 keys = self.table.req_to_token[row, : self.lens[row] + 1]
+                keys = keys[-layer.sliding_window :] if layer.sliding_window else keys
                 k_all = self.kv.k_buffers[layer.layer_id][keys]
                 v_all = self.kv.v_buffers[layer.layer_id][keys]
                 expected = naive_causal(q[i].view(1, -1, 8), k_all, v_all, layer.scaling)
@@ -211,3 +221,49 @@ def test_decode_blocks_past_their_budget_take_the_gathering_path() -> None:
         run.step(rows)
     assert run.gathers == 3 * len(run.layers)
     assert run.backend.running._blocks is None
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["kept_blocks", "gathering"])
+def test_decode_in_a_local_layer_sees_only_its_window(gather: bool) -> None:
+    """Layer 0 with a sliding window of 6: each decode query attends over its request's last 6
+    keys only (requests shorter and longer than the window), through the kept blocks and
+    through the gathering path; layer 1 stays global."""
+    run = DecodeRun([3, 17, 9], window=6)
+    if gather:
+        run.backend.running.max_bytes = 0
+    rows = list(run.lens)
+    for _ in range(4):
+        run.step(rows)
+
+
+def naive_visible(q, k, v, scale: float, visible: torch.Tensor) -> torch.Tensor:
+    """Attention of q [n, H, D] over k/v [s, Hkv, D] where visible[i, j] says query i sees j."""
+    n, heads, _ = q.shape
+    out = torch.empty_like(q)
+    for i in range(n):
+        for h in range(heads):
+            g = h // (heads // k.shape[1])
+            keys = visible[i].nonzero()[:, 0]
+            weights = torch.softmax(k[keys, g] @ q[i, h] * scale, dim=0)
+            out[i, h] = weights @ v[keys, g]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 4, 9])
+@pytest.mark.parametrize("new,total", [(14, 14), (9, 14)])
+def test_extend_with_a_window_and_bidirectional_items(window, new: int, total: int) -> None:
+    """Query i sees key j when j <= i and i - j < window, or j lies in i's item: two items,
+    [5, 8) and [10, 13), written out key by key; with a cached prefix the chunk starts at
+    position 5 (the first item's start)."""
+    torch.manual_seed(total + new)
+    layer = AttentionLayer(0, 4, 2, 8, 8**-0.5, sliding_window=window)
+    q = torch.randn(new, 4, 8)
+    k, v = torch.randn(total, 2, 8), torch.randn(total, 2, 8)
+    spans = torch.zeros(total, 2, dtype=torch.int32)
+    spans[5:8], spans[10:13] = torch.tensor([5, 8]), torch.tensor([10, 13])
+    i, j = torch.arange(total)[:, None], torch.arange(total)[None, :]
+    visible = (j <= i) & ((i - j < window) if window else True)
+    visible |= (j >= spans[:, :1]) & (j < spans[:, 1:])
+    expected = naive_visible(q, k, v, layer.scaling, visible[total - new :])
+    out = _attend(q, k, v, layer, spans[total - new :])
+    assert_within_rounding(out, expected, terms=8 + 2 * total)

@@ -260,3 +260,119 @@ def patch_embed_as_gemm(model: Any) -> Any:
 
             module.forward = forward
     return model
+
+
+# ----------------------------------------------------------------------------- family parity
+# The checks every family's parity test makes on `parity_worker`'s results (tests/test_glm4v.py,
+# tests/test_gemma3.py): `ranks` is (tp, per-rank results), keyed by (arch or preset, mode).
+
+
+def run_parity_ranks(
+    tp: int, arch: str, folder: Path, oracle: dict[str, Case], modes: tuple[str, ...],
+    new_tokens: int,
+) -> tuple[int, list]:  # fmt: skip
+    from dist_utils import run_on_ranks
+    from parity_worker import parity_worker
+
+    cases = [(c.name, c.input_ids, c.mm) for c in oracle.values()]
+    jobs = [(arch, str(folder), mode, cases) for mode in modes]
+    return tp, run_on_ranks(parity_worker, tp, jobs, new_tokens, timeout=500)
+
+
+def assert_logits_match(folder: Path, logits: torch.Tensor, case: Case) -> float:
+    """Rounding only (another summation order: GEMM patch embedding, TP splits, chunks)."""
+    from numerics import assert_within_rounding, model_terms
+
+    terms = model_terms(ModelConfig.from_dir(folder), len(case.input_ids))
+    return assert_within_rounding(logits, case.hf_logits, terms)
+
+
+def check_prefill_logits(ranks: tuple[int, list], key: tuple, folder: Path, case: Case) -> None:
+    """Whole, chunked and cut prefills of the case on rank 0 equal HF's logits."""
+    result = ranks[1][0][key]
+    for kind in ("logits", "chunked"):
+        assert_logits_match(folder, result[case.name][kind], case)
+    assert_logits_match(folder, result["_cut"][case.name], case)
+
+
+def check_greedy_tokens(ranks: tuple[int, list], key: tuple, case: Case, new_tokens: int) -> None:
+    """Every rank's greedy tokens equal HF's."""
+    tp, results = ranks
+    assert len(case.hf_tokens) == new_tokens
+    for rank in range(tp):
+        assert results[rank][key][case.name]["tokens"] == case.hf_tokens, f"rank {rank}"
+
+
+def check_no_kv_left(ranks: tuple[int, list]) -> None:
+    for per_rank in ranks[1]:
+        assert all(r["_kv_free"] and r["_cut"]["_kv_free"] for r in per_rank.values())
+
+
+def processor_case(
+    processor: Any,
+    config: ModelConfig,
+    name: str,
+    content: list[Any],
+    media_of: Callable[[Any, Image.Image], PreparedMedia],
+    hf_keys: tuple[str, ...] = ("pixel_values",),
+    ids_path: bool = True,
+    turns: list[tuple[str, list[Any]]] | None = None,
+) -> Case:
+    """A case whose HF inputs come from transformers' own processor (its chat template, its
+    pixels, its placeholder expansion; `hf_keys` of its output go to the model with images);
+    tessera's prompt ids, from its own text expansion (and, with `ids_path`, its splice of the
+    ids, `expand_placeholder_ids`), must equal them. `media_of(processor, image)`: tessera's
+    PreparedMedia of one image. `turns`: a conversation of (role, content) instead of one user
+    message of `content` (its images in order)."""
+    from tokenizer_manager.media.multimodal_inputs import expand_placeholder_ids
+
+    turns = turns or [("user", content)]
+    messages = [{"role": role, "content": [{"type": "text", "text": p} if isinstance(p, str)
+                                           else {"type": "image"} for p in parts]}
+                for role, parts in turns]  # fmt: skip
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    images = [p for _, parts in turns for p in parts if isinstance(p, Image.Image)]
+    hf = processor(images=images or None, text=[prompt], return_tensors="pt")
+    media = [media_of(processor, image) for image in images]
+    ids = processor.tokenizer(expand_placeholders(prompt, media, config))["input_ids"]
+    assert ids == hf["input_ids"][0].tolist(), name
+    if ids_path:
+        spliced = expand_placeholder_ids(processor.tokenizer(prompt)["input_ids"], media, config)
+        assert spliced == ids, name
+    inputs = {"input_ids": hf["input_ids"], "attention_mask": hf["attention_mask"]}
+    if images:
+        inputs |= {key: hf[key] for key in hf_keys}
+    our_ids, mm = build_multimodal_inputs(ids, media, config)
+    return Case(name, inputs, our_ids, mm)
+
+
+def parity_tests(  # noqa: ANN201
+    arch: str, modes: tuple[str, ...], cases: tuple[str, ...], new_tokens: int,
+    tps: tuple[int, ...] = (1, 2),
+):  # fmt: skip
+    """The parity tests of one family's test module (its `folder` and `oracle` fixtures): the
+    `ranks` fixture at each TP size of `tps`, and tests of every mode and case. A module takes
+    them as `ranks, test_a, test_b, test_c = parity_tests(...)`."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=list(tps), ids=lambda tp: f"tp{tp}")
+    def ranks(request: Any, folder: Path, oracle: dict) -> tuple[int, list]:
+        return run_parity_ranks(request.param, arch, folder, oracle, modes, new_tokens)
+
+    def each(fn: Callable) -> Callable:
+        fn = pytest.mark.parametrize("case", cases)(fn)
+        return pytest.mark.parametrize("mode", modes, ids=[f"vit_{m}" for m in modes])(fn)
+
+    @each
+    def test_prefill_logits_match_hf(ranks, folder, oracle, mode: str, case: str) -> None:  # noqa: ANN001
+        check_prefill_logits(ranks, (arch, mode), folder, oracle[case])
+
+    @each
+    def test_greedy_tokens_match_hf_on_every_rank(ranks, oracle, mode: str, case: str) -> None:  # noqa: ANN001
+        check_greedy_tokens(ranks, (arch, mode), oracle[case], new_tokens)
+
+    def test_no_kv_slot_is_left_behind(ranks) -> None:  # noqa: ANN001
+        check_no_kv_left(ranks)
+
+    return (ranks, test_prefill_logits_match_hf, test_greedy_tokens_match_hf_on_every_rank,
+            test_no_kv_slot_is_left_behind)  # fmt: skip

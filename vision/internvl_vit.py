@@ -42,7 +42,8 @@ from runtime.layers.weights import (
     set_weight_loader,
 )
 from runtime.model_config import VisionConfig
-from vision.vit_common import Pixels, VisionMLP, VisionPatchEmbed, VisionTower, tile_probes
+from vision import vit_common as vit
+from vision.vit_common import Pixels, TileTower, VisionMLP
 from vision.vit_common import load_weights as load_into
 
 # checkpoint names (relative to the tower) -> this module's
@@ -178,32 +179,20 @@ def pixel_shuffle(x: torch.Tensor, merge: int) -> torch.Tensor:
     return windows.reshape(tiles * cells * cells, merge * merge * channels)
 
 
-class InternVisionTransformer(VisionTower):
+class InternVisionTransformer(TileTower):
     def __init__(self, cfg: VisionConfig, tp: TPGroup, ops: KernelOps = TORCH_OPS):
-        super().__init__()
-        self.cfg, self.tp = cfg, tp
+        super().__init__(cfg, tp)
         self.width = padded_heads(cfg.num_heads, tp) * cfg.head_dim
-        self.spatial_merge_size = cfg.spatial_merge_size
-        self.out_hidden_size = cfg.out_hidden_size
-        self.side = cfg.image_size // cfg.patch_size  # patches per tile side
         dim = cfg.embed_dim
-        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, dim, bias=True)
         self.cls_token = replicated(1, 1, dim)
         self.position_embeddings = replicated(1, self.side**2 + 1, dim)
         self.layers = nn.ModuleList([InternBlock(cfg, tp, ops) for _ in range(cfg.depth)])
         width = dim * cfg.spatial_merge_size**2
         self.multi_modal_projector = InternProjector(width, cfg.out_hidden_size, tp)
 
-    def calibration_grids(self) -> tuple[tuple[int, int, int], ...]:
-        return tile_probes(self.side)
-
     def tiles(self, grid_thw: torch.Tensor) -> int:
         """The call's tile count; every grid must be whole tiles of the position table's size."""
-        grid = grid_thw.long().reshape(-1, 3)
-        if bool((grid[:, 1:] != self.side).any()):
-            raise ValueError(f"InternViT encodes tiles of {self.side}x{self.side} patches, got "
-                             f"grids {grid.tolist()}")
-        return int(grid[:, 0].sum())
+        return vit.fixed_tiles(grid_thw, self.side, "InternViT")
 
     def forward(
         self, pixel_values: Pixels, grid_thw: torch.Tensor, shard: TPGroup | None = None
@@ -214,8 +203,7 @@ class InternVisionTransformer(VisionTower):
         cls = self.cls_token.expand(tiles, 1, -1)
         x = torch.cat((cls, patches), dim=1) + self.position_embeddings
         x = x.reshape(tiles * length, -1)
-        bounds = torch.arange(tiles + 1, dtype=torch.int32) * length
-        segments = Segments.build(bounds, x.device)
+        segments = vit.tile_segments(tiles, length, x.device)
         for layer in self.layers:
             x = layer(x, segments, shard)
         grid = x.view(tiles, length, -1)[:, 1:].reshape(tiles, self.side, self.side, -1)
@@ -238,8 +226,8 @@ class InternVisionTransformer(VisionTower):
         return weight
 
 
-def rename(name: str) -> str:
-    for old, new in RENAMES:
+def rename(name: str, renames: tuple[tuple[str, str], ...] = RENAMES) -> str:
+    for old, new in renames:
         if name.startswith(old):
             return new + name[len(old) :]
     return name

@@ -75,6 +75,21 @@ def vision_position_ids(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def fixed_tiles(grid_thw: torch.Tensor, side: int, tower: str) -> int:
+    """The call's tile (or image) count, for a tower that encodes fixed-size tiles of
+    side x side patches: every grid must be whole such tiles (ValueError naming `tower`)."""
+    grid = grid_thw.long().reshape(-1, 3)
+    if bool((grid[:, 1:] != side).any()):
+        raise ValueError(f"{tower} encodes tiles of {side}x{side} patches, got grids "
+                         f"{grid.tolist()}")
+    return int(grid[:, 0].sum())
+
+
+def tile_segments(tiles: int, length: int, device: torch.device) -> Segments:
+    """One attention segment of `length` tokens per tile."""
+    return Segments.build(torch.arange(tiles + 1, dtype=torch.int32) * length, device)
+
+
 # ---------------------------------------------------------------- patch embedding
 
 # A call's pixels: one [patches, patch_dim] tensor, or one such block per item (in order)
@@ -363,3 +378,20 @@ def tile_probes(side: int) -> tuple[tuple[int, int, int], ...]:
     """Calibration grids for a tower that encodes tiles of `side` x `side` patches only: its
     items' work is their tile count, so the probes count tiles."""
     return tuple((n, side, side) for n in TILE_PROBES)
+
+
+class TileTower(VisionTower):
+    """A tower over fixed-size square tiles (InternViT, SigLIP): its config and group, merge
+    window, output width, patches per tile side and the patch embedding (with a bias); its
+    calibration probes count tiles. Each tower checks (or pads) its own head count."""
+
+    def __init__(self, cfg: VisionConfig, tp: TPGroup):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.spatial_merge_size = cfg.spatial_merge_size
+        self.out_hidden_size = cfg.out_hidden_size
+        self.side = cfg.image_size // cfg.patch_size  # patches per tile side
+        self.patch_embed = VisionPatchEmbed(cfg.patch_dim, cfg.embed_dim, bias=True)
+
+    def calibration_grids(self) -> tuple[tuple[int, int, int], ...]:
+        return tile_probes(self.side)

@@ -150,10 +150,12 @@ class VisionEncoderModel(nn.Module):
 
 
 class VisionLanguageModel(VisionEncoderModel):
-    """Vision tower + fusion + decoder. Media tokens attend causally, like text: a family whose
-    image attention rule is another is refused here (`IMAGE_ATTENTION`)."""
+    """Vision tower + fusion + decoder. Media tokens attend causally, like text, or (a family
+    whose image attention is "bidirectional_item") to every token of their own item as well:
+    the scheduler's model runner gives the batch each token's item span. A composite lacking
+    a family's rule refuses it here (`IMAGE_ATTENTION`)."""
 
-    IMAGE_ATTENTION = ("causal",)
+    IMAGE_ATTENTION: tuple[str, ...] = ("causal", "bidirectional_item")
 
     def __init__(
         self,

@@ -10,7 +10,8 @@ its length). A step whose requests are those of the last complete step, in the s
 exactly one token longer, writes the new token's column and its mask entry and reads no pool
 slot. Any other step (a request joined, left, was retracted or refilled; an extend or a mixed
 step ran; the block is full; the last step stopped half way) rebuilds the blocks from the pool
-once. Blocks past `max_bytes` are not kept: those steps take the gathering path.
+once. Blocks past `max_bytes` are not kept: those steps take the gathering path. A local layer
+(`AttentionLayer.sliding_window`) adds a mask over the keys before its window.
 
 The pool stays the only source of truth: a rebuild reads it, an append writes the same K/V the
 pool got this step. Padding columns hold finite values (zeros or another key of the request), so
@@ -145,7 +146,10 @@ class RunningKV:
         width = max(blocks.lens)
         q_g = q.reshape(requests * layer.num_kv_heads, groups, d).float()
         k_t = blocks.k_t[layer.layer_id][:, :, :width]
-        scores = torch.baddbmm(self._mask_view, q_g, k_t, alpha=layer.scaling)
+        mask = self._mask_view
+        if layer.sliding_window is not None:  # a local layer: only the last keys of each
+            mask = mask + _window_mask(blocks.lens, layer.sliding_window, layer.num_kv_heads)
+        scores = torch.baddbmm(mask, q_g, k_t, alpha=layer.scaling)
         out = torch.bmm(torch.softmax(scores, dim=-1), blocks.v[layer.layer_id][:, :width])
         return out.view(requests, heads, d).to(q.dtype)
 
@@ -184,6 +188,15 @@ def _held_slots(batch: AttentionBatch, rows: tuple[int, ...], lens: list[int]) -
     table = batch.req_to_token[list(rows), :width]
     held = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
     return torch.where(held, table, table[:, :1].expand(-1, width))
+
+
+def _window_mask(lens: list[int], window: int, kv_heads: int) -> torch.Tensor:
+    """[requests * kv_heads, 1, longest]: -inf on the keys a decode query of a local layer no
+    longer sees (more than `window` - 1 positions before it), else 0."""
+    held = torch.tensor(lens)[:, None]
+    hidden = torch.arange(max(lens))[None, :] < held - window
+    mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+    return mask[:, None, :].expand(-1, kv_heads, -1).reshape(-1, 1, hidden.shape[1])
 
 
 def _mask_view(blocks: _Blocks, kv_heads: int, width: int) -> torch.Tensor:

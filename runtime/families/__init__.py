@@ -6,11 +6,12 @@ looks a family up here (`family_for` a config.json, `get_family` by name) and ne
 
 from __future__ import annotations
 
-from runtime.families import glm4v, internvl, qwen2_5_vl, qwen2_vl, qwen3_vl
+from runtime.families import gemma3, glm4v, internvl, qwen2_5_vl, qwen2_vl, qwen3_vl
 from runtime.families.base import Family, ModelConfigError
 
 _BUILT_IN = (
-    qwen2_vl.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl.FAMILY, internvl.FAMILY, glm4v.FAMILY
+    qwen2_vl.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl.FAMILY, internvl.FAMILY, glm4v.FAMILY,
+    gemma3.FAMILY,
 )  # fmt: skip
 
 FAMILIES: dict[str, Family] = {}

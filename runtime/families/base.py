@@ -58,6 +58,11 @@ class MediaTokens:
     video_frame_pad: str = ""
     video_start_id_key: str = "video_start_token_id"
     video_end_id_key: str = "video_end_token_id"
+    # What the template writes for an image where that is neither the pad nor the wrapped run
+    # (Gemma 3: the start token alone), and text the processor puts on both sides of an
+    # expanded run (Gemma 3: "\n\n"). A family without videos has no video pad ("").
+    template_mark: str = ""
+    surround: str = ""
 
     def config_ids(self, ids: dict[str, int]) -> dict[str, int]:
         """The config.json id fields of these tokens, given the tokenizer's ids by string."""
@@ -90,6 +95,8 @@ class MediaTokens:
     def wrapped(self, modality: Modality) -> str:
         """One item's run as the chat template writes it: start, the pad, end (or the pad
         alone, where the processor places start and end: `template_wraps`)."""
+        if self.template_mark and modality == Modality.IMAGE:
+            return self.template_mark
         if not self.template_wraps:
             return self.pad(modality)
         start, end = self.bounds(modality)
@@ -99,11 +106,17 @@ class MediaTokens:
         """The prompt text of an item of `count` tokens: its pads, wrapped in start/end where
         the template does not write them."""
         pads = self.pad(modality) * count
-        return pads if self.template_wraps else self.start + pads + self.end
+        run = pads if self.template_wraps else self.start + pads + self.end
+        return self.surround + run + self.surround
 
     @property
-    def pads(self) -> tuple[str, str]:
-        return self.image_pad, self.video_pad
+    def pads(self) -> tuple[str, ...]:
+        return tuple(p for p in (self.image_pad, self.video_pad) if p)
+
+    def marked(self, prompt: str) -> str:
+        """`prompt` with each template mark replaced by the image pad (what
+        `expand_placeholders` splits at)."""
+        return prompt.replace(self.template_mark, self.image_pad) if self.template_mark else prompt
 
     @property
     def processor_tokens(self) -> tuple[str, ...]:
@@ -115,6 +128,12 @@ class MediaTokens:
     def pad_re(self) -> re.Pattern[str]:
         """Splits a prompt at its pads, keeping them."""
         return re.compile("(" + "|".join(re.escape(p) for p in self.pads) + ")")
+
+    @functools.cached_property
+    def mark_re(self) -> re.Pattern[str]:
+        """Finds where a text prompt marks its media: a pad, or a template mark."""
+        marks = (*self.pads, self.template_mark) if self.template_mark else self.pads
+        return re.compile("|".join(re.escape(p) for p in marks))
 
 
 @dataclass(frozen=True)
@@ -154,6 +173,11 @@ class VideoStamp:
     keep_bounds: bool = False
 
 
+def crop_kwargs(min_tiles: int, max_tiles: int) -> dict[str, Any]:
+    """The image processor's settings that cut an image into min..max tiles (GotOcr2's)."""
+    return {"crop_to_patches": True, "min_patches": min_tiles, "max_patches": max_tiles}
+
+
 @dataclass(frozen=True)
 class Tiling:
     """A family that cuts an image into fixed-size square tiles (the processor's tile side,
@@ -161,9 +185,12 @@ class Tiling:
     (tiles, side / patch, side / patch), encoded alone.
 
     count(height, width, side, min_tiles, max_tiles): how many tiles an image of that size
-        takes, a thumbnail included (pure; what a header alone is charged)."""
+        takes, a thumbnail included (pure; what a header alone is charged).
+    processor_kwargs(min_tiles, max_tiles): the image processor's arguments that tile it."""
 
     count: Callable[[int, int, int, int, int], int]
+    processor_kwargs: Callable[[int, int], dict[str, Any]] = crop_kwargs
+    processor_kwargs: Callable[[int, int], dict[str, Any]] = crop_kwargs
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,17 @@ def vision_fields(v: dict, text_hidden: int, top: dict | None = None) -> Fields:
     if v.get("norm_type", "layer_norm") not in NORM_TYPES:
         raise ModelConfigError(f"vision norm_type {v['norm_type']!r} is not one of {NORM_TYPES}")
     return dict(
+        **tile_tower_fields(v, text_hidden, patch, side, merge),
+        norm_type=str(v.get("norm_type", "layer_norm")),
+        qk_norm=bool(v.get("use_qk_norm", False)),
+        attention_bias=bool(v.get("attention_bias", False)),
+    )
+
+
+def tile_tower_fields(v: dict, text_hidden: int, patch: int, side: int, merge: int) -> Fields:
+    """The vision fields of a tower over fixed-size square tiles of `side` pixels (InternViT,
+    SigLIP), read from its HF vision config `v`; `merge`: the window folded into one token."""
+    return dict(
         depth=int(v["num_hidden_layers"]),
         embed_dim=int(v["hidden_size"]),
         num_heads=int(v["num_attention_heads"]),
@@ -83,10 +94,7 @@ def vision_fields(v: dict, text_hidden: int, top: dict | None = None) -> Fields:
         in_channels=int(v.get("num_channels", 3)),
         hidden_act=str(v.get("hidden_act", "gelu")),
         image_size=side,
-        norm_type=str(v.get("norm_type", "layer_norm")),
         norm_eps=float(v.get("layer_norm_eps", 1e-6)),
-        qk_norm=bool(v.get("use_qk_norm", False)),
-        attention_bias=bool(v.get("attention_bias", False)),
     )
 
 
@@ -120,11 +128,17 @@ PREFIXES = (
 )
 
 
-def checkpoint_name(name: str) -> str:
-    for old, new in PREFIXES:
+def renamed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    """`name` with the first of `prefixes` (old, new) it starts with replaced; else Qwen2-VL's
+    layouts' rule."""
+    for old, new in prefixes:
         if name.startswith(old):
             return new + name[len(old) :]
     return qwen2_vl.checkpoint_name(name)
+
+
+def checkpoint_name(name: str) -> str:
+    return renamed(name, PREFIXES)
 
 
 def tile_grid(

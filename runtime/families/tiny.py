@@ -28,6 +28,12 @@ class TinyCheckpoint:
     special_tokens: the family's own special tokens as (tokenizer_config.json key, token), added
         to the tiny tokenizer after the shared (Qwen) ones and named in its config by that key.
     chat_template: the family's chat template (None: the shared Qwen2-VL-Instruct one).
+    pieces: plain (not special) added tokens its tokenizer holds as single pieces (Gemma's
+        newline runs).
+    init(name, shape): (mean, std) of a published tensor where the family's own computation
+        wants other values than the shared rule's (None: the shared rule).
+    eos_tokens / bos_token: its end-of-sequence tokens (generation_config.json, the tokenizer's
+        eos) and its begin-of-sequence token (None: none).
     """
 
     presets: tuple[str, ...]
@@ -39,3 +45,7 @@ class TinyCheckpoint:
     processor: Callable[[str], dict[str, Any]] | None = None
     special_tokens: tuple[tuple[str, str], ...] = ()
     chat_template: str | None = None
+    pieces: tuple[str, ...] = ()
+    init: Callable[[str, tuple[int, ...]], tuple[float, float] | None] = lambda name, shape: None
+    eos_tokens: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
+    bos_token: str | None = None

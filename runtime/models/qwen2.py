@@ -130,6 +130,10 @@ def permute_qk_on_load(qkv: QKVParallelLinear, perm: torch.Tensor) -> None:
 
 
 class Qwen2DecoderLayer(nn.Module):
+    ATTENTION: type[nn.Module] = Qwen2Attention
+    MLP: type[nn.Module] = Qwen2MLP
+    NORM: type[nn.Module] = RMSNorm
+
     def __init__(
         self,
         cfg: TextConfig,
@@ -139,13 +143,13 @@ class Qwen2DecoderLayer(nn.Module):
         ops: KernelOps = TORCH_OPS,
     ):
         super().__init__()
-        self.self_attn = Qwen2Attention(cfg, layer_id, tp, backend, ops)
-        self.mlp = Qwen2MLP(cfg, tp, ops)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = self.ATTENTION(cfg, layer_id, tp, backend, ops)
+        self.mlp = self.MLP(cfg, tp, ops)
+        self.input_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, ops)
         if cfg.post_norms:
-            self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-            self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+            self.post_self_attn_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, ops)
+            self.post_mlp_layernorm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_norms = cfg.post_norms
 
     def forward(
@@ -168,15 +172,18 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
+    LAYER: type[nn.Module] = Qwen2DecoderLayer
+    NORM: type[nn.Module] = RMSNorm
+
     def __init__(
         self, cfg: TextConfig, tp: TPGroup, backend: AttentionBackend, ops: KernelOps = TORCH_OPS
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Qwen2DecoderLayer(cfg, i, tp, backend, ops) for i in range(cfg.num_hidden_layers)
+            self.LAYER(cfg, i, tp, backend, ops) for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.norm = self.NORM(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(
         self, embeds: torch.Tensor, batch: ForwardBatch, deepstack: torch.Tensor | None = None
@@ -196,12 +203,14 @@ class Qwen2Model(nn.Module):
 class Qwen2ForCausalLM(nn.Module):
     """Decoder plus LM head; `forward` takes input embeddings (text and vision already fused)."""
 
+    MODEL: type[nn.Module] = Qwen2Model
+
     def __init__(
         self, cfg: TextConfig, tp: TPGroup, backend: AttentionBackend, ops: KernelOps = TORCH_OPS
     ):
         super().__init__()
         self.cfg = cfg
-        self.model = Qwen2Model(cfg, tp, backend, ops)
+        self.model = self.MODEL(cfg, tp, backend, ops)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -222,6 +231,9 @@ class Qwen2ForCausalLM(nn.Module):
         hidden = self.model(embeds, batch, deepstack)
         if not batch.is_decode:  # decode: every row is last
             hidden = hidden[batch.last_token_indices]
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     STACKED = {

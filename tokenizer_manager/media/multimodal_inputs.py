@@ -59,7 +59,7 @@ def check_text_prompt(text: str, tokens: MediaTokens) -> None:
 
 def with_placeholders(text: str, modalities: list[Modality], tokens: MediaTokens) -> str:
     """A text prompt with media but no placeholders gets one wrapped run per item in front."""
-    if not modalities or tokens.pad_re.search(text):
+    if not modalities or tokens.mark_re.search(text):
         return text
     return "".join(tokens.wrapped(m) for m in modalities) + text
 
@@ -122,7 +122,7 @@ def expand_placeholders(prompt: str, media: list[PreparedMedia], config: ModelCo
     tokens = config.family.tokens
     if config.timestamped_video and not config.family.video_stamp.keep_bounds:
         prompt = prompt.replace(tokens.wrapped(Modality.VIDEO), tokens.video_pad)
-    pieces = tokens.pad_re.split(prompt)
+    pieces = tokens.pad_re.split(tokens.marked(prompt))
     if sum(p in tokens.pads for p in pieces) != len(media):
         raise ValueError(f"prompt has a media placeholder count other than {len(media)} items")
     queue = iter(media)
@@ -144,10 +144,13 @@ def expand_placeholder_ids(
     token count (and wrapped in start/end where the template does not write them): the ids of
     `expand_placeholders`' text without tokenizing it again (the placeholders are special
     tokens, so the text around them tokenizes alike). None where only text can say it:
-    timestamped videos, whose timestamps are text.
+    timestamped videos, whose timestamps are text, and a family whose processor puts text
+    around each item (`MediaTokens.surround`: it tokenizes together with its neighbours).
 
     Raises ValueError when the placeholders do not match the media in number or kind."""
     if config.timestamped_video and any(m.modality == Modality.VIDEO for m in media):
+        return None
+    if config.family.tokens.surround and media:
         return None
     kinds = {config.image_token_id: Modality.IMAGE, config.video_token_id: Modality.VIDEO}
     found = [i for i, token in enumerate(ids) if token in kinds]

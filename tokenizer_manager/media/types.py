@@ -15,6 +15,7 @@ import torch
 
 from runtime.families import Family, family_for, get_family
 from runtime.families.base import check_aspect_ratio
+from runtime.model_config import text_and_vision
 from runtime.multimodal import Modality
 from runtime.transport.shm import SharedTensor
 from tokenizer_manager.media.limits import MediaError, MediaLimits
@@ -117,9 +118,11 @@ class ProcessorSpec:
         video = dataclasses.replace(video, max_frames=min(video.max_frames, limits.max_frames))
         defaults = {} if "size" in config else {"min_pixels": IMAGE_MIN_PIXELS}
         defaults |= {} if "size" in config else {"max_pixels": IMAGE_MAX_PIXELS}
-        image = VideoProcessingConfig.from_preprocessor_config({**defaults, **config})
-        family = family_for(read_json(Path(model_path) / "config.json"))
-        return cls(str(model_path), video, image, family.name)
+        # the merge window is the model's (a preprocessor_config.json may not name it)
+        raw = read_json(Path(model_path) / "config.json")
+        merge = {"merge_size": text_and_vision(raw)[1].spatial_merge_size}
+        image = VideoProcessingConfig.from_preprocessor_config({**defaults, **config}, **merge)
+        return cls(str(model_path), video, image, family_for(raw).name)
 
 
 @dataclass(frozen=True)

@@ -127,11 +127,10 @@ def resized_image(image: Any, spec: ProcessorSpec) -> tuple[np.ndarray, tuple[in
 
 def tiled_image(image: Any, spec: ProcessorSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
     """The processor's tiles of the image (a tiling family's: `Family.tiling`), as patch rows."""
-    cfg = spec.image
-    tiles = image_processor(spec.model_path)(
-        images=[image], crop_to_patches=True, min_patches=cfg.min_tiles,
-        max_patches=cfg.max_tiles, return_tensors="np",
-    )  # fmt: skip
+    cfg, tiling = spec.image, spec.model_family.tiling
+    assert tiling is not None
+    kwargs = tiling.processor_kwargs(cfg.min_tiles, cfg.max_tiles)
+    tiles = image_processor(spec.model_path)(images=[image], return_tensors="np", **kwargs)
     return tile_patches(tiles["pixel_values"], cfg.patch_size)
 
 
