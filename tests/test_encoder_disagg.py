@@ -6,6 +6,7 @@ holds."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from runtime.tiny_checkpoint import make_checkpoint
 from runtime.transport.encoder_wire import ZmqEncoderTransport
 
 TEXT = "Say something about the sea."
+SECRET = "disagg-test-key"  # the module's encoder server signs (and checks) every message
+KEYED = ("--encoder-secret", SECRET)
+KEY = SECRET.encode()
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,7 @@ def oracle(folder: str) -> dict:
 
 @pytest.fixture(scope="module")
 def encoder(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EncoderProc]:
-    proc = start_encoder(folder, tmp_path_factory.mktemp("enclog") / "encoder.log")
+    proc = start_encoder(folder, tmp_path_factory.mktemp("enclog") / "encoder.log", *KEYED)
     yield proc
     proc.stop()
 
@@ -54,13 +58,13 @@ def encoder(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
 @pytest.fixture(scope="module")
 def llm(folder: str, encoder: EncoderProc, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("llmlog") / "server.log"
-    flags = ["--tp", "1", "--encoder-urls", encoder.job_url]
+    flags = ["--tp", "1", "--encoder-urls", encoder.job_url, *KEYED]
     yield from serve_then_check_teardown(Server(folder, log, *flags))
 
 
-def encoded(encoder: EncoderProc) -> dict:
+def encoded(encoder: EncoderProc, key: bytes | None = None) -> dict:
     """The encoder server's counters (its health answer)."""
-    client = ZmqEncoderTransport(encoder.job_url)
+    client = ZmqEncoderTransport(encoder.job_url, key)
     try:
         client.send({"op": "health", "job": 1})
         reply = client.recv(60)
@@ -98,23 +102,42 @@ def test_outputs_equal_hf_with_an_encoder_server(
     llm: Server, encoder: EncoderProc, oracle: dict
 ) -> None:
     assert "no vision tower" in llm.log.read_text()  # the ranks did not load it
-    before = encoded(encoder)
+    before = encoded(encoder, KEY)
     assert text_of(llm, one_image()) == oracle["text"]["one_image"]
     assert text_of(llm, two_images()) == oracle["text"]["two_images"]
     assert streamed(llm, one_image()) == oracle["text"]["one_image"]
     assert text_of(llm, [{"type": "text", "text": TEXT}]) == oracle["text"]["text"]
-    after = encoded(encoder)
+    after = encoded(encoder, KEY)
     assert after["items_encoded"] - before["items_encoded"] == 2  # noise, gradient: once each
     assert after["jobs"] - before["jobs"] >= 3
     assert_idle_and_leak_free(llm)
 
 
+def test_video_through_the_encoder_server_equals_hf(llm: Server, oracle: dict) -> None:
+    url = "data:video/mp4;base64," + base64.b64encode(oracle["video"]).decode()
+    content = [{"type": "video_url", "video_url": {"url": url}},
+               {"type": "text", "text": "What happens?"}]  # fmt: skip
+    assert text_of(llm, content) == oracle["text"]["video"]
+    assert_idle_and_leak_free(llm)
+
+
+def test_an_unsigned_health_probe_gets_no_answer(encoder: EncoderProc) -> None:
+    """The keyed encoder server the LLM server uses answers signed messages only."""
+    client = ZmqEncoderTransport(encoder.job_url)
+    try:
+        client.send({"op": "health", "job": 1})
+        assert client.recv(3) is None
+    finally:
+        client.close()
+    assert encoded(encoder, KEY)["ok"] is True
+
+
 def test_a_repeated_image_is_encoded_once(llm: Server, encoder: EncoderProc, oracle: dict) -> None:
     content = [image_part(gradient_image()), {"type": "text", "text": QUESTION}]
-    before = encoded(encoder)
+    before = encoded(encoder, KEY)
     first, second = text_of(llm, content), text_of(llm, content)
     assert first == second == oracle["text"]["other_image"]
-    after = encoded(encoder)
+    after = encoded(encoder, KEY)
     assert after["items_encoded"] - before["items_encoded"] <= 1  # already seen: 0
     assert after["hits"] - before["hits"] >= 1
     assert_idle_and_leak_free(llm)
@@ -126,13 +149,13 @@ def test_two_replicas_share_one_encoder_server(
     """--dp 2 with round robin: the same new image, sent twice, lands on both replicas and is
     encoded once by the shared encoder server."""
     flags = ["--tp", "1", "--dp", "2", "--dp-policy", "round_robin"]
-    server = Server(folder, tmp_path / "dp.log", *flags, "--encoder-urls", encoder.job_url)
+    server = Server(folder, tmp_path / "dp.log", *flags, "--encoder-urls", encoder.job_url, *KEYED)
     try:
         content = [image_part(noise_image((84, 56), seed=11)), {"type": "text", "text": "Hi."}]
-        before = encoded(encoder)
+        before = encoded(encoder, KEY)
         first, second = text_of(server, content), text_of(server, content)
         assert first == second
-        after = encoded(encoder)
+        after = encoded(encoder, KEY)
         assert after["items_encoded"] - before["items_encoded"] == 1
         assert text_of(server, one_image()) == oracle["text"]["one_image"]
         assert streamed(server, two_images()) == oracle["text"]["two_images"]
