@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -112,3 +113,9 @@ def print_served(out: dict[str, Any], args: argparse.Namespace) -> None:
               f"{got['median_ratio']:.2f}x (per round {ratios})")
     plans = [r["plans"] for r in out["runs"] if r["mode"] == "auto"]
     print(f"auto's plans per round: {plans}")
+
+
+if __name__ == "__main__":  # the same as bench_vit_dp_vs_tp.py --served
+    import bench_vit_dp_vs_tp
+
+    bench_vit_dp_vs_tp.main(["--served", *sys.argv[1:]])
