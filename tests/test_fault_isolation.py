@@ -94,7 +94,8 @@ def test_media_features_must_be_finite(bad: float | None) -> None:
     feature = torch.randn(6, 4)
     if bad is not None:
         feature[4, 1] = bad
-    item = SimpleNamespace(offsets=[(1, 3)], pad_value=7, feature=feature, num_patches=6)
+    item = SimpleNamespace(offsets=[(1, 3)], pad_value=7, feature=feature, num_patches=6,
+                           embedded=False)
     prompt = [0, 7, 7, 0]
     if bad is None:
         check_item(item, prompt)
@@ -117,7 +118,8 @@ def test_media_placeholders_must_hold_the_items_pad_value(
 ) -> None:
     """Each placeholder run lies inside the prompt, non-empty, and every token of it is the
     item's pad value."""
-    item = SimpleNamespace(offsets=offsets, pad_value=7, feature=None, num_patches=2)
+    item = SimpleNamespace(offsets=offsets, pad_value=7, feature=None, num_patches=2,
+                           embedded=False)
     prompt = [0, 7, 7, 0]
     if message is None:
         check_item(item, prompt)

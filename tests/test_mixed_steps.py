@@ -46,6 +46,7 @@ class FakeRunner(ModelRunner):
         self.req_pool = ReqToTokenPool(max_running, 256, "cpu")
         self.kv_pool = KVPool(kv_tokens, 1, 1, 4, torch.float32, "cpu")
         self.macs_per_token = self.macs_per_context = 0  # every decode step counts as small
+        self.bidirectional_items = False
 
 
 def make_scheduler(

@@ -45,6 +45,8 @@ def build_cases(ckpt: FamilyCases) -> list[Case]:
     if ckpt.takes_video:
         cases.append(ckpt.case("video0", [video_frames(), QUESTIONS[2]]))
         cases.append(ckpt.case("video1", [video_frames(), QUESTIONS[3]], system=SYSTEM))
+    # an image and a video in one prompt: transformers' GLM-4.1V cannot run it (no oracle)
+    if ckpt.takes_video and ckpt.config.family.name != "glm4v":
         video = [video_frames(seed=4), gradient_image(), "Say."]
         cases.append(ckpt.case("video_two_images", video))
     cases.append(ckpt.case("long_text", [" ".join(QUESTIONS * 6)], system=SYSTEM))

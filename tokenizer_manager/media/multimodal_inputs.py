@@ -48,11 +48,13 @@ def check_rendered_chat(prompt: str, media: list[Modality], tokens: MediaTokens)
 
 def check_text_prompt(text: str, tokens: MediaTokens) -> None:
     """A text prompt may mark where its media go with placeholders (bare, or wrapped in
-    start/end: `MediaTokens.wrapped`), but holds no start/end token of its own (ValueError)."""
+    start/end: `MediaTokens.wrapped`), but holds no start/end token of its own, a video's own
+    boundaries included (ValueError)."""
     bare = text
     for modality in Modality:
         bare = bare.replace(tokens.wrapped(modality), "")
-    for token in (tokens.start, tokens.end):
+    video = (tokens.video_start, tokens.video_end) if tokens.video_start else ()
+    for token in (tokens.start, tokens.end, *video):
         if token in bare:
             raise ValueError(_typed(token))
 
