@@ -3,8 +3,11 @@ prompt expansion against transformers' Gemma3Processor, checkpoint names of both
 layouts, the attention rule of its images (bidirectional inside an image, OR-ed into the causal
 and the sliding-window masks) against transformers' own masks, and the composite model against
 transformers' `Gemma3ForConditionalGeneration` at tp 1 and 2, vision tower in TP, DP and auto
-mode: prefill logits whole, chunked (chunks moved off the inside of images, as the scheduler
-moves them) and 16 greedy tokens.
+mode (tp 4: TP mode on one image): prefill logits whole, chunked (chunks moved off the inside of
+images, as the scheduler moves them) and 16 greedy tokens. Pan-and-scan: the crop count of a
+header against the processor's, a request's `do_pan_and_scan` through the media worker (pixels,
+grid, digest), bad crop settings refused by name, and a parity case of an image with two crops
+(three `<start_of_image>` runs of one item, each attending both ways within itself only).
 
 The oracle's inputs come from transformers' own Gemma3Processor (its chat template rendering,
 Gemma3ImageProcessorPil's pixels, its `\\n\\n<start_of_image>...<end_of_image>\\n\\n` expansion and
@@ -13,6 +16,7 @@ Gemma3ImageProcessorPil's pixels, its `\\n\\n<start_of_image>...<end_of_image>\\
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -30,16 +34,24 @@ from kernels.attention.torch_backend import extend_mask
 from runtime.families import gemma3
 from runtime.model_config import ModelConfig, ModelConfigError
 from runtime.multimodal import Modality
+from tokenizer_manager.media.limits import MediaLimits
 from tokenizer_manager.media.multimodal_inputs import (
     PreparedMedia,
     expand_placeholder_ids,
     expand_placeholders,
 )
+from tokenizer_manager.media.settings import checked_settings, request_spec
+from tokenizer_manager.media.types import ProcessorSpec
 from tokenizer_manager.media.video_processor import tile_patches
+from tokenizer_manager.media.worker import process_image_bytes
+from tokenizer_manager.protocol import APIError
 
 MODES = ("tp", "dp", "auto")
 NEW_TOKENS = 16
-CASES = ("text", "image", "two_images")
+CASES = ("text", "image", "two_images", "pan_and_scan")
+# A long image that pan-and-scan cuts into 2 crops (256 px a side at least, the processor's own
+# minimum): 3 tiles, each its own <start_of_image> run
+WIDE = noise_image((256, 600), seed=7)
 LONG_TEXT = ("Describe the cat in the picture on the table next to the cup of tea, and tell me "
              "where each object is.")  # fmt: skip
 
@@ -60,18 +72,31 @@ def hf_processor(folder: Path) -> Any:
     )  # fmt: skip
 
 
-def image_media(processor: Any, image: Image.Image) -> PreparedMedia:
-    """The processor's pixels of one image (no pan-and-scan), as tessera's patch rows."""
-    out = processor.image_processor(images=[image], do_pan_and_scan=False, return_tensors="np")
+def image_media(processor: Any, image: Image.Image, pan_and_scan: bool = False) -> PreparedMedia:
+    """The processor's pixels of one image (the whole image, then its pan-and-scan crops when
+    asked for, with Gemma3Processor's own crop settings), as tessera's patch rows."""
+    crops = gemma3.crop_kwargs(1, 1 + gemma3.MAX_CROPS) if pan_and_scan else {}
+    out = processor.image_processor(images=[image], return_tensors="np",
+                                    **{"do_pan_and_scan": False, **crops})  # fmt: skip
     rows, grid = tile_patches(out["pixel_values"], 14)
+    assert grid[0] == 1 + int(out["num_crops"][0])
     return PreparedMedia(Modality.IMAGE, torch.from_numpy(rows), grid)
 
 
-def make_case(processor: Any, config: ModelConfig, name: str, content: list[Any]) -> Case:
-    """HF's inputs from its processor (bidirectional images: `token_type_ids`); tessera's from
-    its own text expansion (which must agree; no ids splice: see below)."""
+def make_case(
+    processor: Any, config: ModelConfig, name: str, content: list[Any], pan_and_scan: bool = False
+) -> Case:
+    """HF's inputs from its processor (bidirectional images: `token_type_ids`; with
+    `pan_and_scan`, its `do_pan_and_scan=True`); tessera's from its own text expansion (which
+    must agree; no ids splice: see below)."""
     keys = ("pixel_values", "token_type_ids")
-    return vlm.processor_case(processor, config, name, content, image_media, keys, False)
+    settings = {"do_pan_and_scan": True} if pan_and_scan else None
+
+    def media(proc: Any, image: Image.Image) -> PreparedMedia:
+        return image_media(proc, image, pan_and_scan)
+
+    return vlm.processor_case(processor, config, name, content, media, keys, False,
+                              settings=settings)  # fmt: skip
 
 
 def standard_cases(folder: Path) -> list[Case]:
@@ -81,6 +106,7 @@ def standard_cases(folder: Path) -> list[Case]:
         make_case(processor, config, "image", [noise_image((80, 60)), "What is in the picture?"]),
         make_case(processor, config, "two_images",
                   [gradient_image(), "and", noise_image(), "Compare them."]),
+        make_case(processor, config, "pan_and_scan", [WIDE, "What is in the picture?"], True),
     ]  # fmt: skip
 
 
@@ -172,8 +198,69 @@ def test_prompt_ids_come_from_text_only() -> None:
     media = [PreparedMedia(Modality.IMAGE, torch.zeros(64, 588), (1, 8, 8))]
     ids = [1, config.vision_start_token_id, 2]
     assert expand_placeholder_ids(ids, media, config) is None
+    with pytest.raises(ValueError, match="placeholder count"):  # a typed mark, no image
+        expand_placeholder_ids(ids, [], config)
     text = expand_placeholders("a<start_of_image>b", media, config)
     assert text == "a\n\n<start_of_image>" + "<image_soft_token>" * 16 + "<end_of_image>\n\nb"
+
+
+# ----------------------------------------------------------------------------- pan-and-scan
+
+SIZES = [(256, 600), (600, 256), (256, 1100), (1200, 260), (300, 300), (256, 300), (250, 900),
+         (80, 60), (256, 511), (256, 512), (257, 1800)]  # fmt: skip
+
+
+def test_crop_count_is_the_processors(folder: Path) -> None:
+    """The header's count of tiles (the whole image and its crops) equals the number of
+    images Gemma3ImageProcessorPil makes with Gemma3Processor's own pan-and-scan settings."""
+    processor = hf_processor(folder).image_processor
+    kwargs = gemma3.crop_kwargs(1, 1 + gemma3.MAX_CROPS)
+    for height, width in SIZES:
+        image = noise_image((height, width))
+        crops = processor(images=[image], return_tensors="np", **kwargs)["num_crops"][0]
+        assert gemma3.crop_count(height, width, 112, 1, 1 + gemma3.MAX_CROPS) == 1 + crops
+        assert gemma3.crop_count(height, width, 112, 1, 1) == 1
+
+
+def request_crops(folder: Path, raw: dict) -> tuple[ProcessorSpec, tuple[int, int, int]]:
+    """A request's spec with these mm_processor_kwargs, and the grid its header is charged for
+    the wide image."""
+    spec = ProcessorSpec.from_checkpoint(str(folder), MediaLimits())
+    spec = request_spec(spec, checked_settings(raw, spec))
+    return spec, spec.image_grid(*WIDE.size[::-1])
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_requests_pan_and_scan_is_the_processors(folder: Path, on: bool) -> None:
+    """The worker's tiles with a request's do_pan_and_scan equal the processor's, its header
+    is charged for them, and the item's digest (every cache's key) says the setting."""
+    spec, grid = request_crops(folder, {"do_pan_and_scan": on})
+    png = io.BytesIO()
+    WIDE.save(png, format="PNG")
+    ours = process_image_bytes(png.getvalue(), spec, MediaLimits())
+    theirs = image_media(hf_processor(folder), WIDE, on)
+    assert ours.grid_thw == theirs.grid_thw == grid == ((3, 8, 8) if on else (1, 8, 8))
+    assert torch.equal(ours.to_prepared().pixel_values, theirs.pixel_values)
+    plain = process_image_bytes(png.getvalue(), request_crops(folder, {})[0], MediaLimits())
+    assert (ours.digest == plain.digest) == (not on)
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ({"do_pan_and_scan": "yes"}, "do_pan_and_scan"),
+        ({"do_pan_and_scan": 1}, "do_pan_and_scan"),
+        ({"min_patches": 2}, "min_patches"),  # InternVL's processor's, not Gemma 3's
+        ({"crop_to_patches": True}, "crop_to_patches"),
+        ({"max_pixels": 100000}, "max_pixels"),
+        ({"pan_and_scan_max_num_crops": 2}, "pan_and_scan_max_num_crops"),
+    ],
+)
+def test_bad_crop_settings_are_refused_by_name(folder: Path, raw: dict, param: str) -> None:
+    with pytest.raises(APIError) as info:
+        request_crops(folder, raw)
+    assert info.value.status == 400 and info.value.param == f"mm_processor_kwargs.{param}"
+    assert param in info.value.message
 
 
 # ----------------------------------------------------------------------------- weights
@@ -227,16 +314,21 @@ def test_both_layouts_load_the_same_model(folder: Path, tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- attention rule
 
 
+@pytest.mark.parametrize("name", ["two_images", "pan_and_scan"])
 @pytest.mark.parametrize("window", [None, 16, 24])
-def test_image_attention_is_transformers_masks(oracle: dict[str, Case], window: int | None) -> None:
-    """The torch backend's mask for a prompt with two images equals transformers' full and
-    sliding masks built from its `token_type_ids` (create_masks_for_vision_model), whole and
-    for a chunk that starts at the second image over a cached prefix. transformers applies the
+def test_image_attention_is_transformers_masks(
+    oracle: dict[str, Case], window: int | None, name: str
+) -> None:
+    """The torch backend's mask for a prompt with two images (or one image and its two
+    pan-and-scan crops: each run attends both ways within itself only, never to the next crop's)
+    equals transformers' full and sliding masks built from its `token_type_ids`
+    (create_masks_for_vision_model), whole and for a chunk that starts at the second run over a
+    cached prefix. transformers applies the
     window to the image's own keys too; the two agree because an image is never longer than
     the window (16 soft tokens here; a longer one is refused with the config)."""
     from transformers.models.gemma3 import modeling_gemma3 as hf
 
-    case = oracle["two_images"]
+    case = oracle[name]
     types, n = case.hf_inputs["token_type_ids"], case.hf_inputs["input_ids"].shape[1]
     config = _text_config(window)
     blocks = hf.get_block_sequence_ids_for_mask(types)
@@ -252,7 +344,7 @@ def test_image_attention_is_transformers_masks(oracle: dict[str, Case], window: 
             spans[lo:hi] = torch.tensor([lo, hi])
     layer = AttentionLayer(0, 1, 1, 8, 1.0, sliding_window=window)
     assert torch.equal(extend_mask(n, n, layer, spans, torch.device("cpu")), expected)
-    second = case.mm.items[1].offsets[0][0]
+    second = [lo for item in case.mm.items for lo, _ in item.offsets][1]
     tail = extend_mask(n - second, n, layer, spans[second:], torch.device("cpu"))
     assert torch.equal(tail, expected[second:])
 
@@ -272,7 +364,10 @@ def _text_config(window: int | None) -> Any:
 
 def test_cases_cover_one_and_two_images(oracle: dict[str, Case]) -> None:
     grids = {name: [i.grid_thw for i in c.mm.items] for name, c in oracle.items() if c.mm}
-    assert grids == {"image": [(1, 8, 8)], "two_images": [(1, 8, 8), (1, 8, 8)]}
+    assert grids == {"image": [(1, 8, 8)], "two_images": [(1, 8, 8), (1, 8, 8)],
+                     "pan_and_scan": [(3, 8, 8)]}  # fmt: skip
+    crops = oracle["pan_and_scan"].mm.items[0].offsets
+    assert len(crops) == 3 and all(hi - lo == gemma3.SOFT_TOKENS for lo, hi in crops)
     assert oracle["two_images"].mm.items[0].num_tokens == gemma3.SOFT_TOKENS
     assert len(oracle["text"].input_ids) > 24  # past the sliding window
     assert len(oracle["two_images"].input_ids) > 2 * 24
@@ -280,4 +375,5 @@ def test_cases_cover_one_and_two_images(oracle: dict[str, Case]) -> None:
 
 
 ranks, test_prefill_logits_match_hf, test_greedy_tokens_match_hf_on_every_rank, \
-    test_no_kv_slot_is_left_behind = vlm.parity_tests("gemma3", MODES, CASES, NEW_TOKENS)
+    test_no_kv_slot_is_left_behind = vlm.parity_tests("gemma3", MODES, CASES, NEW_TOKENS,
+                                                      tps=(1, 2, 4), subsets=vlm.TP4_SUBSET)

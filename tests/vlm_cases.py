@@ -269,12 +269,14 @@ def patch_embed_as_gemm(model: Any) -> Any:
 
 def run_parity_ranks(
     tp: int, arch: str, folder: Path, oracle: dict[str, Case], modes: tuple[str, ...],
-    new_tokens: int,
+    new_tokens: int, names: tuple[str, ...] | None = None,
 ) -> tuple[int, list]:  # fmt: skip
+    """Every rank's results of the oracle's cases (those of `names` only, when given) in each
+    encoder mode."""
     from dist_utils import run_on_ranks
     from parity_worker import parity_worker
 
-    cases = [(c.name, c.input_ids, c.mm) for c in oracle.values()]
+    cases = [(c.name, c.input_ids, c.mm) for c in oracle.values() if not names or c.name in names]
     jobs = [(arch, str(folder), mode, cases) for mode in modes]
     return tp, run_on_ranks(parity_worker, tp, jobs, new_tokens, timeout=500)
 
@@ -317,13 +319,15 @@ def processor_case(
     hf_keys: tuple[str, ...] = ("pixel_values",),
     ids_path: bool = True,
     turns: list[tuple[str, list[Any]]] | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> Case:
     """A case whose HF inputs come from transformers' own processor (its chat template, its
     pixels, its placeholder expansion; `hf_keys` of its output go to the model with images);
     tessera's prompt ids, from its own text expansion (and, with `ids_path`, its splice of the
     ids, `expand_placeholder_ids`), must equal them. `media_of(processor, image)`: tessera's
     PreparedMedia of one image. `turns`: a conversation of (role, content) instead of one user
-    message of `content` (its images in order)."""
+    message of `content` (its images in order). `settings`: the processor's keyword arguments
+    (as a request's mm_processor_kwargs asks for them; `media_of` must apply them too)."""
     from tokenizer_manager.media.multimodal_inputs import expand_placeholder_ids
 
     turns = turns or [("user", content)]
@@ -332,7 +336,7 @@ def processor_case(
                 for role, parts in turns]  # fmt: skip
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     images = [p for _, parts in turns for p in parts if isinstance(p, Image.Image)]
-    hf = processor(images=images or None, text=[prompt], return_tensors="pt")
+    hf = processor(images=images or None, text=[prompt], return_tensors="pt", **(settings or {}))
     media = [media_of(processor, image) for image in images]
     ids = processor.tokenizer(expand_placeholders(prompt, media, config))["input_ids"]
     assert ids == hf["input_ids"][0].tolist(), name
@@ -346,22 +350,37 @@ def processor_case(
     return Case(name, inputs, our_ids, mm)
 
 
+# tp 4 parity in one encoder mode (TP: the tower's heads split four ways) on one small image: the
+# suite's time; every mode and case runs at tp 1 and 2
+TP4_SUBSET = {4: (("tp",), ("image",))}
+
+
 def parity_tests(  # noqa: ANN201
     arch: str, modes: tuple[str, ...], cases: tuple[str, ...], new_tokens: int,
-    tps: tuple[int, ...] = (1, 2),
+    tps: tuple[int, ...] = (1, 2), subsets: dict[int, tuple[tuple[str, ...], tuple[str, ...]]]
+    | None = None,
 ):  # fmt: skip
     """The parity tests of one family's test module (its `folder` and `oracle` fixtures): the
-    `ranks` fixture at each TP size of `tps`, and tests of every mode and case. A module takes
-    them as `ranks, test_a, test_b, test_c = parity_tests(...)`."""
+    `ranks` fixture at each TP size of `tps`, and tests of every mode and case; at a TP size of
+    `subsets`, only its (modes, cases) are run and tested (the suite's time: e.g. tp 4 in one
+    encoder mode on the cheapest case). A module takes them as
+    `ranks, test_a, test_b, test_c = parity_tests(...)`."""
     import pytest
 
-    @pytest.fixture(scope="module", params=list(tps), ids=lambda tp: f"tp{tp}")
+    subsets = subsets or {}
+    plan = {tp: subsets.get(tp, (modes, cases)) for tp in tps}
+
+    @pytest.fixture(scope="module")
     def ranks(request: Any, folder: Path, oracle: dict) -> tuple[int, list]:
-        return run_parity_ranks(request.param, arch, folder, oracle, modes, new_tokens)
+        tp = request.param
+        tp_modes, names = plan[tp]
+        return run_parity_ranks(tp, arch, folder, oracle, tp_modes, new_tokens, names)
 
     def each(fn: Callable) -> Callable:
-        fn = pytest.mark.parametrize("case", cases)(fn)
-        return pytest.mark.parametrize("mode", modes, ids=[f"vit_{m}" for m in modes])(fn)
+        runs = [pytest.param(tp, mode, case, id=f"tp{tp}-vit_{mode}-{case}")
+                for tp, (tp_modes, names) in plan.items()
+                for mode in tp_modes for case in names]  # fmt: skip
+        return pytest.mark.parametrize(("ranks", "mode", "case"), runs, indirect=["ranks"])(fn)
 
     @each
     def test_prefill_logits_match_hf(ranks, folder, oracle, mode: str, case: str) -> None:  # noqa: ANN001
@@ -371,6 +390,7 @@ def parity_tests(  # noqa: ANN201
     def test_greedy_tokens_match_hf_on_every_rank(ranks, oracle, mode: str, case: str) -> None:  # noqa: ANN001
         check_greedy_tokens(ranks, (arch, mode), oracle[case], new_tokens)
 
+    @pytest.mark.parametrize("ranks", list(tps), indirect=True, ids=lambda tp: f"tp{tp}")
     def test_no_kv_slot_is_left_behind(ranks) -> None:  # noqa: ANN001
         check_no_kv_left(ranks)
 

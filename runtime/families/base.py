@@ -186,11 +186,20 @@ class Tiling:
 
     count(height, width, side, min_tiles, max_tiles): how many tiles an image of that size
         takes, a thumbnail included (pure; what a header alone is charged).
-    processor_kwargs(min_tiles, max_tiles): the image processor's arguments that tile it."""
+    processor_kwargs(min_tiles, max_tiles): the image processor's arguments that tile it.
+    keys: the `mm_processor_kwargs` a request may set (settings.py checks each and turns it into
+        min_tiles / max_tiles): InternVL's tile counts, or Gemma 3's `do_pan_and_scan`.
+    switched_on: max_tiles when a request turns cropping on with a switch (`do_pan_and_scan`:
+        the whole image and up to that many crops less one); 0 where no key is a switch.
+    tile_text(run, tiles): the prompt text of an image of `tiles` tiles, each tile a placeholder
+        run of its own (`run`: one tile's, surround included): Gemma 3's crops, each its own
+        `<start_of_image>` run. None: one run holds every tile's tokens (InternVL)."""
 
     count: Callable[[int, int, int, int, int], int]
     processor_kwargs: Callable[[int, int], dict[str, Any]] = crop_kwargs
-    processor_kwargs: Callable[[int, int], dict[str, Any]] = crop_kwargs
+    keys: tuple[str, ...] = ("min_patches", "max_patches", "crop_to_patches")
+    switched_on: int = 0
+    tile_text: Callable[[str, int], str] | None = None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ RoPE bases, tied embeddings, optional final logit softcapping. Positions are pla
 The chat template writes `<start_of_image>` per image; the processor expands it to
 `\\n\\n<start_of_image>` + `<image_soft_token>` x N + `<end_of_image>\\n\\n`. The soft tokens of one
 image attend to each other both ways (image attention "bidirectional_item"). An image is one
-tile of `image_size` pixels (Family.tiling with one tile; pan-and-scan crops are not served).
+tile of `image_size` pixels; with pan-and-scan (a request's `do_pan_and_scan`) a long image
+also gives 2 to 4 crops, each a tile of its own run after the whole image's
+(Family.tiling: `crop_count`, `crop_text`), each run attending both ways within itself only,
+as transformers' token-type mask has it.
 
 Two config layouts are read: the published one (`rope_local_base_freq`, `rope_scaling` for the
 global layers, `sliding_window_pattern`) and transformers 5.x's (`layer_types`, and
@@ -18,6 +21,7 @@ global layers, `sliding_window_pattern`) and transformers 5.x's (`layer_types`, 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from runtime.families import base, internvl, qwen2_vl
@@ -128,13 +132,54 @@ def checkpoint_name(name: str) -> str:
     return ".".join(NORMS.get(p, p) if name.startswith("model.") else p for p in parts)
 
 
-def one_tile(*_: Any) -> int:
-    """An image is one tile of the tower's size (no pan-and-scan crops)."""
-    return 1
+# Pan-and-scan (Gemma3Processor's own settings, which it passes over the image processor's):
+# an image whose aspect ratio reaches CROP_RATIO is cut along its long side into 2 to
+# MAX_CROPS crops of at least MIN_CROP px a side, each encoded as the whole image is.
+MIN_CROP, MAX_CROPS, CROP_RATIO = 256, 4, 1.2
 
 
-def no_crops(min_tiles: int, max_tiles: int) -> dict[str, Any]:
-    return {"do_pan_and_scan": False}
+def crop_grid(height: int, width: int, max_crops: int = MAX_CROPS) -> tuple[int, int]:
+    """(rows, columns) of an image's pan-and-scan crops, (0, 0) without any (pure; the rule of
+    transformers' Gemma3ImageProcessor.pan_and_scan)."""
+    long, short = max(height, width), min(height, width)
+    if long / short < CROP_RATIO:
+        return 0, 0
+    count = min(int(math.floor(long / MIN_CROP)), int(math.floor(long / short + 0.5)))
+    count = min(max_crops, max(2, count))
+    crop_long, crop_short = math.ceil(long / count), short
+    if min(crop_long, crop_short) < MIN_CROP:
+        return 0, 0
+    return (1, count) if width >= height else (count, 1)
+
+
+def crop_count(height: int, width: int, side: int, min_tiles: int, max_tiles: int) -> int:
+    """Tiles of an image: the whole image, and its crops when pan-and-scan is on (max_tiles,
+    the whole image and at most max_tiles - 1 crops, above 1)."""
+    if max_tiles <= 1:
+        return 1
+    rows, columns = crop_grid(height, width, max_tiles - 1)
+    return 1 + rows * columns
+
+
+def crop_kwargs(min_tiles: int, max_tiles: int) -> dict[str, Any]:
+    if max_tiles <= 1:
+        return {"do_pan_and_scan": False}
+    return {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": MIN_CROP,
+            "pan_and_scan_max_num_crops": max_tiles - 1,
+            "pan_and_scan_min_ratio_to_activate": CROP_RATIO}  # fmt: skip
+
+
+def crop_text(run: str, tiles: int) -> str:
+    """Gemma3Processor's text of an image with crops: the whole image's run, then each crop's."""
+    if tiles == 1:
+        return run
+    crops = " ".join([run] * (tiles - 1))
+    return (f"Here is the original image {run} and here are some crops to help you see "
+            f"better {crops}")  # fmt: skip
+
+
+TILING = base.Tiling(crop_count, crop_kwargs, keys=("do_pan_and_scan",),
+                     switched_on=1 + MAX_CROPS, tile_text=crop_text)  # fmt: skip
 
 
 def no_resize(*_: Any, **__: Any) -> tuple[int, int]:
@@ -275,6 +320,6 @@ FAMILY = Family(
     tower_class="vision.siglip_vit:SiglipVisionTower",
     decoder_class="runtime.models.gemma3:Gemma3ForCausalLM",
     checkpoint_name=checkpoint_name, tokens=TOKENS, resize=no_resize, item_tokens=item_tokens,
-    tiny=TINY, positions=base.PositionKind("1d"), tiling=base.Tiling(one_tile, no_crops),
+    tiny=TINY, positions=base.PositionKind("1d"), tiling=TILING,
     image_attention="bidirectional_item",
 )  # fmt: skip

@@ -18,6 +18,7 @@ position grid of one frame. Positions follow the family's position kind (`Family
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -107,6 +108,11 @@ def placeholder_text(media: PreparedMedia, config: ModelConfig) -> str:
     per temporal patch with a timestamp for a family's timestamped videos)."""
     merge, count = config.vision.spatial_merge_size, config.family.item_tokens
     tokens, stamp = config.family.tokens, config.family.video_stamp
+    runs = _run_count(media, config)
+    if media.modality == Modality.IMAGE and runs > 1:  # each tile its own run
+        t, h, w = media.grid_thw
+        run = tokens.expanded(media.modality, count((1, h, w), merge))
+        return _tile_text(config)(run, t)
     if media.modality != Modality.VIDEO or not config.timestamped_video:
         return tokens.expanded(media.modality, count(media.grid_thw, merge))
     t, h, w = media.grid_thw
@@ -148,6 +154,8 @@ def expand_placeholder_ids(
     tokens, so the text around them tokenizes alike). None where only text can say it:
     timestamped videos, whose timestamps are text, and a family whose processor puts text
     around each item (`MediaTokens.surround`: it tokenizes together with its neighbours).
+    A template mark that is the start token (Gemma 3's `<start_of_image>`) counts as a
+    placeholder, so such a mark with no item to stand for is refused too.
 
     Raises ValueError when the placeholders do not match the media in number or kind."""
     if config.timestamped_video and any(m.modality == Modality.VIDEO for m in media):
@@ -155,6 +163,8 @@ def expand_placeholder_ids(
     if config.family.tokens.surround and media:
         return None
     kinds = {config.image_token_id: Modality.IMAGE, config.video_token_id: Modality.VIDEO}
+    if config.family.tokens.template_mark == config.family.tokens.start:  # Gemma 3's mark
+        kinds[config.vision_start_token_id] = Modality.IMAGE
     found = [i for i, token in enumerate(ids) if token in kinds]
     if len(found) != len(media):
         raise ValueError(f"prompt has a media placeholder count other than {len(media)} items")
@@ -234,12 +244,11 @@ def build_multimodal_inputs(
         video_token_id=config.video_token_id,
         vision_start_token_id=config.vision_start_token_id,
         spatial_merge_size=config.vision.spatial_merge_size,
-        image_grid_thw=[x.grid_thw for x in by_kind[Modality.IMAGE]],
+        image_grid_thw=[grid for x in by_kind[Modality.IMAGE] for grid in _run_grids(x, config)],
         video_grid_thw=[grid for grid, _ in runs],
         second_per_grid_ts=[seconds for _, seconds in runs],
     )
-    per_video = [_run_count(x, config) for x in by_kind[Modality.VIDEO]]
-    items = [make_item(m, group) for m, group in _group_spans(spans, by_kind, per_video)]
+    items = [make_item(m, group) for m, group in _group_spans(spans, media, config)]
     ids = list(input_ids)
     for item in items:
         for start, end in item.offsets:
@@ -263,9 +272,26 @@ def _frames_as_video(ids: list[int], config: ModelConfig) -> list[int]:
     return out
 
 
-def _run_count(video: PreparedMedia, config: ModelConfig) -> int:
-    """Placeholder runs of a video: one per temporal patch when timestamped, else one."""
-    return video.grid_thw[0] if config.timestamped_video else 1
+def _run_count(media: PreparedMedia, config: ModelConfig) -> int:
+    """Placeholder runs of an item: one per temporal patch of a timestamped video, one per tile
+    of an image where each tile is a run of its own (`Tiling.tile_text`), else one."""
+    if media.modality == Modality.VIDEO:
+        return media.grid_thw[0] if config.timestamped_video else 1
+    tiling = config.family.tiling
+    return media.grid_thw[0] if tiling is not None and tiling.tile_text is not None else 1
+
+
+def _tile_text(config: ModelConfig) -> Callable[[str, int], str]:
+    tiling = config.family.tiling
+    assert tiling is not None and tiling.tile_text is not None
+    return tiling.tile_text
+
+
+def _run_grids(image: PreparedMedia, config: ModelConfig) -> list[tuple[int, int, int]]:
+    """The grid of each placeholder run of an image (one per tile where tiles are runs)."""
+    t, h, w = image.grid_thw
+    runs = _run_count(image, config)
+    return [(t // runs, h, w)] * runs
 
 
 def _video_runs(
@@ -281,17 +307,17 @@ def _video_runs(
 
 
 def _group_spans(
-    spans: list[MRopeItem], by_kind: dict[Modality, list[PreparedMedia]], per_video: list[int]
+    spans: list[MRopeItem], media: list[PreparedMedia], config: ModelConfig
 ) -> list[tuple[PreparedMedia, list[MRopeItem]]]:
-    """Pair every item with its placeholder runs (several for a timestamped video)."""
-    queues = {m: iter(by_kind[m]) for m in Modality}
-    runs = iter(per_video)
+    """Pair every item with its placeholder runs (several for a timestamped video or an image
+    whose tiles are runs)."""
+    queues = {m: iter([x for x in media if x.modality == m]) for m in Modality}
     groups: list[tuple[PreparedMedia, list[MRopeItem]]] = []
     pending = iter(spans)
     for span in pending:
-        media = next(queues[span.modality])
-        count = next(runs) if span.modality == Modality.VIDEO else 1
-        groups.append((media, [span, *(next(pending) for _ in range(count - 1))]))
+        item = next(queues[span.modality])
+        count = _run_count(item, config)
+        groups.append((item, [span, *(next(pending) for _ in range(count - 1))]))
     return groups
 
 

@@ -7,7 +7,9 @@ rounds it; the frames are spread as tessera spreads them at `fps`), `min_frames`
 `max_frames` (GLM-4.1V's video processor samples by `fps` alone: the frame keys are refused
 there); for a family that tiles images (InternVL's GotOcr2 processor) `min_patches`,
 `max_patches` (tile counts, a thumbnail aside) and `crop_to_patches` (false: the image as one
-tile), the pixel bounds being refused there. A request's spec is what its items are resized,
+tile), the pixel bounds being refused there; for Gemma 3 `do_pan_and_scan` (true: the whole
+image and up to 4 crops of a long image, as its processor cuts them), every other tiling key
+refused there. A request's spec is what its items are resized,
 sampled, digested and cached by: `worker.media_digest` hashes the whole spec, so an item
 processed with one setting never serves a request that asked for another (the processed-item
 cache, the encoder cache and the radix cache all key on that digest)."""
@@ -25,7 +27,9 @@ PARAM = "mm_processor_kwargs"
 PIXEL_KEYS = ("min_pixels", "max_pixels")
 FRAME_KEYS = ("min_frames", "max_frames")
 TILE_KEYS = ("min_patches", "max_patches", "crop_to_patches")
-KEYS = (*PIXEL_KEYS, *TILE_KEYS, "fps", "num_frames", *FRAME_KEYS)
+SWITCH_KEYS = ("do_pan_and_scan",)  # a family's cropping switch (`Tiling.switched_on`)
+TILE_SET = frozenset((*TILE_KEYS, *SWITCH_KEYS))
+KEYS = (*PIXEL_KEYS, *TILE_KEYS, *SWITCH_KEYS, "fps", "num_frames", *FRAME_KEYS)
 MAX_FPS = 60.0
 
 
@@ -82,19 +86,24 @@ def checked_settings(raw: dict[str, Any] | None, spec: ProcessorSpec) -> dict[st
 
 
 def _tile_settings(raw: dict[str, Any], spec: ProcessorSpec) -> dict[str, Any]:
-    """The tiling keys of a tiling family (refused by name for any other, as the pixel bounds
-    are for a tiling one): tile counts up to the server's own most."""
-    tiling = spec.model_family.tiling is not None
-    wrong = next((k for k in (PIXEL_KEYS if tiling else TILE_KEYS) if k in raw), None)
+    """The tiling keys of a tiling family, the ones its processor takes (`Tiling.keys`; any
+    other tiling key, and the pixel bounds, refused by name, as the tiling keys are for a
+    family that resizes): tile counts up to the server's own most, switches true or false."""
+    tiling = spec.model_family.tiling
+    allowed = tiling.keys if tiling is not None else ()
+    other = (*PIXEL_KEYS, *TILE_KEYS, *SWITCH_KEYS) if tiling else (*TILE_KEYS, *SWITCH_KEYS)
+    wrong = next((k for k in other if k in raw and k not in allowed), None)
     if wrong is not None:
         kind = "tile images; pixel bounds do not apply" if tiling else "do not tile images"
+        kind = f"do not take it (they take {', '.join(allowed)})" if wrong in TILE_SET else kind
         raise _bad(wrong, f"{spec.family} checkpoints {kind}")
     most = spec.image.max_tiles
     settings = {k: _integer(k, raw[k], 1, most) for k in TILE_KEYS[:2] if k in raw}
-    if "crop_to_patches" in raw:
-        if not isinstance(raw["crop_to_patches"], bool):
-            raise _bad("crop_to_patches", f"must be true or false, got {raw['crop_to_patches']!r}")
-        settings["crop_to_patches"] = raw["crop_to_patches"]
+    for key in ("crop_to_patches", *SWITCH_KEYS):
+        if key in raw:
+            if not isinstance(raw[key], bool):
+                raise _bad(key, f"must be true or false, got {raw[key]!r}")
+            settings[key] = raw[key]
     _check_order(settings, "min_patches", "max_patches")
     return settings
 
@@ -111,7 +120,7 @@ def request_spec(spec: ProcessorSpec, settings: dict[str, Any]) -> ProcessorSpec
     if not settings:
         return spec
     pixels = {k: settings[k] for k in PIXEL_KEYS if k in settings}
-    image = _tiled(_bounded(spec.image, pixels), settings)
+    image = _tiled(_bounded(spec.image, pixels), settings, spec)
     frames = {k: settings[k] for k in ("fps", "num_frames", *FRAME_KEYS) if k in settings}
     if "min_frames" not in frames and "max_frames" in frames:
         frames["min_frames"] = min(spec.video.min_frames, frames["max_frames"])
@@ -121,9 +130,14 @@ def request_spec(spec: ProcessorSpec, settings: dict[str, Any]) -> ProcessorSpec
     return dataclasses.replace(spec, image=image, video=video)
 
 
-def _tiled(config: Any, settings: dict[str, Any]) -> Any:
+def _tiled(config: Any, settings: dict[str, Any], spec: ProcessorSpec) -> Any:
     """The image config with the request's tile counts; without cropping, one tile (the whole
-    image resized to it, no thumbnail)."""
+    image resized to it, no thumbnail); a switch turned on: the family's tiles for it."""
+    switch = next((settings[k] for k in SWITCH_KEYS if k in settings), None)
+    if switch is not None:
+        tiling = spec.model_family.tiling
+        most = tiling.switched_on if switch and tiling is not None else 1
+        return dataclasses.replace(config, min_tiles=1, max_tiles=most)
     if settings.get("crop_to_patches") is False:
         return dataclasses.replace(config, min_tiles=1, max_tiles=1)
     most = settings.get("max_patches", config.max_tiles)
