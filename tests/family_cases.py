@@ -1,7 +1,7 @@
 """One way to build oracle cases for any family's tiny checkpoint, so a test that covers a serving
-path takes the family as a parameter: InternVL's cases come from transformers' own
-InternVLProcessor (its tiles and expansion), every other family's from the checkpoint's
-tokenizer, chat template and image processor (`vlm_cases.Checkpoint`)."""
+path takes the family as a parameter: InternVL's and Gemma 3's cases come from transformers' own
+InternVLProcessor / Gemma3Processor (their tiles or crops and expansion), every other family's
+from the checkpoint's tokenizer, chat template and image processor (`vlm_cases.Checkpoint`)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,9 @@ class FamilyCases:
         self.config = ModelConfig.from_dir(self.folder)
         self.arch = self.config.arch
         self.takes_video = Modality.VIDEO in self.config.family.modalities
-        if self.arch == "internvl":
-            from test_internvl import hf_processor
-
-            self.processor = hf_processor(self.folder)
+        if self.arch in ("internvl", "gemma3"):
+            module = __import__(f"test_{self.arch}")
+            self.processor = module.hf_processor(self.folder)
             self.tokenizer = self.processor.tokenizer
         else:
             self.ckpt = Checkpoint(self.folder)
@@ -44,6 +43,12 @@ class FamilyCases:
             from test_internvl import make_case
 
             return make_case(self.processor, self.config, name, content, system, **settings)
+        if self.arch == "gemma3":
+            from test_gemma3 import make_case as gemma_case
+
+            assert system is None and set(settings) <= {"do_pan_and_scan"}
+            pan_and_scan = settings.get("do_pan_and_scan", False)
+            return gemma_case(self.processor, self.config, name, content, pan_and_scan)
         if settings:
             content = [self.image_media(p, settings) if isinstance(p, Image.Image) else p
                        for p in content]  # fmt: skip

@@ -4,8 +4,10 @@ several chunks, mixed steps on), reused by every check. Against transformers (th
 processor, chat template and generate): a resent image conversation reports its cached tokens,
 a different image in the same place shares no KV, an image after other text hits the encoder
 cache, requests prefilled while another decodes (mixed steps), `n` choices, top logprobs, a
-json_schema response format, a repetition penalty, the processed-media cache and the family's
-`mm_processor_kwargs` (honoured where its processor has the key, a 400 naming it otherwise).
+json_schema response format, a repetition penalty, the processed-media cache, the family's
+`mm_processor_kwargs` (honoured where its processor has the key, a 400 naming it otherwise:
+Gemma 3's pan-and-scan crops among them), two images streamed and counted by /tokenize, and
+the family's media tokens typed by a client refused (chat and completions).
 
 A family joins with one line in FAMILIES and one in SETTINGS. The Qwen families' same paths are
 covered by test_server, test_openai_sampling, test_structured_server and test_media_settings."""
@@ -24,11 +26,12 @@ from family_cases import FamilyCases
 from grammar_cases import SCHEMAS
 from test_server import Server, client, idle_info
 from transformers.generation import logits_process as hf
-from vlm_cases import hf_generate, noise_image, run_hf
+from vlm_cases import gradient_image, hf_generate, noise_image, run_hf
 
+from runtime.multimodal import Modality
 from runtime.tiny_checkpoint import make_checkpoint
 
-FAMILIES = ("internvl", "glm4v")
+FAMILIES = ("internvl", "glm4v", "gemma3")
 CHUNK = 8  # prefill chunk of the servers: every image prompt takes several
 NEW = 12
 LONG = 48  # HF's tokens of the decode that later requests are prefilled beside
@@ -42,13 +45,16 @@ CONTENT = {
     "other_image": [OTHER, QUESTION],
     "look": ["Look closely.", IMAGE, QUESTION],
     "wide": [WIDE, QUESTION],
+    "two_images": [gradient_image(), "and", OTHER, "Compare them."],
 }
 # Per family: (a request's mm_processor_kwargs its processor has, the processor's own keyword
-# arguments for them, a key of another family's processor)
+# arguments for them, a key of another family's processor, the image the setting changes)
 SETTINGS = {
-    "internvl": ({"max_patches": 2}, {"max_patches": 2}, "max_pixels"),
+    "internvl": ({"max_patches": 2}, {"max_patches": 2}, "max_pixels", WIDE),
     "glm4v": ({"max_pixels": 12544},
-              {"size": {"shortest_edge": 3136, "longest_edge": 12544}}, "max_patches"),
+              {"size": {"shortest_edge": 3136, "longest_edge": 12544}}, "max_patches", WIDE),
+    "gemma3": ({"do_pan_and_scan": True}, {"do_pan_and_scan": True}, "min_patches",
+               noise_image((256, 600), seed=3)),  # crops need 256 px a side
 }  # fmt: skip
 
 
@@ -82,8 +88,9 @@ def oracle(cases: FamilyCases, family: str) -> dict[str, Any]:
     penalised = hf_generate(model, text, NEW, [hf.RepetitionPenaltyLogitsProcessor(PENALTY)])
     out["penalised"] = cases.text(penalised.sequences[0, len(text.input_ids) :])
     out["plain"] = cases.text(long[:NEW])
-    settings = SETTINGS[family][1]
-    out["wide_set"] = len(cases.case("wide_set", CONTENT["wide"], **settings).input_ids)
+    settings, image = SETTINGS[family][1], SETTINGS[family][3]
+    out["wide_set"] = len(cases.case("wide_set", [image, QUESTION], **settings).input_ids)
+    out["wide_unset"] = len(cases.case("wide_unset", [image, QUESTION]).input_ids)
     return out
 
 
@@ -180,6 +187,20 @@ def test_prompts_prefilled_beside_a_running_decode_equal_hf(server: Server, fami
     assert moved(server, before, "counters", "mixed_steps") > 0
 
 
+def test_two_images_streamed_and_counted_equal_hf(server: Server, family: str,
+                                                  oracle: dict) -> None:
+    """Two different images in one message, streamed: HF's text and prompt length; /tokenize
+    counts both images' tokens (their boundaries and the text the processor puts around them)."""
+    stream = chat(server, family, CONTENT["two_images"], stream=True,
+                  stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (text, chunks[-1].usage.prompt_tokens) == oracle["two_images"]
+    body = {"messages": [{"role": "user", "content": fs.parts(CONTENT["two_images"])}]}
+    counted = fs.post(server, "/tokenize", body)
+    assert (counted.status_code, counted.json()["count"]) == (200, oracle["two_images"][1])
+
+
 def test_n_choices_are_hfs_greedy_text(server: Server, family: str, oracle: dict) -> None:
     out = chat(server, family, CONTENT["image"], n=3)
     assert [c.message.content for c in out.choices] == [oracle["image"][0]] * 3
@@ -217,10 +238,10 @@ def test_the_processors_own_setting_is_honoured_and_counted(server: Server, fami
     """/tokenize (the front end's count, what the token budget charges) with the family's
     setting equals its processor's prompt length with it, and differs from the default's."""
     request = SETTINGS[family][0]
-    body = {"messages": [{"role": "user", "content": fs.parts(CONTENT["wide"])}]}
+    body = {"messages": [{"role": "user", "content": fs.parts([SETTINGS[family][3], QUESTION])}]}
     counted = fs.post(server, "/tokenize", {**body, "mm_processor_kwargs": request})
     assert counted.status_code == 200, counted.text
-    assert counted.json()["count"] == oracle["wide_set"] != oracle["wide"][1]
+    assert counted.json()["count"] == oracle["wide_set"] != oracle["wide_unset"]
     out = fs.post(server, "/v1/chat/completions", {**body, "model": family, "max_tokens": 2,
                                                    "mm_processor_kwargs": request})  # fmt: skip
     assert out.json()["usage"]["prompt_tokens"] == oracle["wide_set"]
@@ -241,6 +262,18 @@ def test_nothing_is_held_after_the_paths(server: Server, family: str) -> None:
     body = {"model": family, "max_tokens": 4,
             "messages": [{"role": "user", "content": fs.parts(CONTENT["wide"])}]}  # fmt: skip
     fs.assert_nothing_held(server, body)
+
+
+def test_media_tokens_typed_in_a_chat_are_refused(server: Server, family: str,
+                                                  cases: FamilyCases) -> None:
+    """Each boundary and placeholder token of the family, typed in a chat message's text beside
+    an image, is a 400 naming messages (and saying the token); a video, to a family that takes
+    images only, a 400 naming video_url."""
+    family_of = cases.config.family
+    for token in family_of.tokens.processor_tokens:
+        fs.assert_typed_token_refused(server, family, token)
+    if Modality.VIDEO not in family_of.modalities:
+        fs.assert_video_refused(server, family)
 
 
 def test_media_tokens_typed_in_a_prompt_are_refused(server: Server, family: str,

@@ -1,11 +1,14 @@
-"""End to end with Gemma 3: `launch.py --model-path <gemma3 folder>` at tp 1 (and tp 2 with the
-DP encoder) on CPU, used with the official openai client. Greedy text and prompt_tokens of a
-text chat, one image, two images, a conversation that sends its image again (its cached tokens
-reported) and a streamed chat equal transformers' generate on the inputs of its own
-Gemma3Processor (bidirectional images: `token_type_ids`); so do image chats on a server whose
-chunk size (8) would cut every image (16 soft tokens) in two, where the scheduler moves each
-chunk end off the image instead. The boundary and soft tokens typed by a client, and videos,
-are 400s naming the field; nothing is left held after the requests."""
+"""End to end with Gemma 3 at tp 2 with the DP encoder (`launch.py --model-path <gemma3 folder>
+--tp 2 --mm-enable-dp-encoder` on CPU), used with the official openai client: greedy text and
+prompt_tokens of one image, two images, a conversation that sends its image again (its cached
+tokens reported) and an image with pan-and-scan crops (`mm_processor_kwargs.do_pan_and_scan`:
+the whole image and two crops, three tiles the DP encoder spreads over the ranks) equal
+transformers' generate on the inputs of its own Gemma3Processor (bidirectional images:
+`token_type_ids`).
+
+The tp 1 paths (text, images, streamed, /tokenize, chunks of 8 that would cut every image,
+typed media tokens and videos refused, the pan-and-scan count) run on the one Gemma 3 server
+of tests/test_family_paths.py, beside every other family's."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any
 import family_server as fs
 import pytest
 import torch
-from test_gemma3 import LONG_TEXT, hf_processor, image_media, make_case
+from test_gemma3 import WIDE, hf_processor, image_media, make_case
 from test_server import Server, client
 from vlm_cases import gradient_image, noise_image, processor_case, run_hf
 
@@ -26,10 +29,11 @@ from runtime.tiny_checkpoint import hf_model_class, make_checkpoint
 NEW_TOKENS = 16
 QUESTION = "What is in the picture?"
 CHATS = {
-    "text": [LONG_TEXT],
     "one_image": [noise_image((80, 60)), QUESTION],
     "two_images": [gradient_image(), "and", noise_image(), "Compare them."],
+    "pan_and_scan": [WIDE, QUESTION],
 }
+CROPS = {"pan_and_scan": {"do_pan_and_scan": True}}  # a chat's mm_processor_kwargs
 FOLLOW_UP = "And what colors does it have?"
 
 
@@ -58,7 +62,7 @@ def oracle(folder: Path) -> dict[str, Any]:
         out[f"{name}_mm"], out[f"{name}_tokens"] = case.mm, tuple(case.hf_tokens)
 
     for name, content in CHATS.items():
-        run(name, make_case(processor, config, name, content))
+        run(name, make_case(processor, config, name, content, name in CROPS))
     turns = conversation(out["one_image"][0])
     keys = ("pixel_values", "token_type_ids")
     run("conversation", processor_case(processor, config, "conversation", [], image_media,
@@ -67,84 +71,11 @@ def oracle(folder: Path) -> dict[str, Any]:
 
 
 def test_oracle_outputs_differ(oracle: dict) -> None:
-    """Every chat's greedy tokens are its own (texts of byte tokens may decode alike)."""
+    """Every chat's greedy tokens are its own (texts of byte tokens may decode alike), and the
+    crops are three runs of the one item."""
     tokens = [oracle[f"{name}_tokens"] for name in (*CHATS, "conversation")]
     assert len(set(tokens)) == len(tokens)
-
-
-@pytest.fixture(scope="module")
-def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from fs.serve(folder, tmp_path_factory, "gemma_log")
-
-
-def assert_conversation_reuses_the_image(server: Server, oracle: dict) -> None:
-    """The one-image chat, then the conversation that sends its image again: HF's answer, and
-    the KV of the first turn's prompt (its image included) comes from the cache."""
-    fs.assert_chat_is_hfs(server, "gemma3", CHATS["one_image"], oracle["one_image"], NEW_TOKENS)
-    turns = conversation(oracle["one_image"][0])
-    out = fs.assert_chat_is_hfs(server, "gemma3", [], oracle["conversation"], NEW_TOKENS, turns)
-    image_end = oracle["conversation_mm"].items[0].offsets[0][1]
-    assert out.usage.prompt_tokens_details.cached_tokens >= image_end
-
-
-def test_repeated_image_conversation_equals_hf_from_the_cache(server: Server, oracle) -> None:
-    assert_conversation_reuses_the_image(server, oracle)
-
-
-@pytest.mark.parametrize("name", CHATS)
-def test_chat_equals_hf(server: Server, oracle: dict, name: str) -> None:
-    """Text, one image, two images: HF's greedy text and prompt length."""
-    fs.assert_chat_is_hfs(server, "gemma3", CHATS[name], oracle[name], NEW_TOKENS)
-
-
-def test_streamed_chat_equals_hf(server: Server, oracle: dict) -> None:
-    stream = client(server).chat.completions.create(
-        model="gemma3", messages=[{"role": "user", "content": fs.parts(CHATS["two_images"])}],
-        max_tokens=NEW_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    )  # fmt: skip
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == oracle["two_images"][0]
-    assert chunks[-1].usage.prompt_tokens == oracle["two_images"][1]
-
-
-def test_tokenize_counts_every_image_token(server: Server, oracle: dict) -> None:
-    """Both images' soft tokens, their boundaries and the newlines around them."""
-    messages = [{"role": "user", "content": fs.parts(CHATS["two_images"])}]
-    answer = fs.post(server, "/tokenize", {"messages": messages})
-    assert (answer.status_code, answer.json()["count"]) == (200, oracle["two_images"][1])
-
-
-def test_typed_media_tokens_and_videos_are_refused_and_nothing_is_held(server: Server) -> None:
-    """A client's <start_of_image>, <end_of_image> or <image_soft_token> is a 400 naming
-    messages, a video one naming video_url (Gemma 3 takes images only); after a last chat
-    nothing is held."""
-    for token in ("<start_of_image>", "<end_of_image>", "<image_soft_token>"):
-        fs.assert_typed_token_refused(server, "gemma3", token)
-    fs.assert_video_refused(server, "gemma3")
-    messages = [{"role": "user", "content": fs.parts(CHATS["two_images"])}]
-    fs.assert_nothing_held(server, {"model": "gemma3", "max_tokens": 4, "messages": messages})
-
-
-@pytest.fixture(scope="module")
-def chunked_server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """tp 1 with chunks of 8 prompt tokens: every image (16 tokens) would be cut."""
-    yield from fs.serve(folder, tmp_path_factory, "gemma_chunk_log", False,
-                        "--chunked-prefill-size", "8")  # fmt: skip
-
-
-@pytest.mark.parametrize("name", ["one_image", "two_images"])
-def test_chunked_prefill_never_splits_an_image(chunked_server, oracle, name: str) -> None:  # noqa: ANN001
-    mm = oracle[f"{name}_mm"]
-    assert any(lo % 8 and hi - lo > 8 for item in mm.items for lo, hi in item.offsets)
-    fs.assert_chat_is_hfs(chunked_server, "gemma3", CHATS[name], oracle[name], NEW_TOKENS)
-
-
-def test_chunked_server_conversation_equals_hf(chunked_server: Server, oracle: dict) -> None:
-    assert_conversation_reuses_the_image(chunked_server, oracle)
-    fs.assert_nothing_held(chunked_server, {"model": "gemma3", "max_tokens": 2, "messages": [
-        {"role": "user", "content": fs.parts(CHATS["one_image"])}]})  # fmt: skip
+    assert len(oracle["pan_and_scan_mm"].items[0].offsets) == 3
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +84,44 @@ def dp_server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     yield from fs.serve(folder, tmp_path_factory, "gemma_dp_log", dp_encoder=True)
 
 
+def assert_chat_is_hfs(server: Server, name: str, oracle: dict) -> None:
+    """A greedy chat of CHATS[name] (with its mm_processor_kwargs) answers HF's text and
+    prompt length."""
+    body = {"model": "gemma3", "max_tokens": NEW_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": fs.parts(CHATS[name])}]}  # fmt: skip
+    if name in CROPS:
+        body["mm_processor_kwargs"] = CROPS[name]
+    out = fs.post(server, "/v1/chat/completions", body)
+    assert out.status_code == 200, out.text
+    answer = out.json()
+    text, prompt_tokens = oracle[name]
+    assert answer["choices"][0]["message"]["content"] == text, name
+    assert answer["usage"]["prompt_tokens"] == prompt_tokens, name
+
+
 def test_dp_encoder_at_tp2_equals_hf(dp_server: Server, oracle: dict) -> None:
-    """One and two images, then the conversation that sends the first image again."""
-    for name in ("one_image", "two_images"):
-        fs.assert_chat_is_hfs(dp_server, "gemma3", CHATS[name], oracle[name], NEW_TOKENS)
-    assert_conversation_reuses_the_image(dp_server, oracle)
+    """One and two images, an image with its crops, then the conversation that sends the first
+    image again: HF's answer, and the KV of the first turn's prompt (its image included) comes
+    from the cache; nothing is held after."""
+    for name in CHATS:
+        assert_chat_is_hfs(dp_server, name, oracle)
+    turns = conversation(oracle["one_image"][0])
+    out = fs.assert_chat_is_hfs(dp_server, "gemma3", [], oracle["conversation"], NEW_TOKENS,
+                                turns)  # fmt: skip
+    image_end = oracle["conversation_mm"].items[0].offsets[0][1]
+    assert out.usage.prompt_tokens_details.cached_tokens >= image_end
+    messages = [{"role": "user", "content": fs.parts(CHATS["two_images"])}]
+    fs.assert_nothing_held(dp_server, {"model": "gemma3", "max_tokens": 4, "messages": messages})
+
+
+def test_the_crops_answer_differs_from_the_whole_images(dp_server: Server, oracle: dict) -> None:
+    """The same wide image after it was sent with pan-and-scan, now without: another item (the
+    setting is in its digest; served from the processed-media cache by its bytes alone it would
+    be the cropped item again, with its longer prompt), nothing reused past the image's start."""
+    out = client(dp_server).chat.completions.create(
+        model="gemma3", messages=[{"role": "user", "content": fs.parts(CHATS["pan_and_scan"])}],
+        max_tokens=2, temperature=0,
+    )  # fmt: skip
+    assert out.usage.prompt_tokens < oracle["pan_and_scan"][1]
+    start = oracle["pan_and_scan_mm"].items[0].offsets[0][0]
+    assert (out.usage.prompt_tokens_details.cached_tokens or 0) <= start
