@@ -3,8 +3,8 @@ against Glm4vImageProcessor's, the partial pairwise MRoPE and the interpolated p
 against transformers' own functions, checkpoint names of both published layouts, videos (frame
 sampling, clip resize, patch layout, the timestamped prompt and its positions against
 Glm4vVideoProcessor's and Glm4vProcessor's own functions), and the composite model against
-transformers' `Glm4vForConditionalGeneration` at tp 1, 2 and 4, vision tower in TP, DP and auto
-mode.
+transformers' `Glm4vForConditionalGeneration` at tp 1 and 2, vision tower in TP, DP and auto
+mode, and at tp 4 in TP mode on one image.
 
 The oracle's inputs are the checkpoint's tokenizer, chat template and Glm4vImageProcessorPil
 (no torchvision here: video frames are resized by tessera's code, every other video rule is

@@ -1,6 +1,7 @@
 """InternVL 3, tessera's fourth family: config reading, the tiling rule against GotOcr2's,
 checkpoint names of both published layouts, and the composite model against transformers'
-`InternVLForConditionalGeneration` at tp 1, 2 and 4, vision tower in TP, DP and auto mode.
+`InternVLForConditionalGeneration` at tp 1 and 2, vision tower in TP, DP and auto mode, and at
+tp 4 in TP mode on one image.
 
 The oracle's inputs come from transformers' own InternVLProcessor (its chat template, the
 GotOcr2 image processor's tiles, its placeholder expansion); tessera's prompt ids, built by its
@@ -280,7 +281,16 @@ def test_cases_cover_tiles_and_thumbnails(oracle: dict) -> None:
     assert cases["image"].hf_tokens != cases["wide_image"].hf_tokens  # the image matters
 
 
-@pytest.fixture(scope="module")
+# every preset in every mode, but the 5-head tower in TP mode only: its padded heads are TP's
+# (DP and auto mode run the one-rank tower, unpadded: tp 1 covers it; auto refuses it)
+PRESET_MODES = [(p, m) for p in PARITY_PRESETS for m in MODES if p != "heads5" or m == "tp"]
+# per TP size: the (preset, mode) pairs and cases run; tp 4 (the suite's time) in TP mode on one
+# small image, the padded 5-head tower with it (2 heads a rank, 3 of them zero)
+RUNS = {1: (PRESET_MODES, CASES), 2: (PRESET_MODES, CASES),
+        4: ([("tiny", "tp"), ("heads5", "tp")], ("image",))}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(RUNS), ids=lambda tp: f"tp{tp}")
 def ranks(request: pytest.FixtureRequest, folders: dict, oracle: dict) -> tuple[int, list]:
     tp = request.param
     jobs = [
@@ -297,20 +307,16 @@ def assert_logits_match(folder: Path, logits: torch.Tensor, case: Case) -> float
     return assert_within_rounding(logits, case.hf_logits, terms)
 
 
-# every preset in every mode, but the 5-head tower in TP mode only: its padded heads are TP's
-# (DP and auto mode run the one-rank tower, unpadded: tp 1 covers it; auto refuses it)
-PRESET_MODES = [(p, m) for p in PARITY_PRESETS for m in MODES if p != "heads5" or m == "tp"]
-# per TP size: the (preset, mode) pairs and cases run; tp 4 (the suite's time) in TP mode on one
-# small image, the padded 5-head tower with it (2 heads a rank, 3 of them zero)
-RUNS = {1: (PRESET_MODES, CASES), 2: (PRESET_MODES, CASES),
-        4: ([("tiny", "tp"), ("heads5", "tp")], ("image",))}  # fmt: skip
+def _keep(tp: int, params: dict) -> bool:
+    pairs, cases = RUNS[tp]
+    return (params["preset"], params["mode"]) in pairs and params["case"] in cases
 
 
 def _params(fn):
-    runs = [pytest.param(tp, p, m, case, id=f"tp{tp}-{p}-vit_{m}-{case}")
-            for tp, (pairs, cases) in RUNS.items() for p, m in pairs for case in cases]  # fmt: skip
-    return pytest.mark.parametrize(("ranks", "preset", "mode", "case"), runs,
-                                   indirect=["ranks"])(fn)  # fmt: skip
+    fn = pytest.mark.parametrize("case", CASES)(fn)
+    ids = [f"{p}-vit_{m}" for p, m in PRESET_MODES]
+    fn = pytest.mark.parametrize(("preset", "mode"), PRESET_MODES, ids=ids)(fn)
+    return pytest.mark.parity_subset.with_args(_keep)(fn)
 
 
 @_params
@@ -333,7 +339,6 @@ def test_greedy_tokens_match_hf_on_every_rank(
         assert results[rank][(preset, mode)][case]["tokens"] == expected, f"rank {rank}"
 
 
-@pytest.mark.parametrize("ranks", list(RUNS), indirect=True, ids=lambda tp: f"tp{tp}")
 def test_no_kv_slot_is_left_behind(ranks) -> None:
     for per_rank in ranks[1]:
         assert all(r["_kv_free"] and r["_cut"]["_kv_free"] for r in per_rank.values())
@@ -421,6 +426,7 @@ def test_tile_settings_of_a_request_are_gotocr2s(folder: Path, raw: dict) -> Non
         ({"min_patches": 5, "max_patches": 2}, "min_patches"),
         ({"crop_to_patches": "yes"}, "crop_to_patches"),
         ({"max_pixels": 100000}, "max_pixels"),
+        ({"do_pan_and_scan": True}, "do_pan_and_scan"),  # Gemma 3's processor's
     ],
 )
 def test_bad_tile_settings_are_refused_by_name(folder: Path, raw: dict, param: str) -> None:

@@ -79,6 +79,8 @@ def hf_pixels(folder: str, image: Image.Image, **kwargs: int) -> tuple[np.ndarra
         ({"num_frames": 4, "fps": 1.0}, "mm_processor_kwargs.num_frames"),
         ({"size": {"longest_edge": 4}}, "mm_processor_kwargs.size"),
         ({"max_pixels": 3136, "do_resize": False}, "mm_processor_kwargs.do_resize"),
+        ({"do_pan_and_scan": True}, "mm_processor_kwargs.do_pan_and_scan"),  # Gemma 3's
+        ({"max_patches": 2}, "mm_processor_kwargs.max_patches"),  # InternVL's
     ],
 )
 def test_out_of_range_and_unknown_keys_are_refused_by_name(

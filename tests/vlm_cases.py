@@ -362,25 +362,29 @@ def parity_tests(  # noqa: ANN201
 ):  # fmt: skip
     """The parity tests of one family's test module (its `folder` and `oracle` fixtures): the
     `ranks` fixture at each TP size of `tps`, and tests of every mode and case; at a TP size of
-    `subsets`, only its (modes, cases) are run and tested (the suite's time: e.g. tp 4 in one
-    encoder mode on the cheapest case). A module takes them as
+    `subsets`, only its (modes, cases) are run, and the tests of the others deselected
+    (conftest.py's `parity_subset` marker; the suite's time: e.g. tp 4 in one encoder mode on
+    the cheapest case). A module takes them as
     `ranks, test_a, test_b, test_c = parity_tests(...)`."""
     import pytest
 
     subsets = subsets or {}
     plan = {tp: subsets.get(tp, (modes, cases)) for tp in tps}
 
-    @pytest.fixture(scope="module")
+    @pytest.fixture(scope="module", params=list(tps), ids=lambda tp: f"tp{tp}")
     def ranks(request: Any, folder: Path, oracle: dict) -> tuple[int, list]:
         tp = request.param
         tp_modes, names = plan[tp]
         return run_parity_ranks(tp, arch, folder, oracle, tp_modes, new_tokens, names)
 
+    def keep(tp: int, params: dict[str, Any]) -> bool:
+        tp_modes, names = plan[tp]
+        return params["mode"] in tp_modes and params["case"] in names
+
     def each(fn: Callable) -> Callable:
-        runs = [pytest.param(tp, mode, case, id=f"tp{tp}-vit_{mode}-{case}")
-                for tp, (tp_modes, names) in plan.items()
-                for mode in tp_modes for case in names]  # fmt: skip
-        return pytest.mark.parametrize(("ranks", "mode", "case"), runs, indirect=["ranks"])(fn)
+        fn = pytest.mark.parametrize("case", cases)(fn)
+        fn = pytest.mark.parametrize("mode", modes, ids=[f"vit_{m}" for m in modes])(fn)
+        return pytest.mark.parity_subset.with_args(keep)(fn)
 
     @each
     def test_prefill_logits_match_hf(ranks, folder, oracle, mode: str, case: str) -> None:  # noqa: ANN001
@@ -390,7 +394,6 @@ def parity_tests(  # noqa: ANN201
     def test_greedy_tokens_match_hf_on_every_rank(ranks, oracle, mode: str, case: str) -> None:  # noqa: ANN001
         check_greedy_tokens(ranks, (arch, mode), oracle[case], new_tokens)
 
-    @pytest.mark.parametrize("ranks", list(tps), indirect=True, ids=lambda tp: f"tp{tp}")
     def test_no_kv_slot_is_left_behind(ranks) -> None:  # noqa: ANN001
         check_no_kv_left(ranks)
 
