@@ -46,6 +46,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout",
+            "pytest-xdist>=3.5",  # the suite runs on two workers, a test file each
             "openai>=1.40",
             "ruff",
             "triton>=3.0",
