@@ -42,13 +42,13 @@ from tokenizers.trainers import BpeTrainer
 
 from runtime import families
 from runtime.families import FAMILIES, Family, family_for, get_family
-from runtime.families.tiny import SMALL_PRESETS
+from runtime.families.tiny import is_small
 
 # Every registered family with tiny presets, and every preset any of them has (each family
 # declares its own: runtime/families/, `Family.tiny`).
 ARCHS = tuple(FAMILIES)
 PRESETS = tuple(dict.fromkeys(p for family in FAMILIES.values() for p in family.tiny.presets))
-# Presets built in float32 from a transformers model in memory (SMALL_PRESETS); 7b is streamed in
+# Presets built in float32 from a transformers model in memory (`is_small`); 7b is streamed in
 # bfloat16.
 # vit-heavy (Qwen2-VL only) pairs a larger vision tower (depth 4, width 320, 4 heads of 80 as in
 # the published towers, so it shards at tp 2 and 4) with the tiny text model: a prefill-bound
@@ -240,7 +240,7 @@ def generation_config(
     """Published sampling defaults for 7b; plain greedy for tiny so HF comparisons stay simple."""
     eos = [ids[token] for token in eos_tokens]
     base = {"bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"]}
-    if preset in SMALL_PRESETS:
+    if is_small(preset):
         return {**base, "do_sample": False, "eos_token_id": eos}
     sampling = {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.1}
     return {**base, **sampling, "eos_token_id": eos, "top_k": 1, "top_p": 0.001}
@@ -303,7 +303,6 @@ GAINS = {
 EMBED_STD = 0.3
 POS_EMBED_STD = 0.5  # Qwen3-VL's learned vision position table: large enough to matter
 TIED_EMBED_STD = 0.375
-LAYER_SCALE = (1.0, 0.2)  # (mean, std) of a per-channel scale on a block's branch output
 # Output rows of the special tokens and of the unused vocabulary tail get this fraction of the
 # usual std: still random (so a misloaded row shows in the logits), but never the greedy choice.
 QUIET_ROW_SCALE = 0.1
@@ -323,8 +322,6 @@ def init_stats(name: str, shape: tuple[int, ...], tied: bool) -> tuple[float, fl
         return 0.0, POS_EMBED_STD
     if name.endswith("cls_token"):
         return 0.0, EMBED_STD
-    if name.rsplit(".", 1)[-1] in ("lambda_1", "lambda_2"):  # InternViT's layer scales
-        return LAYER_SCALE
     if name.endswith("bias"):
         return 0.0, 0.1
     if name == "model.embed_tokens.weight":
@@ -494,7 +491,7 @@ def make_checkpoint(
     family = get_family(arch)
     tok = family_tokenizer(arch)
     ids = special_ids(tok)
-    dtype = torch.float32 if preset in SMALL_PRESETS else torch.bfloat16
+    dtype = torch.float32 if is_small(preset) else torch.bfloat16
     flat = checkpoint_config(arch, preset, ids, str(dtype).removeprefix("torch."))
     remove_old_weights(out)
     save_tokenizer(tok, out, family)
@@ -503,7 +500,7 @@ def make_checkpoint(
     write_processor_configs(family, preset, out)
     defaults = generation_config(preset, ids, family.tiny.eos_tokens)
     save_generation_config(out, {**defaults, **(generation or {})})
-    if preset in SMALL_PRESETS:
+    if is_small(preset):
         model = build_model(arch, flat, seed)
         weights = published_state(model, arch, flat["tie_word_embeddings"])
     else:

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runtime.families import family_for  # noqa: E402
 from runtime.multimodal import item_tokens  # noqa: E402
 from tokenizer_manager.tokenizer_manager import load_chat_template  # noqa: E402
 
@@ -110,22 +111,16 @@ class Reference:
         result["reason"] = "length" if generated >= kwargs["max_new_tokens"] else "stop"
 
 
-# Families whose placeholders the Qwen expansion below does not write: their transformers
-# processor class, and its extra settings from config.json.
-FAMILY_PROCESSORS = {
-    "InternVLForConditionalGeneration": ("InternVLProcessor", ("image_seq_length",)),
-    "Glm4vForConditionalGeneration": ("Glm4vProcessor", ()),
-}
-
-
 def family_processor(model_path: str, images: Any, tokenizer: Any, config: dict) -> Any:
-    """transformers' processor of a non-Qwen family (None for Qwen's), built without a video
-    processor: those need torchvision, and only images and text come here (its class check,
-    which insists on one, is skipped for this construction)."""
+    """transformers' processor of a family that names one (`TinyCheckpoint.hf_processor_class`:
+    the families whose placeholders the expansion below does not write; None for the others),
+    built without a video processor: those need torchvision, and only images and text come here
+    (its class check, which insists on one, is skipped for this construction)."""
     import transformers
     from transformers.processing_utils import ProcessorMixin
 
-    name, keys = FAMILY_PROCESSORS.get(config["architectures"][0], (None, ()))
+    tiny = family_for(config).tiny
+    name, keys = tiny.hf_processor_class, tiny.hf_processor_keys
     if name is None:
         return None
     check = ProcessorMixin.check_argument_for_proper_class

@@ -1,7 +1,10 @@
 """One way to build oracle cases for any family's tiny checkpoint, so a test that covers a serving
-path takes the family as a parameter: InternVL's and Gemma 3's cases come from transformers' own
-InternVLProcessor / Gemma3Processor (their tiles or crops and expansion), every other family's
-from the checkpoint's tokenizer, chat template and image processor (`vlm_cases.Checkpoint`)."""
+path takes the family as a parameter. A family whose oracle needs transformers' own processor
+(its tiles or crops and expansion: InternVL's, Gemma 3's) says so in its test module,
+tests/test_<family>.py, with two functions (`vlm_cases.family_test_hook`): `hf_processor(folder)`
+and `family_case(processor, config, name, content, system, **settings)`; every other family's cases
+come from the checkpoint's tokenizer, chat template and image processor (`vlm_cases.Checkpoint`).
+Nothing here names a family."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Any
 
 import torch
 from PIL import Image
-from vlm_cases import Case, Checkpoint, load_hf
+from vlm_cases import Case, Checkpoint, family_test_hook, load_hf
 
 from runtime.model_config import ModelConfig
 from runtime.multimodal import Modality
@@ -25,9 +28,9 @@ class FamilyCases:
         self.config = ModelConfig.from_dir(self.folder)
         self.arch = self.config.arch
         self.takes_video = Modality.VIDEO in self.config.family.modalities
-        if self.arch in ("internvl", "gemma3"):
-            module = __import__(f"test_{self.arch}")
-            self.processor = module.hf_processor(self.folder)
+        self.own_case = family_test_hook(self.arch, "family_case")
+        if self.own_case is not None:
+            self.processor = family_test_hook(self.arch, "hf_processor")(self.folder)
             self.tokenizer = self.processor.tokenizer
         else:
             self.ckpt = Checkpoint(self.folder)
@@ -39,16 +42,8 @@ class FamilyCases:
         """content: strings and PIL images (and frame arrays, for a family that takes video);
         `settings`: the image processor's keyword arguments, as a request's
         mm_processor_kwargs would ask for them."""
-        if self.arch == "internvl":
-            from test_internvl import make_case
-
-            return make_case(self.processor, self.config, name, content, system, **settings)
-        if self.arch == "gemma3":
-            from test_gemma3 import make_case as gemma_case
-
-            assert system is None and set(settings) <= {"do_pan_and_scan"}
-            pan_and_scan = settings.get("do_pan_and_scan", False)
-            return gemma_case(self.processor, self.config, name, content, pan_and_scan)
+        if self.own_case is not None:
+            return self.own_case(self.processor, self.config, name, content, system, **settings)
         if settings:
             content = [self.image_media(p, settings) if isinstance(p, Image.Image) else p
                        for p in content]  # fmt: skip

@@ -3,9 +3,12 @@ an unknown architecture refused by name, and a new family picked up without shar
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import pkgutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -208,6 +211,8 @@ def test_an_image_attention_rule_the_model_lacks_is_refused(
     VisionLanguageModel(config, TPGroup(), create_attention_backend("torch"))
     with pytest.raises(ValueError, match="image attention 'sideways'"):
         dataclasses.replace(get_family("qwen2_vl"), image_attention="sideways")
+    with pytest.raises(ValueError, match="video sampling 'sideways'"):
+        dataclasses.replace(get_family("qwen2_vl"), video_sampling="sideways")
 
 
 def test_media_costs_follow_the_familys_resize_rule_and_token_count(
@@ -266,3 +271,55 @@ def test_tiny_checkpoints_follow_the_registry(
     with_fake_family(monkeypatch, ids, tiny=tiny)
     assert mtc.supported("fake_vl", "tiny") and not mtc.supported("fake_vl", "7b")
     assert mtc.checkpoint_config("fake_vl", "tiny", ids, "float32")["model_type"] == "fake"
+
+
+# The floors' own code (runtime/, scheduler/, tokenizer_manager/, vision/, kernels/), less each
+# family's own modules (runtime/families/, and the tower, decoder and composite it names) and
+# the tiny-checkpoint writer (its shared tokenizer and default are Qwen2-VL's; each family's
+# presets are its own module's `TinyCheckpoint`).
+FLOORS = ("runtime", "scheduler", "tokenizer_manager", "vision", "kernels")
+NOT_SHARED = ("runtime/families/", "runtime/tiny_checkpoint.py")
+
+
+def family_words() -> set[str]:
+    """What names a family: its name, its architectures, its media tokens."""
+    words = set()
+    for family in FAMILIES.values():
+        tokens = family.tokens
+        words |= {family.name, *family.architectures, *tokens.processor_tokens}
+        words.add(tokens.template_mark)
+    return words - {""}
+
+
+def code_names(source: str) -> Iterator[tuple[int, str]]:
+    """(line, text) of every string constant (docstrings aside) and every name in `source`."""
+    tree = ast.parse(source)
+    scopes = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    bodies = [n.body for n in ast.walk(tree) if isinstance(n, scopes)]
+    docs = {id(b[0].value) for b in bodies if b and isinstance(b[0], ast.Expr)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            yield node.lineno, node.value
+        elif isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.lineno, node.name
+
+
+def test_shared_code_names_no_family() -> None:
+    """Design invariant 19: no string or name in shared code holds a family's name, one of its
+    architectures or one of its media tokens; shared code asks the family (comments may cite
+    one as an example)."""
+    root = Path(__file__).resolve().parents[1]
+    own = {c.split(":")[0].replace(".", "/") + ".py" for f in FAMILIES.values()
+           for c in (f.tower_class, f.decoder_class, f.model_class)}  # fmt: skip
+    words, found = family_words(), []
+    for path in sorted(p for floor in FLOORS for p in (root / floor).rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        if name in own or name.startswith(NOT_SHARED):
+            continue
+        for line, text in code_names(path.read_text()):
+            found += [f"{name}:{line} {word!r}" for word in words if word in text]
+    assert not found, found

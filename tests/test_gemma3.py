@@ -99,6 +99,16 @@ def make_case(
                               settings=settings)  # fmt: skip
 
 
+def family_case(
+    processor: Any, config: ModelConfig, name: str, content: list[Any],
+    system: str | None = None, **settings: Any,
+) -> Case:
+    """tests/family_cases.py's case of this family: no system turn (the template joins it to
+    the first user turn), and the processor's one setting, `do_pan_and_scan`."""
+    assert system is None and set(settings) <= {"do_pan_and_scan"}
+    return make_case(processor, config, name, content, settings.get("do_pan_and_scan", False))
+
+
 def standard_cases(folder: Path) -> list[Case]:
     processor, config = hf_processor(folder), ModelConfig.from_dir(folder)
     return [

@@ -38,7 +38,7 @@ from tokenizer_manager.media.video_processor import (
     VideoProcessingConfig,
     checkpoint_video_config,
     frames_to_patches,
-    glm4v_frame_indices,
+    interval_frame_indices,
     normalize_frames,
     sample_frame_indices,
 )
@@ -188,12 +188,25 @@ def test_position_table_interpolation_is_transformers(folder: Path) -> None:
     assert torch.equal(model.visual.positions(grid), expected)
 
 
+def token_types(input_ids: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """HF's `mm_token_type_ids` of this family (tests/vlm_cases.py asks): its processor's
+    create_mm_token_type_ids on `input_ids` [1, n] (it reads three ids)."""
+    from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
+
+    fake = SimpleNamespace(
+        video_start_id=config.video_start_token_id,
+        video_end_id=config.video_end_token_id,
+        image_token_id=config.image_token_id,
+    )
+    return torch.tensor(Glm4vProcessor.create_mm_token_type_ids(fake, input_ids.tolist()))
+
+
 # ----------------------------------------------------------------------------- video
 
 
 def test_video_settings_are_the_checkpoints(folder: Path) -> None:
     cfg = checkpoint_video_config(folder)
-    assert (cfg.sampling, cfg.clip_budget, cfg.fps, cfg.max_duration) == ("glm4v", True, 2, 300)
+    assert (cfg.sampling, cfg.clip_budget, cfg.fps, cfg.max_duration) == ("interval", True, 2, 300)
     assert (cfg.min_pixels, cfg.max_pixels) == (12544, 47040000)
 
 
@@ -212,7 +225,7 @@ def test_frame_sampling_is_glm4v_video_processors(folder: Path) -> None:
         meta = VideoMetadata(total_num_frames=total, fps=fps, duration=total / fps)
         ours = sample_frame_indices(total, fps, **settings.sampling_kwargs())
         assert ours == hf.sample_frames(meta).tolist(), (total, fps)
-    bounded = glm4v_frame_indices(3000, 30.0, 2.0, 64)
+    bounded = interval_frame_indices(3000, 30.0, 2.0, 64)
     assert len(bounded) == 64 and bounded[0] == 0 and bounded[-1] == 2999
 
 

@@ -129,6 +129,9 @@ def make_case(
     return Case(name, inputs, our_ids, mm)
 
 
+family_case = make_case  # how tests/family_cases.py builds this family's oracle cases
+
+
 def standard_cases(folder: Path) -> list[Case]:
     processor, config = hf_processor(folder), ModelConfig.from_dir(folder)
     return [

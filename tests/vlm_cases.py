@@ -7,7 +7,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -107,17 +106,19 @@ class Checkpoint:
         Qwen2-VL / Qwen2.5-VL: preprocessor_config.json's pixel bounds, small test grids)."""
         cfg = checkpoint_video_config(self.folder)
         pixels, grid = preprocess_video(frames, **dataclasses.asdict(cfg))
-        seconds = 1.0 if self.config.arch == "qwen2_5_vl" else None
+        seconds = 1.0 if self.config.family.positions.time_scaled_video else None
         at = self.config.family.video_stamp.at
         times = frame_timestamps(range(len(frames)), VIDEO_FPS, cfg.temporal_patch_size, at)
         grid_thw = tuple(int(x) for x in grid[0])
         return PreparedMedia(Modality.VIDEO, pixels, grid_thw, seconds, frame_times=times)
 
     def token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """HF's `mm_token_type_ids` (0 text, 1 image, 2 video): by pad token, or for GLM-4.1V
-        (whose frames repeat the image pad) by its processor's own rule."""
-        if self.config.arch == "glm4v":
-            return glm4v_token_types(input_ids, self.config)
+        """HF's `mm_token_type_ids` (0 text, 1 image, 2 video): by pad token, or by the
+        processor's own rule where the family's test module gives one (`token_types`: GLM-4.1V,
+        whose frames repeat the image pad)."""
+        own = family_test_hook(self.config.arch, "token_types")
+        if own is not None:
+            return own(input_ids, self.config)
         types = torch.zeros_like(input_ids)
         types[input_ids == self.config.image_token_id] = 1
         types[input_ids == self.config.video_token_id] = 2
@@ -142,23 +143,23 @@ class Checkpoint:
         if videos:
             out["pixel_values_videos"] = torch.cat([m.pixel_values for m in videos])
             out["video_grid_thw"] = torch.tensor([m.grid_thw for m in videos])
-            if self.config.arch == "qwen2_5_vl":
+            if self.config.family.positions.time_scaled_video:
                 out["second_per_grid_ts"] = torch.tensor([m.second_per_grid_t for m in videos])
         if media:
             out["mm_token_type_ids"] = types
         return out
 
 
-def glm4v_token_types(input_ids: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """Glm4vProcessor.create_mm_token_type_ids on `input_ids` [1, n] (it reads three ids)."""
-    from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
+def family_test_hook(family: str, name: str) -> Callable | None:
+    """Function `name` of the family's test module (tests/test_<family>.py), where it defines
+    one: how a family gives the shared test code what only it knows (its oracle's rules)."""
+    import importlib
+    import importlib.util
 
-    fake = SimpleNamespace(
-        video_start_id=config.video_start_token_id,
-        video_end_id=config.video_end_token_id,
-        image_token_id=config.image_token_id,
-    )
-    return torch.tensor(Glm4vProcessor.create_mm_token_type_ids(fake, input_ids.tolist()))
+    module = f"test_{family}"
+    if importlib.util.find_spec(module) is None:
+        return None
+    return getattr(importlib.import_module(module), name, None)
 
 
 def standard_cases(ckpt: Checkpoint) -> list[Case]:

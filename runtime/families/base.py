@@ -22,6 +22,7 @@ GridTHW = tuple[int, int, int]
 MAX_ASPECT_RATIO = 200
 IMAGE_ATTENTION_RULES = ("causal", "bidirectional_item")
 POSITION_KINDS = ("mrope", "1d")
+VIDEO_SAMPLINGS = ("uniform", "interval")
 
 
 class ModelConfigError(ValueError):
@@ -233,8 +234,8 @@ class Family:
         placeholders in the prompt, with its own position grid (t = 1), written as
         `video_stamp` says.
     video_sampling: how frames are picked from a video: "uniform" (Qwen's: evenly at the
-        processor's fps, within min/max frames) or "glm4v" (Glm4vVideoProcessor's: one frame
-        every 1 / fps seconds up to `max_duration`, then an even count).
+        processor's fps, within min/max frames) or "interval" (one frame every 1 / fps seconds
+        up to `max_duration`, then an even count: GLM-4.1V's video processor's rule).
     tiling: how the family tiles images (`Tiling`), or None where `resize` sizes them.
     modalities: the media kinds its checkpoints take; a request with another is refused.
     reasoning_parser: the `--reasoning-parser` rule `auto` picks for its checkpoints (None:
@@ -269,3 +270,6 @@ class Family:
         if self.image_attention not in IMAGE_ATTENTION_RULES:
             rules = IMAGE_ATTENTION_RULES
             raise ValueError(f"image attention {self.image_attention!r} is not one of {rules}")
+        if self.video_sampling not in VIDEO_SAMPLINGS:
+            kinds = VIDEO_SAMPLINGS
+            raise ValueError(f"video sampling {self.video_sampling!r} is not one of {kinds}")

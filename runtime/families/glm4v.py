@@ -202,7 +202,8 @@ def video_preprocessor_config(preset: str) -> dict[str, Any]:
 
 TINY = TinyCheckpoint(
     presets=tuple(VISION_SHAPES), config=tiny_config, preprocessor=preprocessor_config,
-    hf_config_class="Glm4vConfig", special_tokens=NAMED_TOKENS, chat_template=CHAT_TEMPLATE,
+    hf_config_class="Glm4vConfig", hf_processor_class="Glm4vProcessor",
+    special_tokens=NAMED_TOKENS, chat_template=CHAT_TEMPLATE,
     published_name=lambda name: name,  # published under transformers' own names
     video_preprocessor=video_preprocessor_config,
 )  # fmt: skip
@@ -210,7 +211,7 @@ TINY = TinyCheckpoint(
 
 FAMILY = Family(
     name="glm4v", architectures=(ARCHITECTURE,), timestamped_video=True, video_stamp=STAMP,
-    video_sampling="glm4v", clip_budget_video_processors=(VIDEO_PROCESSOR,),
+    video_sampling="interval", clip_budget_video_processors=(VIDEO_PROCESSOR,),
     reasoning_parser="glm45",  # GLM-4.1V-Thinking: <think>...</think><answer>...</answer>
     text_fields=text_fields, vision_fields=vision_fields,
     tower_class="vision.glm4v_vit:Glm4vVisionTransformer",

@@ -275,8 +275,20 @@ def processor_config(preset: str) -> dict[str, Any]:
     return {"image_seq_length": (tile // 14) ** 2 // 4, "processor_class": "InternVLProcessor"}
 
 
+LAYER_SCALE = (1.0, 0.2)  # (mean, std) of InternViT's per-channel scales on a block's branches
+
+
+def tiny_init(name: str, shape: tuple[int, ...]) -> tuple[float, float] | None:
+    """InternViT's layer scales (`lambda_1`, `lambda_2`) scatter around one; the rest follow
+    the shared rule."""
+    return LAYER_SCALE if name.rsplit(".", 1)[-1] in ("lambda_1", "lambda_2") else None
+
+
 TINY = TinyCheckpoint(
     hf_config_class="InternVLConfig",
+    hf_processor_class="InternVLProcessor",
+    hf_processor_keys=("image_seq_length",),
+    init=tiny_init,
     special_tokens=NAMED_TOKENS,
     chat_template=CHAT_TEMPLATE,
     presets=tuple(VISION_SHAPES),

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from runtime.families.base import Family, Fields, MediaTokens, ModelConfigError, check_aspect_ratio
-from runtime.families.tiny import SMALL_PRESETS, TinyCheckpoint
+from runtime.families.tiny import TinyCheckpoint, is_small
 from runtime.multimodal import item_tokens
 
 
@@ -246,7 +246,7 @@ def vision_config(vision: dict[str, Any]) -> dict[str, Any]:
 def preprocessor_config(family: str, preset: str) -> dict[str, Any]:
     return {
         "min_pixels": 3136,
-        "max_pixels": 200704 if preset in SMALL_PRESETS else 12845056,
+        "max_pixels": 200704 if is_small(preset) else 12845056,
         "patch_size": 14,
         "temporal_patch_size": 2,
         "merge_size": 2,

@@ -7,9 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# Presets built in float32 from a transformers model in memory; the others are streamed in
-# bfloat16 (a family's large preset, shaped like a published checkpoint).
-SMALL_PRESETS = ("tiny", "vit-heavy", "hd64", "vit-hd64", "100m", "qk-norm", "heads5")
+# Presets streamed in bfloat16 (a family's large preset, shaped like a published checkpoint);
+# every other preset a family declares is built in float32 from a transformers model in memory.
+STREAMED_PRESETS = ("7b",)
+
+
+def is_small(preset: str) -> bool:
+    """Whether `preset` is built in float32 in memory (not streamed: `STREAMED_PRESETS`)."""
+    return preset not in STREAMED_PRESETS
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,9 @@ class TinyCheckpoint:
     preprocessor(preset): preprocessor_config.json.
     hf_config_class: transformers' config class of the family (its model class is the family's
         first architecture).
+    hf_processor_class: transformers' processor class that writes the family's placeholders,
+        for a family whose expansion the shared (Qwen) one does not write (None: the shared
+        one), with `hf_processor_keys`, the config.json keys it takes as settings of its own.
     published_name(name): transformers' in-memory parameter name -> the published tensor name.
     video_preprocessor(preset): video_preprocessor_config.json, for a family that has one.
     processor(preset): processor_config.json (the processor's own settings), for a family whose
@@ -49,3 +57,5 @@ class TinyCheckpoint:
     init: Callable[[str, tuple[int, ...]], tuple[float, float] | None] = lambda name, shape: None
     eos_tokens: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
     bos_token: str | None = None
+    hf_processor_class: str | None = None
+    hf_processor_keys: tuple[str, ...] = ()

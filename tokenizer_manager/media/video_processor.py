@@ -13,7 +13,7 @@ Qwen3-VL's video processor differs in two rules (`clip_budget`): the pixel bound
 whole clip (temporal patches x height x width), and the sampled frame count is not rounded to
 whole temporal patches (the last frame repeats to fill the final one). Its prompt stamps every
 temporal patch with the time of its frames (`frame_timestamps`). GLM-4.1V's has the clip budget
-too, and a sampling rule of its own (`sampling="glm4v"`: `glm4v_frame_indices`).
+too, and its own sampling rule (`sampling="interval"`: `interval_frame_indices`).
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ def sample_frame_indices(
     than one temporal patch keeps all frames (preprocessing pads it by repeating the last one).
     `num_frames` (a request's) asks for that many frames instead, rounded to whole temporal
     patches as HF's Qwen2-VL video processor rounds it; more than the video has is a ValueError.
-    `sampling="glm4v"` picks frames by GLM-4.1V's rule instead (`glm4v_frame_indices`).
-    """
+    `sampling="interval"` picks one frame per 1 / fps seconds instead
+    (`interval_frame_indices`)."""
     _check_sampling_args(total_frames, video_fps, fps)
-    if sampling == "glm4v":
-        return glm4v_frame_indices(total_frames, video_fps, fps, max_frames, max_duration)
+    if sampling == "interval":
+        return interval_frame_indices(total_frames, video_fps, fps, max_frames, max_duration)
     if num_frames is not None:
         count = _fixed_count(total_frames, num_frames, temporal_patch_size, clip_budget)
     elif clip_budget:
@@ -78,13 +78,14 @@ def sample_frame_indices(
     return np.linspace(0, total_frames - 1, count).round().astype(np.int64).tolist()
 
 
-def glm4v_frame_indices(
+def interval_frame_indices(
     total: int, video_fps: float, fps: float, max_frames: int, max_duration: float = 300.0
 ) -> list[int]:
-    """Glm4vVideoProcessor's frames: the first frame at or after every 1 / fps seconds of a video
-    up to `max_duration` long (at least one), else `max_duration * fps` frames spread over the
-    whole video; repeats dropped, and the last frame repeated to an even count. tessera also
-    spreads them so that at most `max_frames` are kept (the server's frame bound). Pure."""
+    """The "interval" rule (GLM-4.1V's video processor's): the first frame at or after every
+    1 / fps seconds of a video up to `max_duration` long (at least one), else
+    `max_duration * fps` frames spread over the whole video; repeats dropped, and the last frame
+    repeated to an even count. tessera also spreads them so that at most `max_frames` are kept
+    (the server's frame bound). Pure."""
     duration, last = total / video_fps, total - 1
     count = max(math.floor(duration * fps), 1)
     if duration <= max_duration and count <= max_frames:
