@@ -1,7 +1,8 @@
 """One way to build oracle cases for any family's tiny checkpoint, so a test that covers a serving
 path takes the family as a parameter: InternVL's cases come from transformers' own
-InternVLProcessor (its tiles and expansion), every other family's from the checkpoint's
-tokenizer, chat template and image processor (`vlm_cases.Checkpoint`)."""
+InternVLProcessor (its tiles and expansion), Gemma 3's from its Gemma3Processor (bidirectional
+images: `token_type_ids`), every other family's from the checkpoint's tokenizer, chat template
+and image processor (`vlm_cases.Checkpoint`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ class FamilyCases:
 
             self.processor = hf_processor(self.folder)
             self.tokenizer = self.processor.tokenizer
+        elif self.arch == "gemma3":
+            from test_gemma3 import hf_processor as gemma_processor
+
+            self.processor = gemma_processor(self.folder)
+            self.tokenizer = self.processor.tokenizer
         else:
             self.ckpt = Checkpoint(self.folder)
             self.tokenizer = self.ckpt.tokenizer
@@ -44,6 +50,12 @@ class FamilyCases:
             from test_internvl import make_case
 
             return make_case(self.processor, self.config, name, content, system, **settings)
+        if self.arch == "gemma3":
+            from test_gemma3 import make_case as gemma_case
+
+            if system is not None or settings:
+                raise ValueError("Gemma 3 cases take one user message and no image settings")
+            return gemma_case(self.processor, self.config, name, content)
         if settings:
             content = [self.image_media(p, settings) if isinstance(p, Image.Image) else p
                        for p in content]  # fmt: skip
