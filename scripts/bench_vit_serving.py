@@ -4,14 +4,20 @@ three ways at equal resources, served and loaded through the HTTP API.
     python scripts/bench_vit_dp_vs_tp.py --serving --modes disagg,dp,tp --json serve.json
 
 Modes: `disagg`, an encoder server (`--encoder-only`, one rank, pinned to the first half of the
-CPUs) plus an LLM server (`--tp 1 --encoder-urls`, pinned to the second half); `dp`, one server
-at `--tp 2` with the DP encoder; `tp`, `--tp 2` with the TP encoder. Two streams, each measured
+CPUs) plus an LLM server (`--tp 1 --encoder-urls`) whose rank is pinned to the second half (it
+starts there, so its torch threads are that half's); the LLM server's other processes (HTTP
+front end, media workers, detokenizer) are then let run on every CPU, as they do in the other
+modes; `dp`, one server at `--tp 2` with the DP encoder; `tp`, `--tp 2` with the TP encoder.
+Two streams, each measured
 on a fresh set of servers: `encoder-heavy` (requests of --burst-images images each, all at
 once, at most --concurrency in flight) and `mixed` (--chats text chats decoding long answers
 while bursts of image requests arrive from --burst-at seconds on). Requests come from
 bench_serving's generator (seeded; ignore_eos, so every mode generates the same tokens). The
 table gives requests/s, TTFT and ITL p50 / p99 per mode and stream, for the mixed stream the
-chats' ITL (the decode that image bursts stall) and the bursts' TTFT apart.
+chats' ITL (the decode that image bursts stall) and the bursts' TTFT apart, and how much of the
+bursts' window the chats decoded through (a chats' p99 says nothing of the bursts unless the
+chats decode while the bursts run: raise --chat-tokens until it is 100%). `--plot` draws both
+streams per mode.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +38,7 @@ import aiohttp
 import bench_serving
 import httpx
 from bench_serving import Workload
-from stress import free_port
+from stress import free_port, group_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("disagg", "dp", "tp")
@@ -76,6 +83,22 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+def float_front_end(proc: subprocess.Popen, log: Path, cpus: list[int]) -> None:
+    """Let every process of the LLM server `proc` but its scheduler rank run on `cpus` (each
+    thread's affinity: a process's mask is per thread)."""
+    match = re.search(r"started scheduler-TP0 \(pid (\d+)\)", log.read_text())
+    if match is None:
+        raise RuntimeError(f"no scheduler pid in {log}")
+    for pid in group_pids(proc.pid):
+        if pid == int(match.group(1)):
+            continue
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except (ProcessLookupError, PermissionError):
+                pass  # a thread or process that ended meanwhile
+
+
 def launch(mode: str, model: str, workdir: Path) -> tuple[str, list[subprocess.Popen]]:
     """The mode's servers, ready; returns the LLM server's URL and the processes."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -99,6 +122,8 @@ def launch(mode: str, model: str, workdir: Path) -> tuple[str, list[subprocess.P
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(procs[-1], workdir / "llm.log", lambda: healthy(url))
+        if mode == "disagg":
+            float_front_end(procs[-1], workdir / "llm.log", cpus)
     except BaseException:
         stop(procs)
         raise
@@ -146,13 +171,29 @@ async def run_stream(stream: str, url: str, args: argparse.Namespace) -> dict[st
         "all": bench_serving.summarize(chat_records + burst_records, took),
         "chats": bench_serving.summarize(chat_records, took),
         "bursts": bench_serving.summarize(burst_records, took),
+        "chats_cover": bursts_covered(chat_records, burst_records, offsets),
     }
+
+
+def bursts_covered(chats: list, bursts: list, offsets: list[float]) -> float:
+    """The share of the bursts' window (first burst sent to last answered) that every chat was
+    still decoding through."""
+    start = min(offsets)
+    end = max(offset + r.latency for offset, r in zip(offsets, bursts))
+    chats_end = min(r.latency for r in chats)
+    return max(0.0, min(chats_end, end) - start) / max(end - start, 1e-9)
 
 
 def main(args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Any]:
     """Run every mode on every stream; print the table; the results by "mode/stream"."""
     results = serving_benchmark(args, model, workdir)
     print("\n".join(table(results)))
+    for name, out in results.items():
+        if "chats_cover" in out:
+            share = f"{out['chats_cover']:.0%}"
+            print(f"{name}: the chats decoded through {share} of the bursts' window")
+    if args.plot:
+        plot(results, args.plot)
     return results
 
 
@@ -192,6 +233,48 @@ def table(results: dict[str, Any]) -> list[str]:
                *extra, str(s["failed"])]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    """Per mode: requests/s of each stream; TTFT and ITL p50 / p99 of the encoder-heavy stream;
+    the mixed stream's chats' ITL and bursts' TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(name.split("/")[0] for name in results))
+    fig, (rate, heavy, mixed) = plt.subplots(3, 1, figsize=(9, 10))
+    bars(rate, modes, {s: [results.get(f"{m}/{s}", {}).get("all", {}).get("request_throughput")
+                           for m in modes] for s in STREAMS}, "requests/s")  # fmt: skip
+    bars(heavy, modes, latencies(results, modes, "encoder-heavy", "all", "all"), "ms (log)")
+    bars(mixed, modes, latencies(results, modes, "mixed", "chats", "bursts"), "ms (log)")
+    heavy.set_title("encoder-heavy stream", fontsize=9)
+    mixed.set_title("mixed stream: chats' ITL, bursts' TTFT", fontsize=9)
+    for ax in (heavy, mixed):
+        ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def latencies(results: dict, modes: list[str], stream: str, itl_of: str, ttft_of: str) -> dict:
+    def stat(mode: str, part: str, key: str, which: str) -> float | None:
+        out = results.get(f"{mode}/{stream}", {}).get(part)
+        return None if out is None else out[key][which]
+
+    return {f"{label} {which}": [stat(m, part, key, which) for m in modes]
+            for label, part, key in (("TTFT", ttft_of, "ttft_ms"), ("ITL", itl_of, "itl_ms"))
+            for which in ("median", "p99")}  # fmt: skip
+
+
+def bars(ax: Any, modes: list[str], series: dict[str, list], ylabel: str) -> None:
+    width = 0.8 / max(1, len(series))
+    for j, (label, values) in enumerate(series.items()):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(modes))]
+        ax.bar(xs, [v or 0 for v in values], width, label=label)
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:

@@ -34,3 +34,25 @@ def test_table_rows_name_mode_stream_and_the_mixed_stream_parts() -> None:
     cells = mixed.strip("| ").split(" | ")
     assert cells[:7] == ["dp", "mixed", "2.00", "50", "100", "30", "-"]
     assert cells[7:] == ["40", "-", "300", "0"]
+
+
+def test_bursts_covered_is_the_share_of_the_bursts_window_the_chats_decoded_through() -> None:
+    from bench_serving import RequestRecord
+
+    chats = [RequestRecord(True, 6.0), RequestRecord(True, 4.0)]  # the first chat ends at 4 s
+    bursts = [RequestRecord(True, 1.0), RequestRecord(True, 4.0)]  # answered at 3 s and 6 s
+    assert bench_vit_serving.bursts_covered(chats, bursts, [2.0, 2.0]) == 0.5
+    assert bench_vit_serving.bursts_covered(chats[:1], bursts, [2.0, 2.0]) == 1.0
+    assert bench_vit_serving.bursts_covered([RequestRecord(True, 1.0)], bursts, [2.0, 2.0]) == 0
+
+
+def test_plot_draws_every_mode_of_both_streams(tmp_path) -> None:  # noqa: ANN001
+    results = {
+        "disagg/encoder-heavy": {"all": summary(1.5, 100, 20)},
+        "dp/encoder-heavy": {"all": summary(1.4, 120, 25)},
+        "disagg/mixed": {"all": summary(2.0, 50, 30), "chats": summary(1, 10, 40),
+                         "bursts": summary(1, 300, 0)},  # fmt: skip
+    }
+    path = tmp_path / "serving.png"
+    bench_vit_serving.plot(results, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
