@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bench_vit_dp_vs_tp
 import bench_vit_serving
+import pytest
 
 
 def summary(rps: float, ttft: float, itl: float, failed: int = 0) -> dict:
@@ -27,13 +28,14 @@ def test_table_rows_name_mode_stream_and_the_mixed_stream_parts() -> None:
         "dp/mixed": {"all": summary(2.0, 50, 30), "chats": summary(1, 10, 40, 1),
                      "bursts": summary(1, 300, 0)},  # fmt: skip
     }
+    results["dp/mixed"]["chats_in_bursts"] = {"median": 50.0, "p99": 250.0, "mean": 60.0}
     header, rule, heavy, mixed = bench_vit_serving.table(results)
     assert header.count("|") == rule.count("|") == heavy.count("|") == mixed.count("|")
     assert heavy.split(" | ")[:3] == ["| disagg", "encoder-heavy", "1.50"]
-    assert heavy.rstrip(" |").endswith("- | - | - | 0")
+    assert heavy.rstrip(" |").endswith("- | - | - | - | 0")
     cells = mixed.strip("| ").split(" | ")
     assert cells[:7] == ["dp", "mixed", "2.00", "50", "100", "30", "-"]
-    assert cells[7:] == ["40", "-", "300", "0"]
+    assert cells[7:] == ["40", "-", "250", "300", "0"]
 
 
 def test_bursts_covered_is_the_share_of_the_bursts_window_the_chats_decoded_through() -> None:
@@ -46,12 +48,22 @@ def test_bursts_covered_is_the_share_of_the_bursts_window_the_chats_decoded_thro
     assert bench_vit_serving.bursts_covered([RequestRecord(True, 1.0)], bursts, [2.0, 2.0]) == 0
 
 
+def test_only_the_chats_gaps_inside_the_bursts_window_count() -> None:
+    from bench_serving import RequestRecord
+
+    chat = RequestRecord(True, 10.0, ttft=1.0, itl=(1.0, 3.0, 0.5, 2.0))  # at 2, 5, 5.5, 7.5 s
+    out = bench_vit_serving.gaps_in_window([chat], (4.0, 6.0))
+    assert out["median"] == pytest.approx(1750.0) and out["p99"] == pytest.approx(2975.0)
+    assert bench_vit_serving.gaps_in_window([chat], (8.0, 9.0))["p99"] is None
+
+
 def test_plot_draws_every_mode_of_both_streams(tmp_path) -> None:  # noqa: ANN001
     results = {
         "disagg/encoder-heavy": {"all": summary(1.5, 100, 20)},
         "dp/encoder-heavy": {"all": summary(1.4, 120, 25)},
         "disagg/mixed": {"all": summary(2.0, 50, 30), "chats": summary(1, 10, 40),
-                         "bursts": summary(1, 300, 0)},  # fmt: skip
+                         "bursts": summary(1, 300, 0),
+                         "chats_in_bursts": {"median": 50.0, "p99": 250.0}},  # fmt: skip
     }
     path = tmp_path / "serving.png"
     bench_vit_serving.plot(results, str(path))
