@@ -38,23 +38,13 @@ def test_table_rows_name_mode_stream_and_the_mixed_stream_parts() -> None:
     assert cells[7:] == ["40", "-", "250", "300", "0"]
 
 
-def test_bursts_covered_is_the_share_of_the_bursts_window_the_chats_decoded_through() -> None:
-    from bench_serving import RequestRecord
-
-    chats = [RequestRecord(True, 6.0), RequestRecord(True, 4.0)]  # the first chat ends at 4 s
-    bursts = [RequestRecord(True, 1.0), RequestRecord(True, 4.0)]  # answered at 3 s and 6 s
-    assert bench_vit_serving.bursts_covered(chats, bursts, [2.0, 2.0]) == 0.5
-    assert bench_vit_serving.bursts_covered(chats[:1], bursts, [2.0, 2.0]) == 1.0
-    assert bench_vit_serving.bursts_covered([RequestRecord(True, 1.0)], bursts, [2.0, 2.0]) == 0
-
-
 def test_only_the_chats_gaps_inside_the_bursts_window_count() -> None:
     from bench_serving import RequestRecord
 
-    chat = RequestRecord(True, 10.0, ttft=1.0, itl=(1.0, 3.0, 0.5, 2.0))  # at 2, 5, 5.5, 7.5 s
-    out = bench_vit_serving.gaps_in_window([chat], (4.0, 6.0))
+    chat = RequestRecord(True, 10.0, ttft=0.5, itl=(1.0, 3.0, 0.5, 2.0))  # sent at 0.5 s: its
+    out = bench_vit_serving.gaps_in_window([(0.5, chat)], (4.0, 6.0))  # gaps end 2, 5, 5.5, 7.5
     assert out["median"] == pytest.approx(1750.0) and out["p99"] == pytest.approx(2975.0)
-    assert bench_vit_serving.gaps_in_window([chat], (8.0, 9.0))["p99"] is None
+    assert bench_vit_serving.gaps_in_window([(0.5, chat)], (8.0, 9.0))["p99"] is None
 
 
 def test_plot_draws_every_mode_of_both_streams(tmp_path) -> None:  # noqa: ANN001
