@@ -7,7 +7,10 @@ Modes: `disagg`, an encoder server (`--encoder-only`, one rank, pinned to the fi
 CPUs) plus an LLM server (`--tp 1 --encoder-urls`) whose rank is pinned to the second half (it
 starts there, so its torch threads are that half's); the LLM server's other processes (HTTP
 front end, media workers, detokenizer) are then let run on every CPU, as they do in the other
-modes; `dp`, one server at `--tp 2` with the DP encoder; `tp`, `--tp 2` with the TP encoder.
+modes; `dp`, one server at `--tp 2` with the DP encoder; `tp`, `--tp 2` with the TP encoder;
+`tp1` (not run unless named), one `--tp 1` server on every CPU: on a CPU a small decoder's
+step at tp 2 is mostly its all-reduces, so tp1 tells how much of disagg's lower ITL comes from
+its decoder running at tp 1 rather than from the bursts no longer stalling it.
 Two streams, each measured
 on a fresh set of servers: `encoder-heavy` (requests of --burst-images images each, all at
 once, at most --concurrency in flight) and `mixed` (--chats text chats decoding long answers
@@ -46,7 +49,7 @@ from bench_serving import Workload
 from stress import free_port, group_pids
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("disagg", "dp", "tp")
+MODES = ("disagg", "dp", "tp")  # and "tp1", when named
 STREAMS = ("encoder-heavy", "mixed")
 
 
@@ -121,6 +124,8 @@ def launch(mode: str, model: str, workdir: Path) -> tuple[str, list[subprocess.P
         wait_for(enc, log, lambda: "encoder server ready" in log.read_text())
         flags = ["--tp", "1", "--encoder-urls", f"tcp://127.0.0.1:{enc_port}"]
         procs.append(start([*llm, *flags], workdir / "llm.log", cpus[half:] or cpus))
+    elif mode == "tp1":  # one rank, tower and decoder, on every CPU: no all-reduce at all
+        procs.append(start([*llm, "--tp", "1"], workdir / "llm.log", None))
     else:
         encoder = ["--mm-enable-dp-encoder"] if mode == "dp" else ["--mm-encoder-mode", "tp"]
         procs.append(start([*llm, "--tp", "2", *encoder], workdir / "llm.log", None))
@@ -328,7 +333,7 @@ def bars(ax: Any, modes: list[str], series: dict[str, list], ylabel: str) -> Non
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serving", action="store_true", help="the serving benchmark (module doc)")
-    p.add_argument("--modes", default=",".join(MODES), help="serving: disagg, dp, tp")
+    p.add_argument("--modes", default=",".join(MODES), help="serving: disagg, dp, tp, tp1")
     p.add_argument("--serving-image-sizes", dest="serving_sizes", default="224x224,336x224")
     p.add_argument("--burst-images", type=int, default=4, help="serving: images per request")
     p.add_argument("--bursts", type=int, default=8, help="serving: image requests per stream")
