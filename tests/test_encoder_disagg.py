@@ -14,7 +14,7 @@ from pathlib import Path
 
 import family_server as fs
 import pytest
-from encoder_servers import EncoderProc, start_encoder
+from encoder_servers import EncoderProc
 from family_cases import FamilyCases
 from test_openai_sampling import OneRankServer
 from test_server import (
@@ -59,17 +59,30 @@ def oracle(folder: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def encoder(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EncoderProc]:
-    proc = start_encoder(folder, tmp_path_factory.mktemp("enclog") / "encoder.log", *KEYED)
-    yield proc
-    proc.stop()
+def started_encoder(
+    folder: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EncoderProc]:
+    """The module's encoder server, started (the LLM server starts beside it)."""
+    proc = EncoderProc(folder, tmp_path_factory.mktemp("enclog") / "encoder.log", *KEYED)
+    try:
+        yield proc
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="module")
-def llm(folder: str, encoder: EncoderProc, tmp_path_factory: pytest.TempPathFactory):
+def encoder(started_encoder: EncoderProc) -> EncoderProc:
+    started_encoder.wait_ready()
+    return started_encoder
+
+
+@pytest.fixture(scope="module")
+def llm(folder: str, started_encoder: EncoderProc, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("llmlog") / "server.log"
-    flags = ["--tp", "1", "--encoder-urls", encoder.job_url, *KEYED]
-    yield from serve_then_check_teardown(Server(folder, log, *flags))
+    flags = ["--tp", "1", "--encoder-urls", started_encoder.job_url, *KEYED]
+    server = Server(folder, log, *flags)
+    started_encoder.wait_ready()
+    yield from serve_then_check_teardown(server)
 
 
 def encoded(encoder: EncoderProc, key: bytes | None = None) -> dict:
