@@ -4,21 +4,36 @@ three ways at equal resources, served and loaded through the HTTP API.
     python scripts/bench_vit_dp_vs_tp.py --serving --modes disagg,dp,tp --json serve.json
 
 Modes: `disagg`, an encoder server (`--encoder-only`, one rank, pinned to the first half of the
-CPUs) plus an LLM server (`--tp 1 --encoder-urls`, pinned to the second half); `dp`, one server
-at `--tp 2` with the DP encoder; `tp`, `--tp 2` with the TP encoder. Two streams, each measured
+CPUs) plus an LLM server (`--tp 1 --encoder-urls`) whose rank is pinned to the second half (it
+starts there, so its torch threads are that half's); the LLM server's other processes (HTTP
+front end, media workers, detokenizer) are then let run on every CPU, as they do in the other
+modes; `dp`, one server at `--tp 2` with the DP encoder; `tp`, `--tp 2` with the TP encoder;
+`tp1` (not run unless named), one `--tp 1` server on every CPU: on a CPU a small decoder's
+step at tp 2 is mostly its all-reduces, so tp1 tells how much of disagg's lower ITL comes from
+its decoder running at tp 1 rather than from the bursts no longer stalling it.
+Two streams, each measured
 on a fresh set of servers: `encoder-heavy` (requests of --burst-images images each, all at
 once, at most --concurrency in flight) and `mixed` (--chats text chats decoding long answers
 while bursts of image requests arrive from --burst-at seconds on). Requests come from
 bench_serving's generator (seeded; ignore_eos, so every mode generates the same tokens). The
 table gives requests/s, TTFT and ITL p50 / p99 per mode and stream, for the mixed stream the
-chats' ITL (the decode that image bursts stall) and the bursts' TTFT apart.
+chats' ITL (the decode that image bursts stall) and the bursts' TTFT apart. In the mixed stream
+--chats clients each send text chats of --chat-tokens one after another from t = 0 until the
+last burst is answered, so chats decode through the whole bursts' window in every mode; the
+chats' ITL p99 "in bursts" counts only the gaps that end between the first burst's send and the
+last burst's answer (quiet decode before and after would dilute the stalls below the 1% a p99
+sees). The mixed stream's req/s counts those chats too, so it follows the decode's speed:
+compare throughput on the encoder-heavy stream. `--plot` draws both streams per mode.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,10 +46,10 @@ import aiohttp
 import bench_serving
 import httpx
 from bench_serving import Workload
-from stress import free_port
+from stress import free_port, group_pids
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("disagg", "dp", "tp")
+MODES = ("disagg", "dp", "tp")  # and "tp1", when named
 STREAMS = ("encoder-heavy", "mixed")
 
 
@@ -76,6 +91,22 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
+def float_front_end(proc: subprocess.Popen, log: Path, cpus: list[int]) -> None:
+    """Let every process of the LLM server `proc` but its scheduler rank run on `cpus` (each
+    thread's affinity: a process's mask is per thread)."""
+    match = re.search(r"started scheduler-TP0 \(pid (\d+)\)", log.read_text())
+    if match is None:
+        raise RuntimeError(f"no scheduler pid in {log}")
+    for pid in group_pids(proc.pid):
+        if pid == int(match.group(1)):
+            continue
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except (ProcessLookupError, PermissionError):
+                pass  # a thread or process that ended meanwhile
+
+
 def launch(mode: str, model: str, workdir: Path) -> tuple[str, list[subprocess.Popen]]:
     """The mode's servers, ready; returns the LLM server's URL and the processes."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -93,12 +124,16 @@ def launch(mode: str, model: str, workdir: Path) -> tuple[str, list[subprocess.P
         wait_for(enc, log, lambda: "encoder server ready" in log.read_text())
         flags = ["--tp", "1", "--encoder-urls", f"tcp://127.0.0.1:{enc_port}"]
         procs.append(start([*llm, *flags], workdir / "llm.log", cpus[half:] or cpus))
+    elif mode == "tp1":  # one rank, tower and decoder, on every CPU: no all-reduce at all
+        procs.append(start([*llm, "--tp", "1"], workdir / "llm.log", None))
     else:
         encoder = ["--mm-enable-dp-encoder"] if mode == "dp" else ["--mm-encoder-mode", "tp"]
         procs.append(start([*llm, "--tp", "2", *encoder], workdir / "llm.log", None))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(procs[-1], workdir / "llm.log", lambda: healthy(url))
+        if mode == "disagg":
+            float_front_end(procs[-1], workdir / "llm.log", cpus)
     except BaseException:
         stop(procs)
         raise
@@ -134,25 +169,80 @@ async def run_stream(stream: str, url: str, args: argparse.Namespace) -> dict[st
     if stream == "encoder-heavy":
         records, took = await drive(url, model, bursts, [0.0] * len(bursts), args.concurrency)
         return {"all": bench_serving.summarize(records, took)}
-    chats = bench_serving.generate_requests(chat, args.chats)
     offsets = [args.burst_at + i * args.burst_gap for i in range(len(bursts))]
     started = time.perf_counter()
-    (chat_records, _), (burst_records, _) = await asyncio.gather(
-        drive(url, model, chats, [0.0] * len(chats), None),
-        drive(url, model, bursts, offsets, None),
+    done = asyncio.Event()
+
+    async def bursts_then_stop() -> tuple[list, float]:
+        try:
+            return await drive(url, model, bursts, offsets, None)
+        finally:
+            done.set()
+
+    sent_chats, (burst_records, _) = await asyncio.gather(
+        chat_loops(url, model, chat, args.chats, done), bursts_then_stop()
     )
     took = time.perf_counter() - started
+    chat_records = [r for _, r in sent_chats]
     return {
         "all": bench_serving.summarize(chat_records + burst_records, took),
         "chats": bench_serving.summarize(chat_records, took),
         "bursts": bench_serving.summarize(burst_records, took),
+        "chats_in_bursts": gaps_in_window(sent_chats, burst_window(burst_records, offsets)),
     }
+
+
+async def chat_loops(
+    url: str, model: str, chat: Workload, loops: int, done: asyncio.Event
+) -> list[tuple[float, Any]]:
+    """`loops` clients, each sending text chats one after another from t = 0 until `done` (the
+    last burst answered): chats decode through the whole bursts' window whatever a chat's
+    length and the decode's speed. (send time from the start, record) per chat."""
+    timeout = aiohttp.ClientTimeout(total=1800)
+    chat_url, start = url + "/v1/chat/completions", time.perf_counter()
+    out: list[tuple[float, Any]] = []
+
+    async def loop(index: int, session: aiohttp.ClientSession) -> None:
+        for n in itertools.count():
+            if done.is_set():
+                return
+            request = bench_serving.make_request(chat, bench_serving.MEASURED_STREAM,
+                                                 n * loops + index)  # fmt: skip
+            body = json.dumps(bench_serving.build_payload(request, model, ignore_eos=True))
+            sent = time.perf_counter() - start
+            record = await bench_serving.send_request(session, chat_url, body.encode(), {})
+            out.append((sent, record))
+
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(loop(i, session) for i in range(loops)))
+    return out
+
+
+def burst_window(bursts: list, offsets: list[float]) -> tuple[float, float]:
+    """From the first burst sent to the last one answered (seconds from the stream's start)."""
+    return min(offsets), max(offset + r.latency for offset, r in zip(offsets, bursts))
+
+
+def gaps_in_window(chats: list[tuple[float, Any]], window: tuple[float, float]) -> dict:
+    """The inter-token gaps of the chats (sent at the given times) that end inside `window`,
+    in ms: the decode the bursts stall, without the quiet decode before and after them."""
+    start, end = window
+    gaps = []
+    for sent, r in chats:
+        at = sent + r.ttft
+        for gap in r.itl:
+            at += gap
+            if start <= at <= end:
+                gaps.append(gap)
+    return bench_serving.describe_ms(gaps)
 
 
 def main(args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Any]:
     """Run every mode on every stream; print the table; the results by "mode/stream"."""
     results = serving_benchmark(args, model, workdir)
     print("\n".join(table(results)))
+    if args.plot:
+        plot(results, args.plot)
     return results
 
 
@@ -178,15 +268,16 @@ def ms(summary: dict[str, Any], key: str, stat: str) -> str:
 
 def table(results: dict[str, Any]) -> list[str]:
     lines = ["| mode | stream | req/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | chats' ITL p50 "
-             "| chats' ITL p99 | bursts' TTFT p50 | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| chats' ITL p99 | chats' ITL p99 in bursts | bursts' TTFT p50 | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, out in results.items():
         mode, stream = name.split("/")
         s, chats, bursts = out["all"], out.get("chats"), out.get("bursts")
-        extra = ["-", "-", "-"]
+        extra = ["-", "-", "-", "-"]
         if chats is not None:
+            during = {"itl_ms": out.get("chats_in_bursts", {"p99": None})}
             extra = [ms(chats, "itl_ms", "median"), ms(chats, "itl_ms", "p99"),
-                     ms(bursts, "ttft_ms", "median")]  # fmt: skip
+                     ms(during, "itl_ms", "p99"), ms(bursts, "ttft_ms", "median")]  # fmt: skip
         row = [mode, stream, f"{s['request_throughput']:.2f}", ms(s, "ttft_ms", "median"),
                ms(s, "ttft_ms", "p99"), ms(s, "itl_ms", "median"), ms(s, "itl_ms", "p99"),
                *extra, str(s["failed"])]  # fmt: skip
@@ -194,16 +285,62 @@ def table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def plot(results: dict[str, Any], path: str) -> None:
+    """Per mode: requests/s of each stream; TTFT and ITL p50 / p99 of the encoder-heavy stream;
+    the mixed stream's chats' ITL and bursts' TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(name.split("/")[0] for name in results))
+    fig, (rate, heavy, mixed) = plt.subplots(3, 1, figsize=(9, 10))
+    bars(rate, modes, {s: [results.get(f"{m}/{s}", {}).get("all", {}).get("request_throughput")
+                           for m in modes] for s in STREAMS}, "requests/s")  # fmt: skip
+    bars(heavy, modes, latencies(results, modes, "encoder-heavy", "all", "all"), "ms (log)")
+    bars(mixed, modes, latencies(results, modes, "mixed", "chats", "bursts"), "ms (log)")
+    heavy.set_title("encoder-heavy stream", fontsize=9)
+    mixed.set_title("mixed stream: chats' ITL, bursts' TTFT", fontsize=9)
+    for ax in (heavy, mixed):
+        ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def latencies(results: dict, modes: list[str], stream: str, itl_of: str, ttft_of: str) -> dict:
+    def stat(mode: str, part: str, key: str, which: str) -> float | None:
+        out = results.get(f"{mode}/{stream}", {}).get(part)
+        return None if out is None else out[key][which]
+
+    out = {f"{label} {which}": [stat(m, part, key, which) for m in modes]
+           for label, part, key in (("TTFT", ttft_of, "ttft_ms"), ("ITL", itl_of, "itl_ms"))
+           for which in ("median", "p99")}  # fmt: skip
+    if stream == "mixed":
+        runs = [results.get(f"{m}/{stream}", {}).get("chats_in_bursts") for m in modes]
+        out["ITL p99 in bursts"] = [None if r is None else r["p99"] for r in runs]
+    return out
+
+
+def bars(ax: Any, modes: list[str], series: dict[str, list], ylabel: str) -> None:
+    width = 0.8 / max(1, len(series))
+    for j, (label, values) in enumerate(series.items()):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(modes))]
+        ax.bar(xs, [v or 0 for v in values], width, label=label)
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+
+
 def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serving", action="store_true", help="the serving benchmark (module doc)")
-    p.add_argument("--modes", default=",".join(MODES), help="serving: disagg, dp, tp")
+    p.add_argument("--modes", default=",".join(MODES), help="serving: disagg, dp, tp, tp1")
     p.add_argument("--serving-image-sizes", dest="serving_sizes", default="224x224,336x224")
     p.add_argument("--burst-images", type=int, default=4, help="serving: images per request")
     p.add_argument("--bursts", type=int, default=8, help="serving: image requests per stream")
     p.add_argument("--burst-tokens", type=int, default=8)
     p.add_argument("--burst-at", type=float, default=2.0, help="mixed: first burst (s)")
     p.add_argument("--burst-gap", type=float, default=0.5, help="mixed: between bursts (s)")
-    p.add_argument("--chats", type=int, default=4, help="mixed: text chats decoding")
+    p.add_argument("--chats", type=int, default=4, help="mixed: clients sending text chats")
     p.add_argument("--chat-tokens", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=4, help="encoder-heavy: in flight")
 

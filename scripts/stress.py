@@ -131,6 +131,19 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def group_pids(pgid: int) -> list[int]:
+    """The processes of a process group (from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:
+            pids.append(int(entry.name))
+    return pids
+
+
 def stop_and_time(server: LaunchedServer) -> float:
     """SIGTERM; seconds until the whole process group is gone (killed after 30 s)."""
     start = time.monotonic()

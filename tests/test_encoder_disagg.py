@@ -1,8 +1,10 @@
 """LLM servers with `--encoder-urls`: the front end has each item encoded by an encoder server
 (`--encoder-only`) before the request goes to a replica, whose ranks load no tower. Greedy
-outputs equal HF's (text, one and two images, streamed), a repeated image is encoded once
-across requests and across two `--dp` replicas sharing one encoder server, and the idle check
-holds."""
+outputs equal HF's (text, one and two images, streamed, video) for Qwen2-VL and, in one shared
+test taking the family as a parameter, for InternVL 3, GLM-4.1V, Gemma 3, Qwen2.5-VL and
+Qwen3-VL (LLM and encoder each at tp 1 and tp 2 over the families); a repeated image is encoded
+once across requests and across two `--dp` replicas sharing one encoder server, and the idle
+check holds."""
 
 from __future__ import annotations
 
@@ -10,22 +12,30 @@ import base64
 from collections.abc import Iterator
 from pathlib import Path
 
+import family_server as fs
 import pytest
-from encoder_servers import EncoderProc, start_encoder
+from encoder_servers import EncoderProc
+from family_cases import FamilyCases
+from test_openai_sampling import OneRankServer
 from test_server import (
     NEW_TOKENS,
     QUESTION,
     Server,
     chat,
     chat_oracle,
+    client,
     idle_info,
     image_part,
+    mp4_bytes,
     serve_then_check_teardown,
 )
-from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf
+from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
 
 from runtime.tiny_checkpoint import make_checkpoint
 from runtime.transport.encoder_wire import ZmqEncoderTransport
+from tokenizer_manager.media.limits import MediaLimits
+from tokenizer_manager.media.types import ProcessorSpec
+from tokenizer_manager.media.worker import process_video_bytes
 
 TEXT = "Say something about the sea."
 SECRET = "disagg-test-key"  # the module's encoder server signs (and checks) every message
@@ -49,17 +59,30 @@ def oracle(folder: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def encoder(folder: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EncoderProc]:
-    proc = start_encoder(folder, tmp_path_factory.mktemp("enclog") / "encoder.log", *KEYED)
-    yield proc
-    proc.stop()
+def started_encoder(
+    folder: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EncoderProc]:
+    """The module's encoder server, started (the LLM server starts beside it)."""
+    proc = EncoderProc(folder, tmp_path_factory.mktemp("enclog") / "encoder.log", *KEYED)
+    try:
+        yield proc
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="module")
-def llm(folder: str, encoder: EncoderProc, tmp_path_factory: pytest.TempPathFactory):
+def encoder(started_encoder: EncoderProc) -> EncoderProc:
+    started_encoder.wait_ready()
+    return started_encoder
+
+
+@pytest.fixture(scope="module")
+def llm(folder: str, started_encoder: EncoderProc, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("llmlog") / "server.log"
-    flags = ["--tp", "1", "--encoder-urls", encoder.job_url, *KEYED]
-    yield from serve_then_check_teardown(Server(folder, log, *flags))
+    flags = ["--tp", "1", "--encoder-urls", started_encoder.job_url, *KEYED]
+    server = Server(folder, log, *flags)
+    started_encoder.wait_ready()
+    yield from serve_then_check_teardown(server)
 
 
 def encoded(encoder: EncoderProc, key: bytes | None = None) -> dict:
@@ -168,47 +191,92 @@ def test_two_replicas_share_one_encoder_server(
         server.stop()
 
 
-def test_llm_tp2_with_an_encoder_server_of_tp2(folder: str, oracle: dict, tmp_path: Path) -> None:
-    enc = start_encoder(folder, tmp_path / "enc.log", "--tp", "2", "--mm-encoder-mode", "tp")
+# Every family beyond Qwen2-VL, one encoder server and one LLM server each: (LLM tp, the encoder
+# server's flags). Between them each side runs at tp 1 and at tp 2 and the encoder in both its
+# tp 2 modes; LLM tp 2 with encoder tp 2 on InternVL, whose image is one item of many tiles (a
+# frame each: grid (tiles, 2, 2)), the shape furthest from Qwen2-VL's.
+FAMILY_PAIRS = {
+    "internvl": (2, ("--tp", "2", "--mm-encoder-mode", "tp")),
+    "glm4v": (2, ()),  # images and video (frames of the image pad)
+    "gemma3": (1, ("--tp", "2", "--mm-encoder-mode", "dp")),  # fixed-size SigLIP, pooled
+    "qwen2_5_vl": (1, ("--tp", "2", "--mm-encoder-mode", "tp")),  # window attention
+    "qwen3_vl": (1, ()),  # DeepStack levels ride in each embedding row
+}
+VIDEO = mp4_bytes(video_frames(8, (56, 84)))
+FAMILY_CHATS = {
+    "text": [TEXT],
+    "one_image": [noise_image(), QUESTION],
+    "wide_image": [noise_image((56, 392), seed=3), QUESTION],  # InternVL: 7 x 1 tiles + thumbnail
+    "two_images": [gradient_image(), "and", noise_image(), "Compare them."],
+    "video": [VIDEO, "What happens?"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_PAIRS))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def family_cases(family: str, tmp_path_factory: pytest.TempPathFactory) -> FamilyCases:
+    return FamilyCases(make_checkpoint(family, tmp_path_factory.mktemp("families") / family))
+
+
+def family_chats(cases: FamilyCases) -> dict[str, list]:
+    return {k: v for k, v in FAMILY_CHATS.items() if k != "video" or cases.takes_video}
+
+
+@pytest.fixture(scope="module")
+def family_oracle(family_cases: FamilyCases) -> dict[str, tuple[str, int]]:
+    """HF's greedy text and prompt length per chat (the video as the server decodes it)."""
+    folder = str(family_cases.folder)
+    spec = ProcessorSpec.from_checkpoint(folder, MediaLimits())
+    model, out = family_cases.model(), {}
+    for name, content in family_chats(family_cases).items():
+        pieces = [process_video_bytes(p, spec, MediaLimits()).to_prepared()
+                  if isinstance(p, bytes) else p for p in content]  # fmt: skip
+        case = family_cases.case(name, pieces)
+        run_hf(model, case, NEW_TOKENS)
+        out[name] = (family_cases.text(case.hf_tokens), len(case.input_ids))
+    return out
+
+
+@pytest.fixture(scope="module")
+def family_pair(
+    family: str, family_cases: FamilyCases, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[EncoderProc, Server]]:
+    llm_tp, encoder_flags = FAMILY_PAIRS[family]
+    folder, logs = str(family_cases.folder), tmp_path_factory.mktemp(f"{family}_logs")
+    enc = EncoderProc(folder, logs / "enc.log", *encoder_flags)  # both start at once
     try:
-        server = Server(folder, tmp_path / "llm.log", "--encoder-urls", enc.job_url)  # tp 2
-        try:
-            assert text_of(server, one_image()) == oracle["text"]["one_image"]
-            assert streamed(server, two_images()) == oracle["text"]["two_images"]
-            assert_idle_and_leak_free(server)
-        finally:
-            server.stop()
-        assert encoded(enc)["tp"] == 2
+        kind = Server if llm_tp == 2 else OneRankServer
+        server = kind(folder, logs / "llm.log", "--encoder-urls", enc.job_url)
+        enc.wait_ready()
+        yield from ((enc, s) for s in serve_then_check_teardown(server))
     finally:
         enc.stop()
 
 
-def test_qwen3_vl_deepstack_rows_come_from_the_encoder_server(
-    tmp_path_factory: pytest.TempPathFactory,
+def test_each_family_through_an_encoder_server_equals_hf(
+    family: str, family_cases: FamilyCases, family_pair: tuple, family_oracle: dict
 ) -> None:
-    """Qwen3-VL's embedding rows carry its DeepStack levels: through the encoder server they
-    reach the decoder as from its own tower (greedy text equal to HF's)."""
-    folder = str(make_checkpoint("qwen3_vl", tmp_path_factory.mktemp("q3") / "qwen3_vl"))
-    oracle = chat_oracle(folder, (64, 96), NEW_TOKENS)
-    logs = tmp_path_factory.mktemp("q3log")
-    enc = start_encoder(folder, logs / "enc.log")
-    try:
-        flags = ["--tp", "1", "--encoder-urls", enc.job_url]
-        for server in serve_then_check_teardown(Server(folder, logs / "llm.log", *flags)):
-            model = {"model": "qwen3_vl"}
-            assert chat_text(server, one_image(), model) == oracle["text"]["one_image"]
-            assert chat_text(server, two_images(), model) == oracle["text"]["two_images"]
-            assert_idle_and_leak_free(server)
-        assert encoded(enc)["row_dim"] > 64  # the main rows and the DeepStack levels
-    finally:
-        enc.stop()
-
-
-def chat_text(server: Server, content: list[dict], body: dict) -> str:
-    from test_server import client
-
-    out = client(server).chat.completions.create(
-        messages=[{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
-        **body,
-    )
-    return out.choices[0].message.content
+    """Greedy text and prompt_tokens equal HF's for each chat, and streamed; each distinct item
+    is encoded once by the encoder server (the noise image of two chats too), in rows as wide
+    as the family's embedding rows; nothing is held after."""
+    enc, server = family_pair
+    assert "no vision tower" in server.log.read_text()
+    before = encoded(enc)
+    for name, content in family_chats(family_cases).items():
+        fs.assert_chat_is_hfs(server, family, content, family_oracle[name], NEW_TOKENS)
+    stream = client(server).chat.completions.create(
+        model=family, messages=[{"role": "user", "content": fs.parts(FAMILY_CHATS["two_images"])}],
+        max_tokens=NEW_TOKENS, temperature=0, stream=True,
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == family_oracle["two_images"][0]
+    after = encoded(enc)
+    media = 3 + family_cases.takes_video  # noise, wide, gradient (and the video)
+    assert after["items_encoded"] - before["items_encoded"] == media
+    assert after["tp"] == (2 if "--tp" in FAMILY_PAIRS[family][1] else 1)
+    assert after["row_dim"] == family_cases.config.vision.embed_row_dim
+    assert_idle_and_leak_free(server)

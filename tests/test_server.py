@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from dist_utils import free_port
 from PIL import Image
-from stress import LaunchedServer
+from stress import LaunchedServer, group_pids
 from test_media import png_header_only
 from vlm_cases import Checkpoint, gradient_image, load_hf, noise_image, run_hf, video_frames
 from waits import wait_until
@@ -101,19 +101,6 @@ def serve_then_check_teardown(srv: Server) -> Iterator[Server]:
     assert srv.proc.returncode is not None
     assert wait_until(lambda: not srv.group_alive()), "SIGTERM left a process of the server behind"
     assert [name for pid in pids for name in shm_media_files(pid)] == []
-
-
-def group_pids(pgid: int) -> list[int]:
-    """The processes of a process group (from /proc)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid:
-            pids.append(int(entry.name))
-    return pids
 
 
 def shm_media_files(pid: int) -> list[str]:
