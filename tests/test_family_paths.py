@@ -24,7 +24,7 @@ import jsonschema
 import pytest
 from family_cases import FamilyCases
 from grammar_cases import SCHEMAS
-from test_server import Server, client, idle_info
+from test_server import Server, client, idle_info, serve_then_check_teardown
 from transformers.generation import logits_process as hf
 from vlm_cases import gradient_image, hf_generate, noise_image, run_hf
 
@@ -98,6 +98,13 @@ def oracle(cases: FamilyCases, family: str) -> dict[str, Any]:
 def server(cases: FamilyCases, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     flags = ("--chunked-prefill-size", str(CHUNK))
     yield from fs.serve(cases.folder, tmp_path_factory, "paths_log", False, *flags)
+
+
+@pytest.fixture(scope="module")
+def server_tp4(cases: FamilyCases, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The family at tp 4 with the DP encoder (four ranks on CI's two cores)."""
+    log = tmp_path_factory.mktemp("tp4_log") / "server.log"
+    yield from serve_then_check_teardown(Server(str(cases.folder), log, tp=4))
 
 
 def chat(server: Server, family: str, content: list | str, **kw: Any) -> Any:
@@ -289,3 +296,22 @@ def test_media_tokens_typed_in_a_prompt_are_refused(server: Server, family: str,
                                                   "max_tokens": 2})  # fmt: skip
         assert out.status_code == 400, prompt
         assert out.json()["error"]["param"] == "prompt", prompt
+
+
+def test_at_tp4_with_the_dp_encoder_chats_equal_hf(server_tp4: Server, family: str,
+                                                   cases: FamilyCases, oracle: dict) -> None:
+    """Four ranks, the tower in DP mode: a text chat, one image sent twice (the second from the
+    prefix cache) and two images streamed answer HF's text and prompt length."""
+    out = chat(server_tp4, family, TEXT)
+    prompt = len(cases.case("text", [TEXT]).input_ids)
+    assert (out.choices[0].message.content, out.usage.prompt_tokens) == (oracle["plain"], prompt)
+    text, prompt_tokens = oracle["image"]
+    first, second = (chat(server_tp4, family, CONTENT["image"]) for _ in range(2))
+    for out in (first, second):
+        assert (out.choices[0].message.content, out.usage.prompt_tokens) == (text, prompt_tokens)
+    assert second.usage.prompt_tokens_details.cached_tokens >= prompt_tokens - 1
+    stream = chat(server_tp4, family, CONTENT["two_images"], stream=True,
+                  stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (streamed, chunks[-1].usage.prompt_tokens) == oracle["two_images"]

@@ -59,11 +59,12 @@ def mp4_bytes(frames: np.ndarray, fps: int = 4) -> bytes:
 
 
 class Server(LaunchedServer):
-    """launch.py at tp 2 with the DP encoder on CPU; teardown checks that no process is left."""
+    """launch.py at tp 2 (or `tp`) with the DP encoder on CPU; teardown checks that no process is
+    left."""
 
-    def __init__(self, folder: str, log: Path, *extra: str, encoder: str = "dp"):
+    def __init__(self, folder: str, log: Path, *extra: str, encoder: str = "dp", tp: int = 2):
         mode = ["--mm-enable-dp-encoder"] if encoder == "dp" else ["--mm-encoder-mode", encoder]
-        flags = ["--model-path", folder, "--tp", "2", *mode, "--device", "cpu"]
+        flags = ["--model-path", folder, "--tp", str(tp), *mode, "--device", "cpu"]
         super().__init__([*flags, "--max-total-tokens", "6000", *extra], log)
         try:
             self.wait_healthy(240)
