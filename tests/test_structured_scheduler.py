@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -27,6 +29,9 @@ from scheduler.scheduler import Scheduler
 from vision.vlm import build_model
 
 MAX_NEW = 400
+# Grammars compile on worker threads and processes: on a loaded machine a compile can outlast
+# thousands of empty scheduler steps, so a run is bounded by time, not by a count of steps.
+IDLE_DEADLINE_S = 120.0
 # Schemas with a number of unbounded precision: greedy noise repeats its likeliest digit for ever
 # (a correct "length" finish), so they run sampled only.
 UNBOUNDED_NUMBERS = {4, 7}
@@ -86,15 +91,25 @@ def request(
     return TokenizedGenerateReq(rid, prompt, SamplingParams(grammar=spec, **values))
 
 
+def steps_until_idle(scheduler: Scheduler, reqs: list[TokenizedGenerateReq]) -> Iterator:
+    """Each step's result, from the one that takes `reqs` until the scheduler is idle (or the
+    deadline passes); a step with nothing running (compiles pending) yields the CPU a moment."""
+    deadline = time.monotonic() + IDLE_DEADLINE_S
+    result = scheduler.step(reqs)
+    while True:
+        yield result
+        if scheduler.idle or time.monotonic() > deadline:
+            return
+        if not scheduler.running and scheduler.chunked is None:
+            time.sleep(0.001)
+        result = scheduler.step([])
+
+
 def run(scheduler: Scheduler, reqs: list[TokenizedGenerateReq]) -> dict[tuple[str, int], list]:
     """(rid, choice) -> [tokens, finish], once the scheduler is idle."""
     outputs: dict[tuple[str, int], list] = {}
-    result = scheduler.step(reqs)
-    for _ in range(5000):
+    for result in steps_until_idle(scheduler, reqs):
         collect(outputs, result.outputs)
-        if scheduler.idle:
-            break
-        result = scheduler.step([])
     assert scheduler.idle
     assert scheduler.grammar.held() == 0
     kv = scheduler.runner.kv_pool
@@ -369,13 +384,11 @@ def test_jump_forward_equals_step_by_step_decoding_in_fewer_steps(
 
 def deltas(scheduler: Scheduler, req: TokenizedGenerateReq) -> list[ReqOutput]:
     """The request's outputs step by step (each a delivered delta), once the scheduler idles."""
-    outputs, result = [], scheduler.step([req])
-    for _ in range(5000):
+    outputs = []
+    for result in steps_until_idle(scheduler, [req]):
         outputs += [o for o in result.outputs if o.new_token_ids]
-        if scheduler.idle:
-            return outputs
-        result = scheduler.step([])
-    raise AssertionError("the scheduler did not finish")
+    assert scheduler.idle, "the scheduler did not finish"
+    return outputs
 
 
 def test_forced_runs_keep_max_tokens_min_tokens_and_logprobs(folder, model) -> None:
