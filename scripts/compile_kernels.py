@@ -1,5 +1,7 @@
 """Compile every Triton kernel for sm_80 and sm_90 without a GPU; exit 1 on any compile error.
 
+float32 specialisations compile for sm_90 only (`compile_check.TARGET_TYPES` says why).
+
     env -u TRITON_INTERPRET TRITON_CACHE_DIR=$(mktemp -d) python scripts/compile_kernels.py
     python scripts/compile_kernels.py --arch 90 --dtype bf16 --json results.json
 

@@ -26,6 +26,11 @@ import triton
 TARGETS = (80, 90)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The element types compiled for a target, where not every one: float32 dots are exact ("ieee")
+# and lower to the same FMA loops on both architectures (no tensor-core path), so sm_90 alone
+# checks them, and sm_80 (an A100 serves bf16 or fp16) takes the types whose dots differ by
+# target. float32 costs as much to compile as the other two together.
+TARGET_TYPES = {80: ("bf16", "fp16")}
 
 # (heads, kv_heads, head_dim) of the decoders: Qwen2/2.5-VL-7B (28, 4, 128) and the tiny test
 # checkpoints. Qwen2-VL-2B (12, 2) and Qwen3-VL-8B (32, 8) share head_dim 128; the group size
@@ -55,6 +60,11 @@ class KernelSpec:
     module: str
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, object], ...]
+
+    @property
+    def element_type(self) -> str:
+        """The type of its first pointer argument (the tensors' dtype), e.g. "bf16"."""
+        return next(t[1:] for _, t in self.signature if t.startswith("*"))
 
     def source(self) -> object:
         import importlib
@@ -271,8 +281,13 @@ def _since(start: float) -> float:
 
 
 def compile_all(specs: list[KernelSpec], targets: tuple[int, ...] = TARGETS) -> list[CompileResult]:
-    """Every spec for every target. Refuses to run under the interpreter, where the kernels are
-    not JITFunctions and nothing would be compiled."""
+    """Every spec for every target that takes its element type (`TARGET_TYPES`). Refuses to run
+    under the interpreter, where the kernels are not JITFunctions and nothing would be compiled."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 is set: the kernels would not be compiled")
-    return [compile_one(spec, arch) for spec in specs for arch in targets]
+    return [
+        compile_one(spec, arch)
+        for spec in specs
+        for arch in targets
+        if spec.element_type in TARGET_TYPES.get(arch, (spec.element_type,))
+    ]
