@@ -402,9 +402,9 @@ def rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, q
             queue.put((rank, run_rank(args, model_path, base, device)))
         finally:
             destroy_tp_group()
-    except BaseException:  # the parent stops the run with this rank's error
+    except BaseException:  # the parent stops the run with this rank's error, and prints it
         queue.put((rank, RankFailure(traceback.format_exc())))
-        raise
+        raise SystemExit(1) from None
 
 
 def run_rank(args: argparse.Namespace, model_path: str, base: TPGroup, device: str) -> dict:
