@@ -12,7 +12,13 @@ balance by patch count, one all-gather) and auto mode (a plan per call: DP, TP o
 full weights, or a hybrid, from a cost model calibrated here at start-up or given with
 --encoder-costs, then learned from its calls). Workloads are lists of batches: `random`
 (--random-images / --image-sizes), `one-large`, `many-small`, `one-large-many-small`, `video`,
-and `mixed` (the four named shapes one after another, as a server sees them). Modes are timed
+and `mixed` (the four named shapes one after another, as a server sees them). Each item is
+what the checkpoint family's processor makes of an image of that size (ProcessorSpec, as the
+server reads the checkpoint): a resize rule's patch grid (pixel bounds wide open, so an 896x896
+image keeps its size), or a tiling family's tiles (its tile grid and thumbnail, or its fixed
+size and, with --max-tiles above 1, its pan-and-scan crops); a family without videos runs no
+`video` workload and a `mixed` without the video batch. A rank that fails stops the run at
+once with its error, every rank ended. Modes are timed
 interleaved, each round in a rotated order (tp dp auto, dp auto tp, auto tp dp, ...), so load
 on a shared machine hits them alike. One AutoEncoder serves every workload in turn, as in a
 server. The table reports, per workload and mode, the median and p90 time per batch, items/s,
@@ -25,6 +31,7 @@ and its learned ratios of measured over modeled time per kind of plan across the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -32,9 +39,11 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from queue import Empty
 
 import torch
 import torch.multiprocessing as mp
@@ -46,8 +55,12 @@ from kernels.ops import get_kernel_ops  # noqa: E402
 from runtime.allocator import keep_freed_memory  # noqa: E402
 from runtime.cpus import rank_cpus, threads_per_rank  # noqa: E402
 from runtime.distributed import TPGroup, destroy_tp_group, init_tp_group  # noqa: E402
+from runtime.families import family_for  # noqa: E402
 from runtime.model_config import ModelConfig  # noqa: E402
 from runtime.model_loader import iterate_weights  # noqa: E402
+from runtime.multimodal import Modality  # noqa: E402
+from tokenizer_manager.media.limits import MediaLimits  # noqa: E402
+from tokenizer_manager.media.types import ProcessorSpec  # noqa: E402
 from vision.auto_encoder import AutoEncoder  # noqa: E402
 from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
 from vision.encoder_calibration import calibrate_encoder_costs  # noqa: E402
@@ -132,6 +145,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-size", type=int, default=112)
     p.add_argument("--max-size", type=int, default=448)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-tiles",
+        type=int,
+        default=None,
+        help="a family that tiles images: the most tiles per image (default: the checkpoint's; "
+        "a family whose crops are a switch, e.g. pan-and-scan, crops above 1)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -149,9 +169,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="CPU: each rank runs on its own share of the usable CPUs (as a GPU per rank would)",
     )
-    p.add_argument("--served", action="store_true",
-                   help="serve instead: each mode a fresh server, first-12 and all req/s of "
-                        "one client's stream (scripts/vit_served.py; needs --model-path)")
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="serve instead: each mode a fresh server, first-12 and all req/s of "
+        "one client's stream (scripts/vit_served.py; needs --model-path)",
+    )
     p.add_argument("--requests", type=int, default=32, help="--served: timed requests")
     p.add_argument("--rounds", type=int, default=2, help="--served: server starts per mode")
     p.add_argument("--server-flags", default="", help="--served: more launch.py flags")
@@ -181,25 +204,59 @@ def image_sizes(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 
 def workload_batches(name: str, args: argparse.Namespace) -> list[list[tuple[int, int, int]]]:
-    """A workload as a list of batches of (frames, height, width) items."""
+    """A workload as a list of batches of (frames, height, width) items (`mixed` without its
+    video batch where the checkpoint takes no videos: `args.videos`)."""
     if name == "random":
         return [[(1, h, w) for h, w in image_sizes(args)]]
     if name == "mixed":
-        return [batch for shapes in NAMED.values() for batch in shapes]
+        names = [n for n in NAMED if args.videos or n != "video"]
+        return [batch for n in names for batch in NAMED[n]]
     return NAMED[name]
 
 
-def make_batch(cfg: ModelConfig, items: list[tuple[int, int, int]], seed: int):
-    v = cfg.vision
-    factor = v.patch_size * v.spatial_merge_size
-    grids = []
-    for frames, h, w in items:
-        rh, rw = cfg.family.resize(h, w, factor, factor**2, 16384 * 28 * 28)
-        t = max(1, frames // v.temporal_patch_size)
-        grids.append([t, rh // v.patch_size, rw // v.patch_size])
+def checkpoint_workloads(args: argparse.Namespace, model_path: str) -> list[str]:
+    """The workloads this checkpoint can run: without `video` where its family takes no videos
+    (SystemExit where --workload names it)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    args.videos = Modality.VIDEO in family_for(config).modalities
+    if args.videos:
+        return args.workloads
+    if "video" in args.workload.split(","):
+        raise SystemExit("--workload video: this checkpoint's family takes no videos")
+    return [name for name in args.workloads if name != "video"]
+
+
+# The bench's pixel bounds under a resize rule: wide open, so an 896x896 image keeps its size.
+MIN_PIXELS, MAX_PIXELS = 28 * 28, 16384 * 28 * 28
+
+
+def bench_spec(model_path: str, max_tiles: int | None) -> ProcessorSpec:
+    """The checkpoint's processor settings as the server reads them, with the bench's pixel
+    bounds and, where given, its own cap on an image's tiles (a family that tiles)."""
+    spec = ProcessorSpec.from_checkpoint(model_path, MediaLimits())
+    bounds = {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
+    tiles = {} if max_tiles is None else {"max_tiles": max_tiles}
+    image = dataclasses.replace(spec.image, **bounds, **tiles)
+    video = dataclasses.replace(spec.video, **bounds)
+    return dataclasses.replace(spec, image=image, video=video)
+
+
+def item_grid(spec: ProcessorSpec, frames: int, height: int, width: int) -> list[int]:
+    """An item's patch grid as the family's processor makes it: an image's resize or tiles
+    (`Family.tiling`: its tiles and thumbnail, or its crops), a video's resized frames."""
+    if frames == 1:
+        return list(spec.image_grid(height, width))
+    return list(spec.video_grid(frames, height, width))
+
+
+def make_batch(
+    cfg: ModelConfig, spec: ProcessorSpec, items: list[tuple[int, int, int]], seed: int
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """Random patch rows for `items` and their grids."""
+    grids = [item_grid(spec, *item) for item in items]
     total = sum(t * h * w for t, h, w in grids)
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(total, v.patch_dim, generator=gen), grids
+    return torch.randn(total, cfg.vision.patch_dim, generator=gen), grids
 
 
 def build_tower(
@@ -224,8 +281,9 @@ class Runner:
         self.groups = {m: CountingGroup(base) for m in MODES}
         shape = TowerShape.of(full_tower.cfg, full_tower.dtype.itemsize)
         self.history = CallLog()
-        self.auto = AutoEncoder(full_tower, self.groups["auto"], shape, costs,
-                                observer=self.history)
+        self.auto = AutoEncoder(
+            full_tower, self.groups["auto"], shape, costs, observer=self.history
+        )
 
     def run(self, mode: str, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         group = self.groups[mode]
@@ -300,8 +358,14 @@ def mode_loads(mode: str, runner: Runner, grids_list: list[list[list[int]]]) -> 
 
 
 def summarize(
-    workload: str, mode: str, times: list[float], n_items: float, loads: list[int],
-    nbytes: int, plans: dict[str, int], rounds: list[dict[str, int]],
+    workload: str,
+    mode: str,
+    times: list[float],
+    n_items: float,
+    loads: list[int],
+    nbytes: int,
+    plans: dict[str, int],
+    rounds: list[dict[str, int]],
 ) -> ModeResult:
     times_ms = sorted(t * 1e3 for t in times)
     p90 = times_ms[min(len(times_ms) - 1, int(round(0.9 * (len(times_ms) - 1))))]
@@ -332,11 +396,15 @@ def rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, q
         if own:
             os.sched_setaffinity(0, own)
         torch.set_num_threads(len(own) if own else threads_per_rank(args.tp))
-    base = init_tp_group(rank, args.tp, f"tcp://127.0.0.1:{port}", use_cuda=device == "cuda")
     try:
-        queue.put((rank, run_rank(args, model_path, base, device)))
-    finally:
-        destroy_tp_group()
+        base = init_tp_group(rank, args.tp, f"tcp://127.0.0.1:{port}", use_cuda=device == "cuda")
+        try:
+            queue.put((rank, run_rank(args, model_path, base, device)))
+        finally:
+            destroy_tp_group()
+    except BaseException:  # the parent stops the run with this rank's error, and prints it
+        queue.put((rank, RankFailure(traceback.format_exc())))
+        raise SystemExit(1) from None
 
 
 def run_rank(args: argparse.Namespace, model_path: str, base: TPGroup, device: str) -> dict:
@@ -351,21 +419,28 @@ def run_rank(args: argparse.Namespace, model_path: str, base: TPGroup, device: s
         else:
             costs = calibrate_encoder_costs(full, base, TowerShape.of(full.cfg, dtype.itemsize))
         runner = Runner(tp_tower, full, base, costs)
+        spec = bench_spec(model_path, args.max_tiles)
         results, workloads = [], []
         for name in args.workloads:
-            results += [asdict(r) for r in run_workload(name, runner, cfg, args, device, dtype)]
+            rows = run_workload(name, runner, cfg, spec, args, device, dtype)
+            results += [asdict(r) for r in rows]
             workloads += [name] * (len(runner.history) - len(workloads))
     history = [{"workload": w, **asdict(c)} for w, c in zip(workloads, runner.history)]
-    return {"calibration": json.loads(costs.to_json()), "results": results,
-            "auto_history": history}
+    return {"calibration": json.loads(costs.to_json()), "results": results, "auto_history": history}
 
 
 def run_workload(
-    name: str, runner: Runner, cfg: ModelConfig, args: argparse.Namespace, device: str, dtype
+    name: str,
+    runner: Runner,
+    cfg: ModelConfig,
+    spec: ProcessorSpec,
+    args: argparse.Namespace,
+    device: str,
+    dtype: torch.dtype,
 ) -> list[ModeResult]:
     batches = []
     for i, items in enumerate(workload_batches(name, args)):
-        pixels, grids = make_batch(cfg, items, args.seed + i)
+        pixels, grids = make_batch(cfg, spec, items, args.seed + i)
         batches.append((pixels.to(device=device, dtype=dtype), grids))
     runner.auto.plan_counts.clear()
     for group in [runner.tp_tower.tp, *runner.groups.values()]:
@@ -381,8 +456,18 @@ def run_workload(
         group = runner.tp_tower.tp if mode == "tp" else runner.groups[mode]
         loads = mode_loads(mode, runner, grids_list)
         plans = dict(runner.auto.plan_counts) if mode == "auto" else {}
-        out.append(summarize(name, mode, times[mode], n_items, loads, group.counter[0] // runs,
-                             plans, rounds if mode == "auto" else []))
+        out.append(
+            summarize(
+                name,
+                mode,
+                times[mode],
+                n_items,
+                loads,
+                group.counter[0] // runs,
+                plans,
+                rounds if mode == "auto" else [],
+            )
+        )
     return out
 
 
@@ -394,8 +479,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class RankFailure:
+    """What a rank that raised puts on the result queue: its traceback."""
+
+    traceback: str
+
+
+class RankError(RuntimeError):
+    """A rank failed (raised, or exited without its result); the run stops."""
+
+
+RUN_TIMEOUT_S = 1800.0  # the whole run, every rank's result in
+
+
 def spawn(args: argparse.Namespace, model_path: str) -> dict:
-    """Run every rank; returns rank 0's results. Children are always reaped."""
+    """Run every rank; returns rank 0's results. The first rank to fail (an error, or an exit
+    without a result) stops the run with its message; children are always reaped."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
     procs = [
@@ -405,13 +505,57 @@ def spawn(args: argparse.Namespace, model_path: str) -> dict:
     for p in procs:
         p.start()
     try:
-        results = dict(queue.get(timeout=1800) for _ in procs)
-        return results[0]
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        results = collect(queue, procs, time.monotonic() + RUN_TIMEOUT_S)
+    except BaseException:
+        reap(procs, grace_s=0)
+        raise
+    reap(procs, grace_s=10)
+    return results[0]
+
+
+def collect(queue, procs: list, deadline: float) -> dict[int, dict]:
+    """Every rank's result by rank, polling the queue and the ranks' liveness."""
+    results: dict[int, dict] = {}
+    while len(results) < len(procs):
+        try:
+            rank, result = queue.get(timeout=0.5)
+        except Empty:
+            check_alive(queue, procs, results, deadline)
+            continue
+        if isinstance(result, RankFailure):
+            raise RankError(f"rank {rank} failed:\n{result.traceback}")
+        results[rank] = result
+    return results
+
+
+def check_alive(queue, procs: list, results: dict[int, dict], deadline: float) -> None:
+    """RankError for a rank that exited without its result (the error of a rank whose message
+    is still in the queue's pipe first), or for a run past its deadline."""
+    dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+    if dead:
+        try:
+            rank, result = queue.get(timeout=2)
+        except Empty:
+            rank, result = dead[0], None
+        if isinstance(result, RankFailure):
+            raise RankError(f"rank {rank} failed:\n{result.traceback}")
+        if result is not None:
+            results[rank] = result
+            return
+        raise RankError(f"rank {rank} exited with code {procs[rank].exitcode} without a result")
+    if time.monotonic() > deadline:
+        raise RankError(f"the ranks gave no result in {RUN_TIMEOUT_S:.0f} s")
+
+
+def reap(procs: list, grace_s: float) -> None:
+    """End every rank: `grace_s` for those finishing, then kill the rest."""
+    stop = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, stop - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 def print_table(out: dict, args: argparse.Namespace) -> None:
@@ -525,7 +669,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model_path or tiny_checkpoint(args.arch, tmp)
-        out = spawn(args, model_path)
+        args.workloads = checkpoint_workloads(args, model_path)
+        try:
+            out = spawn(args, model_path)
+        except RankError as exc:
+            raise SystemExit(f"bench_vit_dp_vs_tp: {exc}") from None
     print_table(out, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), **out}, indent=2))

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,7 +168,9 @@ def test_vit_benchmark_prints_every_mode(tmp_path: Path) -> None:
     assert data["calibration"]["dp_patch_s"] + data["calibration"]["dp_pair_s"] > 0
     results = data["results"]
     assert [(r["workload"], r["mode"]) for r in results] == [
-        ("random", "tp"), ("random", "dp"), ("random", "auto")
+        ("random", "tp"),
+        ("random", "dp"),
+        ("random", "auto"),
     ]
     tp, dp, auto = results
     assert sum(dp["patches_per_rank"]) == tp["patches_per_rank"][0]
@@ -182,6 +185,61 @@ def test_vit_benchmark_prints_every_mode(tmp_path: Path) -> None:
     assert png.stat().st_size > 0
 
 
+def test_vit_benchmark_stops_at_once_when_a_rank_fails(tmp_path: Path) -> None:
+    """A rank that raises ends the run within seconds with its own error (not the parent's
+    half-hour wait on the result queue), and every rank is gone when it returns."""
+    import multiprocessing
+
+    import bench_vit_dp_vs_tp as bench
+
+    missing = tmp_path / "no-such-costs.json"
+    args = bench.parse_args(["--tp", "2", "--random-images", "1", "--max-size", "112",
+                             "--warmup", "0", "--repeat", "1", "--encoder-costs", str(missing),
+                             "--device", "cpu", "--attention-backend", "torch"])  # fmt: skip
+    args.videos = True
+    start = time.monotonic()
+    with pytest.raises(bench.RankError, match="no-such-costs.json") as info:
+        bench.spawn(args, str(make_checkpoint("qwen2_vl", tmp_path / "tiny")))
+    assert time.monotonic() - start < 120
+    assert "failed" in str(info.value) and "FileNotFoundError" in str(info.value)
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize(("arch", "max_tiles"), [("internvl", None), ("gemma3", 5),
+                                                 ("glm4v", None)])  # fmt: skip
+def test_vit_benchmark_items_are_what_the_processor_makes(
+    arch: str, max_tiles: int | None, tmp_path: Path
+) -> None:
+    """The benchmark's image of each workload size has the grid the media worker (the family's
+    HF image processor) gives an image of that size: InternVL's tiles and thumbnail, Gemma 3's
+    fixed size with pan-and-scan crops, GLM-4.1V's resize. A family without videos runs no
+    video workload, and `mixed` without its video batch."""
+    import io
+
+    import bench_vit_dp_vs_tp as bench
+    from PIL import Image
+
+    from tokenizer_manager.media.limits import MediaLimits
+    from tokenizer_manager.media.worker import process_image_bytes
+
+    folder = str(make_checkpoint(arch, tmp_path / arch))
+    spec = bench.bench_spec(folder, max_tiles)
+    grids = []
+    for height, width in [(896, 896), (224, 224), (256, 600)]:
+        png = io.BytesIO()
+        Image.new("RGB", (width, height), (90, 30, 200)).save(png, format="PNG")
+        grids.append(list(process_image_bytes(png.getvalue(), spec, MediaLimits()).grid_thw))
+        assert bench.item_grid(spec, 1, height, width) == grids[-1]
+    tiles = {"internvl": [10, 10, 11], "gemma3": [1, 1, 3], "glm4v": [1, 1, 1]}[arch]
+    assert [grid[0] for grid in grids] == tiles  # 56 px tiles: 3 x 3 and a thumbnail; 2 crops
+    args = bench.parse_args(["--workload", "all"])
+    workloads = bench.checkpoint_workloads(args, folder)
+    videos = arch == "glm4v"
+    assert ("video" in workloads) is videos
+    mixed = bench.workload_batches("mixed", args)
+    assert any(frames > 1 for batch in mixed for frames, _, _ in batch) is videos
+
+
 def test_ranks_share_the_usable_cpus() -> None:
     cpus = [4, 5, 6, 7, 8]  # e.g. `taskset -c 4-8` on a larger machine
     assert [rank_cpus(r, 2, cpus) for r in range(2)] == [[4, 5], [6, 7]]
@@ -194,6 +252,11 @@ def test_a_rank_counts_the_cpus_it_may_use_not_the_machine() -> None:
     """Under `taskset -c 0` a process sees one CPU, whatever the machine has."""
     code = "from runtime.cpus import threads_per_rank; print(threads_per_rank(1))"
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], cwd=root,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "1"

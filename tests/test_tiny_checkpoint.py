@@ -18,8 +18,10 @@ import torch
 from PIL import Image
 
 import runtime.tiny_checkpoint as mtc
-from runtime.families import get_family, qwen2_vl
+from runtime.families import FAMILIES, get_family, qwen2_vl
 from runtime.model_config import ModelConfig
+from tokenizer_manager.media.limits import MediaLimits
+from tokenizer_manager.media.types import ProcessorSpec
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl")
 
@@ -360,3 +362,30 @@ def test_new_family_peer_presets_have_head_dim_64(arch: str) -> None:
         assert get_family(arch).tiny.processor("hd64")["image_seq_length"] == 64
     total = sum(p.numel() for p in mtc.meta_model(arch, flat).parameters())
     assert 15e6 < total < 25e6
+
+
+VIT_HEAVY = tuple(name for name, f in FAMILIES.items() if "vit-heavy" in f.tiny.presets)
+
+
+def test_every_encoder_family_has_a_vit_heavy_preset() -> None:
+    assert {"qwen2_vl", "internvl", "glm4v", "gemma3"} <= set(VIT_HEAVY)
+
+
+@pytest.mark.parametrize("arch", VIT_HEAVY)
+def test_vit_heavy_presets_spend_their_weights_in_the_tower(arch: str, tmp_path: Path) -> None:
+    """The encoder modes' benchmark presets: a config tessera reads, heads of 64 to 80, most of
+    the weights in the tower, and an 896x896 image of hundreds of patches or more (its
+    resize, tiles or fixed size, as the family's processor makes it)."""
+    ids = mtc.special_ids(mtc.family_tokenizer(arch))
+    flat = mtc.checkpoint_config(arch, "vit-heavy", ids, "float32")
+    vision = ModelConfig.from_dict(flat, ids).vision
+    assert 64 <= vision.embed_dim // vision.num_heads <= 80 and vision.depth >= 4
+    model = mtc.meta_model(arch, flat)
+    total = sum(p.numel() for p in model.parameters())
+    tower = sum(p.numel() for n, p in model.named_parameters() if "vis" in n)
+    assert tower > 0.6 * total
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    preprocessor = get_family(arch).tiny.preprocessor("vit-heavy")
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    t, h, w = ProcessorSpec.from_checkpoint(str(tmp_path), MediaLimits()).image_grid(896, 896)
+    assert 400 <= t * h * w <= 4096

@@ -47,8 +47,9 @@ def layer_types(text: dict) -> list[str]:
         pattern = int(text.get("sliding_window_pattern", text.get("_sliding_window_pattern", 6)))
         kinds = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
     if len(kinds) != layers or set(kinds) - {SLIDING, FULL}:
-        raise ModelConfigError(f"Gemma 3 layer_types {kinds} must name {layers} layers of "
-                               f"{SLIDING!r} or {FULL!r}")
+        raise ModelConfigError(
+            f"Gemma 3 layer_types {kinds} must name {layers} layers of {SLIDING!r} or {FULL!r}"
+        )
     return list(kinds)
 
 
@@ -103,8 +104,10 @@ def vision_fields(v: dict, text_hidden: int, top: dict | None = None) -> Fields:
     tokens = int(top.get("mm_tokens_per_image", 256))
     pooled = round(tokens**0.5)
     if side % patch or pooled**2 != tokens or per_side % pooled:
-        raise ModelConfigError(f"Gemma 3 vision: {side} px images of {patch} px patches cannot "
-                               f"pool to mm_tokens_per_image {tokens}")
+        raise ModelConfigError(
+            f"Gemma 3 vision: {side} px images of {patch} px patches cannot "
+            f"pool to mm_tokens_per_image {tokens}"
+        )
     if v.get("vision_use_head"):
         raise ModelConfigError("Gemma 3's SigLIP tower has no pooling head (vision_use_head)")
     fields = internvl.tile_tower_fields(v, text_hidden, patch, side, per_side // pooled)
@@ -221,6 +224,12 @@ SIGLIP_MEAN = [0.5, 0.5, 0.5]
 # 112 px images of 14 px patches (8 x 8), pooled 2 x 2 to 16 soft tokens; three decoder layers,
 # two sliding (window 24, longer than an image, shorter than a two-image prompt) and one global
 # with a linear RoPE scaling. hd64: head_dim 64 in the decoder (what a peer's CPU attention takes).
+# "vit-heavy": google/gemma-3-4b-it's SigLIP tower (27 layers of width 1152, 16 heads of 72, MLP
+# 4304, 896 px images of 14 px patches, 4096 patches pooled 4 x 4 to 256 soft tokens) scaled to a
+# 2-core CPU as InternVL's vit-heavy scales InternViT: 6 layers, a quarter of the width (288, in
+# 4 heads of the published 72, MLP 1076), 448 px images (1024 patches, a quarter) pooled 2 x 2 to
+# the published 256 soft tokens; in front of the tiny decoder (its window widened past an
+# image's 260 tokens), so its time goes to the tower, for the encoder modes' benchmarks.
 TEXT_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, intermediate_size=128,
@@ -229,17 +238,27 @@ TEXT_SHAPES: dict[str, dict[str, Any]] = {
                  num_key_value_heads=2, head_dim=64, intermediate_size=512,
                  sliding_window_pattern=2, sliding_window=64, query_pre_attn_scalar=64),
 }  # fmt: skip
+TEXT_SHAPES["vit-heavy"] = {**TEXT_SHAPES["tiny"], "sliding_window": 320}
 VISION_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4),
     "hd64": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=2),
+    "vit-heavy": dict(hidden_size=288, intermediate_size=1076, num_hidden_layers=6,
+                      num_attention_heads=4),
 }  # fmt: skip
 IMAGE_SIZE, SOFT_TOKENS = 112, 16
+IMAGES = {"vit-heavy": (448, 256)}  # a preset's (image side, soft tokens) when not the above
+
+
+def image_shape(preset: str) -> tuple[int, int]:
+    """(image side in px, soft tokens per image) of a preset."""
+    return IMAGES.get(preset, (IMAGE_SIZE, SOFT_TOKENS))
 
 
 def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
     """A config.json in google/gemma-3-4b-it's published layout."""
+    side, soft_tokens = image_shape(preset)
     text = {
         "model_type": "gemma3_text", **TEXT_SHAPES[preset], "vocab_size": 512,
         "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06,
@@ -249,14 +268,14 @@ def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
         "final_logit_softcapping": None, "attn_logit_softcapping": None,
     }  # fmt: skip
     vision = {
-        "model_type": "siglip_vision_model", **VISION_SHAPES[preset], "image_size": IMAGE_SIZE,
+        "model_type": "siglip_vision_model", **VISION_SHAPES[preset], "image_size": side,
         "patch_size": 14, "num_channels": 3, "hidden_act": "gelu_pytorch_tanh",
         "layer_norm_eps": 1e-06, "attention_dropout": 0.0, "vision_use_head": False,
     }  # fmt: skip
     return {
         "architectures": [ARCHITECTURE], "model_type": "gemma3",
         "boi_token_index": ids[TOKENS.start], "eoi_token_index": ids[TOKENS.end],
-        "image_token_index": ids[TOKENS.image_pad], "mm_tokens_per_image": SOFT_TOKENS,
+        "image_token_index": ids[TOKENS.image_pad], "mm_tokens_per_image": soft_tokens,
         "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]], "initializer_range": 0.02,
         "text_config": text, "vision_config": vision, "tie_word_embeddings": True,
         "torch_dtype": dtype,
@@ -264,16 +283,17 @@ def tiny_config(preset: str, ids: dict[str, int], dtype: str) -> dict[str, Any]:
 
 
 def preprocessor_config(preset: str) -> dict[str, Any]:
-    """Gemma3ImageProcessor's published settings, at the tiny tower's image size."""
+    """Gemma3ImageProcessor's published settings, at the preset's image size."""
+    side, soft_tokens = image_shape(preset)
     return {
         "do_convert_rgb": None, "do_normalize": True, "do_pan_and_scan": None,
         "do_rescale": True, "do_resize": True, "image_mean": SIGLIP_MEAN,
-        "image_processor_type": "Gemma3ImageProcessor", "image_seq_length": SOFT_TOKENS,
+        "image_processor_type": "Gemma3ImageProcessor", "image_seq_length": soft_tokens,
         "image_std": SIGLIP_MEAN, "pan_and_scan_max_num_crops": None,
         "pan_and_scan_min_crop_size": None, "pan_and_scan_min_ratio_to_activate": None,
         "processor_class": "Gemma3Processor", "resample": 2,
         "rescale_factor": 0.00392156862745098,
-        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        "size": {"height": side, "width": side},
     }  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from tokenizer_manager.media.video_processor import (
     VIDEO_MIN_PIXELS,
     VideoProcessingConfig,
     checkpoint_video_config,
+    clip_frames,
     read_json,
 )
 
@@ -82,6 +83,23 @@ class ProcessorSpec:
         except ValueError as exc:
             raise MediaError(str(exc), param="image_url", code="invalid_media_size") from exc
         return 1, h // image.patch_size, w // image.patch_size
+
+    def video_size(self, height: int, width: int, frames: int) -> tuple[int, int]:
+        """The (height, width) the frames of a clip of `frames` frames of this size are resized
+        to: the family's resize rule within the video pixel bounds (per clip where the
+        checkpoint's video processor budgets the clip, else per frame)."""
+        cfg = self.video
+        factor = cfg.patch_size * cfg.merge_size
+        clip = clip_frames(frames, cfg.temporal_patch_size, cfg.clip_budget)
+        return self.model_family.resize(height, width, factor, cfg.min_pixels, cfg.max_pixels,
+                                        *clip)  # fmt: skip
+
+    def video_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """The patch grid of a clip of `frames` sampled frames of this size (the frame count
+        padded to whole temporal patches)."""
+        h, w = self.video_size(height, width, frames)
+        patch, temporal = self.video.patch_size, self.video.temporal_patch_size
+        return -(-frames // temporal), h // patch, w // patch
 
     def image_cost(self, height: int, width: int) -> tuple[int, int]:
         """(tokens, decoded bytes bound) of an image of this size, from its header alone.
@@ -166,4 +184,3 @@ class ProcessedMedia:
             self.digest,
             self.frame_times,
         )
-

@@ -43,7 +43,6 @@ from tokenizer_manager.media.video_container import (
 )
 from tokenizer_manager.media.video_processor import (
     VideoProcessingConfig,
-    clip_frames,
     frame_timestamps,
     frames_to_patches,
     resize_frame,
@@ -231,10 +230,7 @@ def _video_target_size(
     if height * width > limits.max_pixels or min(height, width) < max(1, limits.min_side):
         raise bad_video(f"video frames are {width}x{height}: outside the allowed frame size")
     check_media_shape(height, width, "video_url")
-    cfg, resize = spec.video, spec.model_family.resize
-    factor = cfg.patch_size * cfg.merge_size
-    clip = clip_frames(frames, cfg.temporal_patch_size, cfg.clip_budget)
-    return resize(height, width, factor, cfg.min_pixels, cfg.max_pixels, *clip)
+    return spec.video_size(height, width, frames)
 
 
 def _resize_all(frames: list[np.ndarray], size: tuple[int, int]) -> np.ndarray:
