@@ -255,6 +255,27 @@ def test_a_requests_pan_and_scan_is_the_processors(folder: Path, on: bool) -> No
     assert (ours.digest == plain.digest) == (not on)
 
 
+@pytest.mark.parametrize("cap", [1, 2, 4])
+def test_a_requests_crop_cap_is_the_processors(folder: Path, cap: int) -> None:
+    """pan_and_scan_max_num_crops with the switch on: the worker's crops, pixels and header
+    charge equal Gemma3Processor's with that cap, and the cap is part of the digest."""
+    raw = {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": cap}
+    spec, grid = request_crops(folder, raw)
+    image = noise_image((280, 1200), seed=3)  # 280 x 1200 px: four crops uncapped
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    ours = process_image_bytes(png.getvalue(), spec, MediaLimits())
+    kwargs = {**gemma3.crop_kwargs(1, 1 + gemma3.MAX_CROPS), "pan_and_scan_max_num_crops": cap}
+    out = hf_processor(folder).image_processor(images=[image], return_tensors="np", **kwargs)
+    rows, theirs = tile_patches(out["pixel_values"], 14)
+    assert ours.grid_thw == tuple(theirs) == (1 + cap, 8, 8)
+    assert spec.image_grid(280, 1200) == ours.grid_thw
+    assert torch.equal(ours.to_prepared().pixel_values, torch.from_numpy(rows))
+    uncapped = request_crops(folder, {"do_pan_and_scan": True})[0]
+    other = process_image_bytes(png.getvalue(), uncapped, MediaLimits())
+    assert (ours.digest == other.digest) == (cap == gemma3.MAX_CROPS)
+
+
 @pytest.mark.parametrize(
     ("raw", "param"),
     [
@@ -263,7 +284,11 @@ def test_a_requests_pan_and_scan_is_the_processors(folder: Path, on: bool) -> No
         ({"min_patches": 2}, "min_patches"),  # InternVL's processor's, not Gemma 3's
         ({"crop_to_patches": True}, "crop_to_patches"),
         ({"max_pixels": 100000}, "max_pixels"),
-        ({"pan_and_scan_max_num_crops": 2}, "pan_and_scan_max_num_crops"),
+        ({"pan_and_scan_max_num_crops": 2}, "pan_and_scan_max_num_crops"),  # the switch off
+        ({"do_pan_and_scan": False, "pan_and_scan_max_num_crops": 2}, "pan_and_scan_max_num_crops"),
+        ({"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 0}, "pan_and_scan_max_num_crops"),
+        ({"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 5}, "pan_and_scan_max_num_crops"),
+        ({"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 64}, "pan_and_scan_min_crop_size"),
     ],
 )
 def test_bad_crop_settings_are_refused_by_name(folder: Path, raw: dict, param: str) -> None:

@@ -81,6 +81,7 @@ def hf_pixels(folder: str, image: Image.Image, **kwargs: int) -> tuple[np.ndarra
         ({"max_pixels": 3136, "do_resize": False}, "mm_processor_kwargs.do_resize"),
         ({"do_pan_and_scan": True}, "mm_processor_kwargs.do_pan_and_scan"),  # Gemma 3's
         ({"max_patches": 2}, "mm_processor_kwargs.max_patches"),  # InternVL's
+        ({"pan_and_scan_max_num_crops": 2}, "mm_processor_kwargs.pan_and_scan_max_num_crops"),
     ],
 )
 def test_out_of_range_and_unknown_keys_are_refused_by_name(
@@ -90,6 +91,8 @@ def test_out_of_range_and_unknown_keys_are_refused_by_name(
         request_spec(spec, checked_settings(raw, spec))
     assert info.value.status == 400 and info.value.param == param
     assert param.split(".")[1] in info.value.message
+    if param.endswith(("patches", "scan", "crops")):  # a tiling key, on a family that resizes
+        assert info.value.message.endswith("checkpoints do not tile images")
 
 
 def test_settings_apply_to_images_and_videos(spec: ProcessorSpec) -> None:

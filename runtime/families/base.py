@@ -192,6 +192,8 @@ class Tiling:
         min_tiles / max_tiles): InternVL's tile counts, or Gemma 3's `do_pan_and_scan`.
     switched_on: max_tiles when a request turns cropping on with a switch (`do_pan_and_scan`:
         the whole image and up to that many crops less one); 0 where no key is a switch.
+    crops_key: the key that caps the crops beside the whole image once the switch is on
+        (`pan_and_scan_max_num_crops`, 1 up to switched_on - 1); "" where there is none.
     tile_text(run, tiles): the prompt text of an image of `tiles` tiles, each tile a placeholder
         run of its own (`run`: one tile's, surround included): Gemma 3's crops, each its own
         `<start_of_image>` run. None: one run holds every tile's tokens (InternVL)."""
@@ -200,6 +202,7 @@ class Tiling:
     processor_kwargs: Callable[[int, int], dict[str, Any]] = crop_kwargs
     keys: tuple[str, ...] = ("min_patches", "max_patches", "crop_to_patches")
     switched_on: int = 0
+    crops_key: str = ""
     tile_text: Callable[[str, int], str] | None = None
 
 

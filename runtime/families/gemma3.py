@@ -181,8 +181,10 @@ def crop_text(run: str, tiles: int) -> str:
             f"better {crops}")  # fmt: skip
 
 
-TILING = base.Tiling(crop_count, crop_kwargs, keys=("do_pan_and_scan",),
-                     switched_on=1 + MAX_CROPS, tile_text=crop_text)  # fmt: skip
+CROPS_KEY = "pan_and_scan_max_num_crops"
+TILING = base.Tiling(crop_count, crop_kwargs, keys=("do_pan_and_scan", CROPS_KEY),
+                     switched_on=1 + MAX_CROPS, crops_key=CROPS_KEY,
+                     tile_text=crop_text)  # fmt: skip
 
 
 def no_resize(*_: Any, **__: Any) -> tuple[int, int]:

@@ -8,11 +8,12 @@ rounds it; the frames are spread as tessera spreads them at `fps`), `min_frames`
 there); for a family that tiles images (InternVL's GotOcr2 processor) `min_patches`,
 `max_patches` (tile counts, a thumbnail aside) and `crop_to_patches` (false: the image as one
 tile), the pixel bounds being refused there; for Gemma 3 `do_pan_and_scan` (true: the whole
-image and up to 4 crops of a long image, as its processor cuts them), every other tiling key
-refused there. A request's spec is what its items are resized,
-sampled, digested and cached by: `worker.media_digest` hashes the whole spec, so an item
-processed with one setting never serves a request that asked for another (the processed-item
-cache, the encoder cache and the radix cache all key on that digest)."""
+image and up to 4 crops of a long image, as its processor cuts them) and, with it,
+`pan_and_scan_max_num_crops` (1 to 4: the most crops), every other tiling key refused there.
+A request's spec is what its items are resized, sampled, digested and cached by:
+`worker.media_digest` hashes the whole spec, so an item processed with one setting never serves
+a request that asked for another (the processed-item cache, the encoder cache and the radix
+cache all key on that digest)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ PIXEL_KEYS = ("min_pixels", "max_pixels")
 FRAME_KEYS = ("min_frames", "max_frames")
 TILE_KEYS = ("min_patches", "max_patches", "crop_to_patches")
 SWITCH_KEYS = ("do_pan_and_scan",)  # a family's cropping switch (`Tiling.switched_on`)
-TILE_SET = frozenset((*TILE_KEYS, *SWITCH_KEYS))
-KEYS = (*PIXEL_KEYS, *TILE_KEYS, *SWITCH_KEYS, "fps", "num_frames", *FRAME_KEYS)
+CROP_KEYS = ("pan_and_scan_max_num_crops",)  # the crops the switch makes at most (`crops_key`)
+TILE_SET = frozenset((*TILE_KEYS, *SWITCH_KEYS, *CROP_KEYS))
+KEYS = (*PIXEL_KEYS, *TILE_KEYS, *SWITCH_KEYS, *CROP_KEYS, "fps", "num_frames", *FRAME_KEYS)
 MAX_FPS = 60.0
 
 
@@ -91,11 +93,12 @@ def _tile_settings(raw: dict[str, Any], spec: ProcessorSpec) -> dict[str, Any]:
     family that resizes): tile counts up to the server's own most, switches true or false."""
     tiling = spec.model_family.tiling
     allowed = tiling.keys if tiling is not None else ()
-    other = (*PIXEL_KEYS, *TILE_KEYS, *SWITCH_KEYS) if tiling else (*TILE_KEYS, *SWITCH_KEYS)
+    other = (*PIXEL_KEYS, *TILE_SET) if tiling else tuple(TILE_SET)
     wrong = next((k for k in other if k in raw and k not in allowed), None)
     if wrong is not None:
         kind = "tile images; pixel bounds do not apply" if tiling else "do not tile images"
-        kind = f"do not take it (they take {', '.join(allowed)})" if wrong in TILE_SET else kind
+        if tiling and wrong in TILE_SET:
+            kind = f"do not take it (they take {', '.join(allowed)})"
         raise _bad(wrong, f"{spec.family} checkpoints {kind}")
     most = spec.image.max_tiles
     settings = {k: _integer(k, raw[k], 1, most) for k in TILE_KEYS[:2] if k in raw}
@@ -104,8 +107,19 @@ def _tile_settings(raw: dict[str, Any], spec: ProcessorSpec) -> dict[str, Any]:
             if not isinstance(raw[key], bool):
                 raise _bad(key, f"must be true or false, got {raw[key]!r}")
             settings[key] = raw[key]
+    if tiling is not None and tiling.crops_key in raw:
+        settings[tiling.crops_key] = _crop_cap(raw, settings, tiling)
     _check_order(settings, "min_patches", "max_patches")
     return settings
+
+
+def _crop_cap(raw: dict[str, Any], settings: dict[str, Any], tiling: Any) -> int:
+    """The most crops beside the whole image, which only a request that turns the switch on
+    may ask for (off, the cap would change nothing: a 400 rather than a field ignored)."""
+    key = tiling.crops_key
+    if not any(settings.get(k) is True for k in SWITCH_KEYS):
+        raise _bad(key, f"applies only with {' or '.join(SWITCH_KEYS)} true")
+    return _integer(key, raw[key], 1, tiling.switched_on - 1)
 
 
 def _check_order(settings: dict[str, Any], low: str, high: str) -> None:
@@ -137,6 +151,8 @@ def _tiled(config: Any, settings: dict[str, Any], spec: ProcessorSpec) -> Any:
     if switch is not None:
         tiling = spec.model_family.tiling
         most = tiling.switched_on if switch and tiling is not None else 1
+        if tiling is not None and tiling.crops_key in settings:
+            most = 1 + settings[tiling.crops_key]
         return dataclasses.replace(config, min_tiles=1, max_tiles=most)
     if settings.get("crop_to_patches") is False:
         return dataclasses.replace(config, min_tiles=1, max_tiles=1)
