@@ -62,10 +62,14 @@ from runtime.multimodal import Modality  # noqa: E402
 from tokenizer_manager.media.limits import MediaLimits  # noqa: E402
 from tokenizer_manager.media.types import ProcessorSpec  # noqa: E402
 from vision.auto_encoder import AutoEncoder  # noqa: E402
-from vision.dp_encoder import get_dp_encoder_lb_assignment, run_dp_sharded_mrope_vision_model  # noqa: E402
+from vision.dp_encoder import (  # noqa: E402
+    frame_units,
+    get_dp_encoder_lb_assignment,
+    run_dp_over_frames,
+)
 from vision.encoder_calibration import calibrate_encoder_costs  # noqa: E402
 from vision.encoder_learner import Choice, EncoderLearner  # noqa: E402
-from vision.encoder_plan import EncoderCosts, TowerShape, frame_units  # noqa: E402
+from vision.encoder_plan import EncoderCosts, TowerShape  # noqa: E402
 from vision.vlm import vision_tower_class  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -291,9 +295,8 @@ class Runner:
             return self.tp_tower(pixels, torch.tensor(grids, dtype=torch.long))
         if mode == "dp":
             merge = self.full_tower.spatial_merge_size
-            return run_dp_sharded_mrope_vision_model(
-                self.full_tower, pixels, grids, group, spatial_merge_size=merge
-            )
+            tower = self.full_tower
+            return run_dp_over_frames(tower, pixels, grids, group, spatial_merge_size=merge)
         return self.auto(pixels, grids)
 
 
@@ -337,14 +340,13 @@ def mode_loads(mode: str, runner: Runner, grids_list: list[list[list[int]]]) -> 
     size = runner.base.size
     loads = [0] * size
     for grids in grids_list:
-        sizes = [t * h * w for t, h, w in grids]
+        sizes = [t * h * w for t, h, w in frame_units(grids)]  # DP and auto plan over these
         ranks: tuple[tuple[int, ...], ...] = ()
         if mode == "tp":
             tp_items, dp_items = range(len(sizes)), []
         elif mode == "dp":
             tp_items, dp_items = [], range(len(sizes))
-        else:  # auto plans over frame units, its DP part balanced by modeled time
-            sizes = [t * h * w for t, h, w in frame_units(grids)]
+        else:  # auto's DP part balanced by modeled time
             plan = runner.auto.plan(grids)
             tp_items, dp_items, ranks = plan.tp_items, plan.dp_items, plan.dp_ranks
         shared = sum(sizes[i] for i in tp_items)

@@ -240,6 +240,19 @@ def test_vit_benchmark_items_are_what_the_processor_makes(
     assert any(frames > 1 for batch in mixed for frames, _, _ in batch) is videos
 
 
+def test_vit_benchmark_dp_mode_spreads_tiles_and_frames_as_the_server_does() -> None:
+    """Static DP balances frame units (tiles, video frames), as the server's DP mode does: one
+    ten-tile image or one four-frame video spreads over both ranks instead of loading one."""
+    from types import SimpleNamespace
+
+    import bench_vit_dp_vs_tp as bench
+
+    runner = SimpleNamespace(base=SimpleNamespace(size=2))
+    assert bench.mode_loads("dp", runner, [[[10, 16, 16]]]) == [5 * 256, 5 * 256]
+    assert bench.mode_loads("dp", runner, [[[4, 8, 8], [1, 8, 8]]]) == [3 * 64, 2 * 64]
+    assert bench.mode_loads("tp", runner, [[[10, 16, 16]]]) == [2560, 2560]
+
+
 def test_ranks_share_the_usable_cpus() -> None:
     cpus = [4, 5, 6, 7, 8]  # e.g. `taskset -c 4-8` on a larger machine
     assert [rank_cpus(r, 2, cpus) for r in range(2)] == [[4, 5], [6, 7]]

@@ -19,7 +19,7 @@ from numerics import assert_within_rounding, vision_terms
 from kernels.attention.varlen import varlen_attention
 from runtime.distributed import TPGroup
 from runtime.model_config import ModelConfig, VisionConfig
-from vision.encoder_plan import frame_units
+from vision.dp_encoder import frame_units
 from vision.qwen2_5_vl_vit import Qwen2_5_VisionTransformer, window_index
 from vision.qwen2_vl_vit import Qwen2VisionTransformer
 from vision.qwen3_vl_vit import Qwen3VisionTransformer, position_table_taps
@@ -267,7 +267,7 @@ def test_pixels_as_item_blocks_equal_their_concatenation(arch: str, oracle: dict
 def test_frames_are_independent(arch: str, oracle: dict) -> None:
     """A video encoded as one (t, h, w) item equals its t frame units (1, h, w) encoded as
     items, rows in the same order: what the auto mode's planner relies on to spread a long
-    video over the ranks (vision.encoder_plan.frame_units)."""
+    video over the ranks (vision.dp_encoder.frame_units)."""
     tower = build_tower(arch, oracle[arch]["state"], TPGroup())
     grids = [(3, 8, 12), (1, 4, 6), (2, 6, 10)]
     whole = make_inputs(vision_config(arch), grids, seed=11)

@@ -16,14 +16,13 @@ import torch
 from torch import nn
 
 from runtime.distributed import TPGroup
-from vision.dp_encoder import run_dp_sharded_mrope_vision_model
+from vision.dp_encoder import frame_units, run_dp_sharded_mrope_vision_model
 from vision.encoder_learner import Choice, EncoderLearner, size_class
 from vision.encoder_plan import (
     EncoderCosts,
     EncoderPlan,
     Scale,
     TowerShape,
-    frame_units,
     plan_encoder,
     plans_by_kind,
 )

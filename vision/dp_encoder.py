@@ -208,3 +208,31 @@ def _restore_order(gathered: torch.Tensor, plan: DPEncoderPlan) -> torch.Tensor:
     parts = compact.split([plan.item_rows[i] for i in plan.shuffle_indices])
     position = inverse_permutation(plan.shuffle_indices)  # item i sits at parts[position[i]]
     return torch.cat([parts[position[i]] for i in range(len(position))])
+
+
+def frame_units(grids: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The call's items cut into temporal patches: a (t, h, w) item becomes t units (1, h, w).
+
+    Every tower attends within one temporal patch only (per-frame `cu_seqlens`; windows and
+    position embeddings repeat per frame), and an item's pixel rows and output rows run frame
+    after frame, so the units' outputs, concatenated, are the items' outputs. Planned over
+    units, a long video spreads over the ranks DP-style instead of leaving every rank but one
+    idle (DP) or paying TP's per-layer all-reduces on every patch."""
+    return [[1, int(h), int(w)] for t, h, w in grids for _ in range(int(t))]
+
+
+def run_dp_over_frames(
+    vision_model: nn.Module,
+    pixel_values: torch.Tensor,
+    grid_thw_list: Sequence[Sequence[int]],
+    tp: TPGroup,
+    *,
+    spatial_merge_size: int = 2,
+) -> torch.Tensor:
+    """DP mode as the server runs it: the items balanced as their frame units (`frame_units`:
+    a tile or a video frame each), so one many-tile image or one long video spreads over the
+    ranks; the output rows are the items' own, in order."""
+    units = frame_units(grid_thw_list)
+    return run_dp_sharded_mrope_vision_model(
+        vision_model, pixel_values, units, tp, spatial_merge_size=spatial_merge_size
+    )

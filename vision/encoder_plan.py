@@ -321,14 +321,3 @@ class Scale:
             return max(1.0, self.of(kind)) * base, base
         base = tp_s + dp_s
         return self.of(kind) * base, base
-
-
-def frame_units(grids: Sequence[Sequence[int]]) -> list[list[int]]:
-    """The call's items cut into temporal patches: a (t, h, w) item becomes t units (1, h, w).
-
-    Every tower attends within one temporal patch only (per-frame `cu_seqlens`; windows and
-    position embeddings repeat per frame), and an item's pixel rows and output rows run frame
-    after frame, so the units' outputs, concatenated, are the items' outputs. Planned over
-    units, a long video spreads over the ranks DP-style instead of leaving every rank but one
-    idle (DP) or paying TP's per-layer all-reduces on every patch."""
-    return [[1, int(h), int(w)] for t, h, w in grids for _ in range(int(t))]

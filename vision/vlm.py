@@ -33,9 +33,9 @@ from runtime.model_loader import load_checkpoint, resolve_dtype
 from runtime.multimodal import ItemEncoder, MultimodalDataItem
 from runtime.server_args import CPU_LINEAR_PATHS
 from vision.auto_encoder import AutoEncoder
-from vision.dp_encoder import run_dp_sharded_mrope_vision_model
+from vision.dp_encoder import run_dp_over_frames
 from vision.encoder_calibration import calibrate_encoder_costs
-from vision.encoder_plan import ENCODER_MODES, EncoderCosts, TowerShape, frame_units
+from vision.encoder_plan import ENCODER_MODES, EncoderCosts, TowerShape
 from vision.fusion import fuse_embeddings
 from vision.vit_common import pad_vision_mlps
 
@@ -132,9 +132,7 @@ class VisionEncoderModel(nn.Module):
         pixels = torch.cat(blocks).to(self.visual.dtype)
         if self.encoder_mode == "dp":  # balanced by frames (tiles), as auto mode plans
             merge = self.config.vision.spatial_merge_size
-            return run_dp_sharded_mrope_vision_model(
-                self.visual, pixels, frame_units(grids), self.tp, spatial_merge_size=merge
-            )
+            return run_dp_over_frames(self.visual, pixels, grids, self.tp, spatial_merge_size=merge)
         if self.auto_encoder is None:
             raise RuntimeError("auto encoder mode needs set_encoder_costs() before encoding")
         return self.auto_encoder(pixels, grids)
