@@ -295,8 +295,7 @@ class Runner:
             return self.tp_tower(pixels, torch.tensor(grids, dtype=torch.long))
         if mode == "dp":
             merge = self.full_tower.spatial_merge_size
-            tower = self.full_tower
-            return run_dp_over_frames(tower, pixels, grids, group, spatial_merge_size=merge)
+            return run_dp_over_frames(self.full_tower, pixels, grids, group, merge)
         return self.auto(pixels, grids)
 
 

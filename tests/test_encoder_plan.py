@@ -28,7 +28,7 @@ from runtime.model_config import ModelConfig
 from runtime.server_args import ServerArgs
 from vision import encoder_plan
 from vision.auto_encoder import AutoEncoder, CallObserver, run_planned_encoder
-from vision.dp_encoder import get_dp_encoder_lb_assignment, plan_dp_encoder
+from vision.dp_encoder import frame_units, get_dp_encoder_lb_assignment, plan_dp_encoder
 from vision.encoder_calibration import PROBE_GRIDS, calibrate_encoder_costs, fit_free, fit_tp
 from vision.encoder_learner import EncoderLearner
 from vision.encoder_plan import (
@@ -38,7 +38,6 @@ from vision.encoder_plan import (
     TowerShape,
     balance_by_cost,
     dp_cost,
-    frame_units,
     item_work,
     plan_encoder,
     plans_by_kind,

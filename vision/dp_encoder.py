@@ -222,17 +222,10 @@ def frame_units(grids: Sequence[Sequence[int]]) -> list[list[int]]:
 
 
 def run_dp_over_frames(
-    vision_model: nn.Module,
-    pixel_values: torch.Tensor,
-    grid_thw_list: Sequence[Sequence[int]],
-    tp: TPGroup,
-    *,
-    spatial_merge_size: int = 2,
+    tower: nn.Module, pixels: torch.Tensor, grids: list[list[int]], tp: TPGroup, merge: int
 ) -> torch.Tensor:
-    """DP mode as the server runs it: the items balanced as their frame units (`frame_units`:
-    a tile or a video frame each), so one many-tile image or one long video spreads over the
-    ranks; the output rows are the items' own, in order."""
-    units = frame_units(grid_thw_list)
-    return run_dp_sharded_mrope_vision_model(
-        vision_model, pixel_values, units, tp, spatial_merge_size=spatial_merge_size
-    )
+    """DP mode as the server runs it: the items (`grids`, their (t, h, w)) balanced as their
+    frame units (`frame_units`: a tile or a video frame each), so one many-tile image or one
+    long video spreads over the ranks; the output rows are the items' own, in order."""
+    units = frame_units(grids)
+    return run_dp_sharded_mrope_vision_model(tower, pixels, units, tp, spatial_merge_size=merge)

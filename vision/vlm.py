@@ -132,7 +132,7 @@ class VisionEncoderModel(nn.Module):
         pixels = torch.cat(blocks).to(self.visual.dtype)
         if self.encoder_mode == "dp":  # balanced by frames (tiles), as auto mode plans
             merge = self.config.vision.spatial_merge_size
-            return run_dp_over_frames(self.visual, pixels, grids, self.tp, spatial_merge_size=merge)
+            return run_dp_over_frames(self.visual, pixels, grids, self.tp, merge)
         if self.auto_encoder is None:
             raise RuntimeError("auto encoder mode needs set_encoder_costs() before encoding")
         return self.auto_encoder(pixels, grids)
