@@ -5,7 +5,9 @@ HTTP app, and leaves no media worker behind, also when building fails half-way."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,8 @@ from tokenizer_manager.front_end import FrontEnd, build_front_end
 from tokenizer_manager.http.connection_limits import BoundedHttpProtocol, ConnectionLimits
 from tokenizer_manager.media.limits import MediaLimits
 from tokenizer_manager.media.mm_processor import AsyncMMDataProcessor
+from tokenizer_manager.metrics import RequestTimeline
+from tokenizer_manager.tokenizer_manager import ReqState
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +81,22 @@ def test_a_failed_build_stops_the_media_workers(checkpoint: str, tmp_path: Path)
         build_front_end(empty, media=media)
     assert len(pids) == 1
     assert all_dead(pids), "a media worker outlived the failed build"
+
+
+def test_a_request_whose_media_are_encoding_does_not_run_the_stall_clocks(
+    checkpoint: str,
+) -> None:
+    """With --encoder-urls a request is sent before its encoder jobs end; while they run its
+    replica owes it nothing, so a slow encoder server is no stalled replica (with --dp it would
+    be killed); once its rows go, its replica's clock starts from then."""
+    args = dataclasses.replace(served_args(checkpoint), health_stall_timeout=0.5, dp_size=2)
+    tm = build_front_end(args, media=None).tm
+    state = tm.states["r-0"] = ReqState(RequestTimeline(tm.metrics), replica=1)
+    state.encoding = True
+    tm.last_progress = tm.replica_progress[1] = time.monotonic() - 10
+    assert not tm.stalled() and tm.stalled_replicas() == [] and not tm.busy(1)
+    tm.start_stall_clocks(1)  # what sending its rows does
+    state.encoding = False
+    assert not tm.stalled() and tm.stalled_replicas() == [] and tm.busy(1)
+    tm.last_progress = tm.replica_progress[1] = time.monotonic() - 10
+    assert tm.stalled() and tm.stalled_replicas() == [1]
