@@ -156,6 +156,7 @@ class SchedulerCounters:
     deferred_to_share: int = 0  # admissions put off a step to match a batch-mate's prompt
     encoder_deferred: int = 0  # admissions put off a step by the step's encoder budget
     parked: int = 0  # cut requests that waited, holding their KV, for an awaited item
+    unparked: int = 0  # of those: gave their KV back for a request that could run
 
 
 @dataclass

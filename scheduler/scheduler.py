@@ -313,6 +313,7 @@ class Scheduler:
             cut, ready = self.chunk_rule(chunked), chunked.ready_len
             n = adder.add(*admission_size(chunked), cut=cut, ready=ready)
             if n is None:
+                self.unpark_for_kv()
                 return None  # the chunked request waits for KV; decode frees some meanwhile
             batch.add(chunked, n)
             batch.patches += chunked.patches_entered(chunked.kv_len, chunked.kv_len + n)
@@ -333,6 +334,19 @@ class Scheduler:
         if ready:
             self.chunked = min(ready, key=lambda r: r.arrival)
             self.parked = [r for r in self.parked if r is not self.chunked]
+
+    def unpark_for_kv(self) -> None:
+        """The chunked request lacks KV and nothing decodes to free some: the latest parked
+        request gives its KV to the tree (evictable there) and waits again, so the parked
+        requests never hold the pool against the one that can run."""
+        if self.running or not self.parked:
+            return
+        victim = max(self.parked, key=lambda r: r.arrival)
+        self.parked = [r for r in self.parked if r is not victim]
+        self.cache.release(victim)
+        victim.waited = 0
+        self.waiting.append(victim)
+        self.counters.unparked += 1
 
     def admit_waiting(self, batch: PrefillBatch, adder: PrefillAdder) -> list[Req]:
         """Admit the waiting requests that can run, in order, until the step is full; returns

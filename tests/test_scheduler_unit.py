@@ -550,10 +550,11 @@ def test_server_info_does_not_walk_the_frozen_objects(model, monkeypatch) -> Non
     assert info.gc_frozen == 0  # this test process never froze its start-up objects
 
 
-def awaited_case(folder: Path, rid: str, params: SamplingParams) -> tuple:
-    """A chat with text before its image, as `--encoder-urls` sends it first: the image
-    `awaiting` (no feature); returns the request, the item and the item's embedding rows."""
-    words = " ".join(f"word{i}" for i in range(12))
+def awaited_case(folder: Path, rid: str, params: SamplingParams, first: int = 0) -> tuple:
+    """A chat with text before its image (words from `first` on), as `--encoder-urls` sends it
+    first: the image `awaiting` (no feature); returns the request, the item (with its pixels)
+    and its pixels."""
+    words = " ".join(f"word{i}" for i in range(first, first + 12))
     case = Checkpoint(folder).case("image", [words, gradient_image((56, 56)), "What is it?"])
     (item,) = case.mm.items
     rows = item.feature
@@ -646,4 +647,37 @@ def test_rows_of_the_wrong_shape_fail_the_request_alone(model, folder: Path) -> 
     (finish,) = [o.finish_reason for o in out if o.rid == "img"]
     assert finish.is_error and "rows" in finish.detail
     assert sched.idle
+    sched.check_idle_accounting()
+
+
+def test_parked_requests_give_their_kv_back_to_the_one_that_can_run(model, folder: Path) -> None:
+    """Two requests park with their texts' KV, which fills the pool; when their images come,
+    the first cannot finish its prompt in what is left and nothing decodes: the latest parked
+    one gives its KV back to the tree and waits again, and both complete as sent whole."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    (a, item_a, _), (b, item_b, _) = (
+        awaited_case(folder, rid, params, first) for rid, first in (("a", 0), ("b", 50))
+    )
+    shared = next(i for i, (x, y) in enumerate(zip(a.input_ids, b.input_ids)) if x != y)
+    kv = item_a.span[0] + item_b.span[0] - shared + 6  # the template's start is shared
+    sched = make_scheduler(model, kv, chunk=16, encoder_cache_mb=1, context=400)
+    outputs = sched.step([a, b]).outputs
+    while len(sched.parked) < 2:
+        outputs += sched.step([]).outputs
+    assert sched.cache.kv_pool.available_size <= 6
+    late = [ItemEmbeddings(m.rid, model.encode_items([i])) for m, i in ((a, item_a), (b, item_b))]
+    outputs += sched.step(late).outputs
+    for _ in range(200):
+        if sched.idle:
+            break
+        outputs += sched.step([]).outputs
+    assert sched.idle and sched.counters.unparked >= 1
+    got = {r: [t for o in outputs if o.rid == r for t in o.new_token_ids] for r in "ab"}
+    for msg, item in ((a, item_a), (b, item_b)):
+        ref = make_scheduler(model, 1000, chunk=16, encoder_cache_mb=1, context=400)
+        whole = dataclasses.replace(msg.mm_inputs, items=[item])
+        ref_out = ref.step([dataclasses.replace(msg, mm_inputs=whole)]).outputs
+        while not ref.idle:
+            ref_out += ref.step([]).outputs
+        assert got[msg.rid] == [t for o in ref_out for t in o.new_token_ids]
     sched.check_idle_accounting()
