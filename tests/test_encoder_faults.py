@@ -105,8 +105,34 @@ def test_a_dead_encoder_server_fails_over_then_503_then_is_used_again(
                 proc.stop()
 
 
+def server_info(server: Server) -> dict:
+    return httpx.get(server.url + "/server_info").json()
+
+
 def counters(server: Server) -> dict:
-    return httpx.get(server.url + "/server_info").json()["counters"]
+    return server_info(server)["counters"]
+
+
+def test_spill_sends_the_pixels_at_once_while_no_encoder_server_is_up(
+    folder: str, oracle: dict, tmp_path: Path
+) -> None:
+    """--encoder-fallback spill: the first request's job fails (nothing listens) and its pixels
+    follow it; from then on no server is up, so a request's media go with it to the ranks at
+    once (spilled, no job waited on), and the outputs stay HF's."""
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    flags = ["--tp", "1", "--encoder-urls", dead, "--encoder-fallback", "spill"]
+    server = Server(folder, tmp_path / "llm.log", *flags)
+    try:
+        for _ in serve_then_check_teardown(server):
+            assert text_of(server, one_image()) == oracle["text"]["one_image"]
+            pool = server_info(server)["media"]["encoder_servers"]
+            assert pool["spilled_requests"] == 0 and not pool["servers"][0]["up"]
+            assert text_of(server, one_image()) == oracle["text"]["one_image"]
+            assert image_chat(server, 301).status_code == 200
+            assert server_info(server)["media"]["encoder_servers"]["spilled_requests"] == 2
+            assert_idle_and_leak_free(server)
+    finally:
+        server.stop()
 
 
 def test_fallback_local_encodes_on_the_ranks(folder: str, oracle: dict, tmp_path: Path) -> None:

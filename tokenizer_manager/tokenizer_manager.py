@@ -191,6 +191,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)  # the first choice's, as they came
     lost: bool = False  # its replica died: it ended there, the replica's views were reset
     encoding: bool = False  # its media are with the encoder servers: its replica owes nothing
+    spilled: bool = False  # its media went to its replica's own tower (--encoder-fallback spill)
 
     @property
     def awaits_output(self) -> bool:
@@ -683,14 +684,15 @@ class TokenizerManager:
         a client that reuses an id after its request ended never meets that request's leftovers
         in the scheduler or the detokenizer."""
         self.check_admission(req.rid)
-        awaited = self.awaited_media(req)
         replica = self.choose_replica(req.input_ids, route)
+        spilled = self.spills(req, replica)
+        awaited = [] if spilled else self.awaited_media(req)
         if not awaited:
             self.start_stall_clocks(replica)
         rid = f"{req.rid}-{next(self._serial)}"
         timeline = RequestTimeline(self.metrics, arrival or time.perf_counter())
         n = req.sampling_params.n
-        state = self.states[rid] = ReqState(timeline, n=n, replica=replica)
+        state = self.states[rid] = ReqState(timeline, n=n, replica=replica, spilled=spilled)
         state.load = len(req.input_ids)
         self.client_rids.add(req.rid)
         sent = dataclasses.replace(req, rid=rid, mm_inputs=awaiting(req.mm_inputs, awaited))
@@ -731,6 +733,22 @@ class TokenizerManager:
             return []
         return [i for i in mm.items if i.feature is not None and not i.embedded]
 
+    def spills(self, req: TokenizedGenerateReq, replica: int) -> bool:
+        """--encoder-fallback spill: the request's media go to its replica's own tower instead
+        of the encoder servers when every one of them is busy and the replica neither decodes
+        (no running chat's next token waits behind the encode) nor encodes another spilled
+        request, i.e. when its tower would otherwise sit idle while the media queue."""
+        if self.args.encoder_fallback != "spill" or not self.awaited_media(req):
+            return False
+        assert self.encoders is not None
+        if not self.encoders.busy():
+            return False
+        mine = [s for s in self.states.values() if s.replica == replica and not s.finished]
+        if any(s.started or s.spilled for s in mine):
+            return False
+        self.encoders.spilled += 1
+        return True
+
     def start_encoding(
         self, rid: str, state: ReqState, items: list[MultimodalDataItem]
     ) -> asyncio.Task | None:
@@ -752,7 +770,7 @@ class TokenizerManager:
             with self.metrics.timed("encode"):
                 await self.encoders.embed(items)
         except EncoderUnavailable as exc:
-            if self.args.encoder_fallback != "local":
+            if self.args.encoder_fallback == "none":
                 message = f"no encoder server could encode the media: {exc}"
                 return self.end_unencoded(rid, state, message, 503)
             logger.warning("request %s: %s; its ranks encode its media", rid, exc)
