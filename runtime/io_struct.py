@@ -121,6 +121,19 @@ class ItemPixels:
 
 
 @dataclass
+class ItemEmbeddings:
+    """TokenizerManager -> scheduler (--encoder-urls): the items a request was sent without
+    (`MultimodalDataItem.awaiting`), once its encoder jobs ended: each item's embedding rows by
+    hash (`embedded`), or, when no encoder server answered and --encoder-fallback is local, its
+    pixels for the ranks to encode. Tensors go out of band, shared files by name
+    (runtime/transport/frames.py); for a request that has ended, it is dropped."""
+
+    rid: str
+    features: dict[int, object]
+    embedded: bool = True
+
+
+@dataclass
 class SchedulerCounters:
     """What the scheduler has done since start-up (on the entry rank)."""
 
@@ -142,6 +155,8 @@ class SchedulerCounters:
     pixels_wanted: int = 0  # requests whose keyed items some rank lacked (pixels asked for)
     deferred_to_share: int = 0  # admissions put off a step to match a batch-mate's prompt
     encoder_deferred: int = 0  # admissions put off a step by the step's encoder budget
+    parked: int = 0  # cut requests that waited, holding their KV, for an awaited item
+    unparked: int = 0  # of those: gave their KV back for a request that could run
 
 
 @dataclass
@@ -345,7 +360,12 @@ class BatchStrOut:
 
 # TokenizerManager -> scheduler: what the scheduler's loop handles, then the channel as a whole
 SchedulerRequest = (
-    TokenizedGenerateReq | AbortReq | FlushCacheReq | GetServerInfoReq | ItemPixels
+    TokenizedGenerateReq
+    | AbortReq
+    | FlushCacheReq
+    | GetServerInfoReq
+    | ItemPixels
+    | ItemEmbeddings
 )
 ToScheduler = SchedulerRequest | ShutdownReq
 # scheduler rank 0 -> the other ranks: the messages rank 0 received, forwarded unchanged

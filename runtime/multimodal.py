@@ -36,7 +36,9 @@ class MultimodalDataItem:
     `offsets` lists half-open [start, end) token ranges of the placeholder run in the prompt;
     `grid_thw` is the item's patch grid, `second_per_grid_t` a video's seconds per temporal patch.
     `embedded`: the feature is already the item's embedding (all its rows, DeepStack levels
-    included), encoded by an encoder server (`--encoder-urls`), not its pixels.
+    included), encoded by an encoder server (`--encoder-urls`), not its pixels; `awaiting`: the
+    request was sent before its encoder job ended, and its feature follows in an
+    `ItemEmbeddings` message (the scheduler runs no chunk over the item until then).
     `model_specific_data` (the design's name) is a read-only view of these by HF's names
     (`image_grid_thw` / `video_grid_thw` as a [1, 3] tensor, `second_per_grid_t`), each also an
     attribute of the item; the grid itself is stored once, in `grid_thw`.
@@ -50,6 +52,7 @@ class MultimodalDataItem:
     grid_thw: tuple[int, int, int] = (0, 0, 0)
     second_per_grid_t: float | None = None
     embedded: bool = False  # `feature` holds the item's embedding rows (an encoder server's)
+    awaiting: bool = False  # no feature yet: an `ItemEmbeddings` message brings it later
 
     def set_pad_value(self) -> None:
         """From the item's digest: the same content, the same pad value on every rank, and

@@ -301,9 +301,11 @@ class ServerArgs:
     )
     encoder_fallback: str = _opt(
         "with --encoder-urls: when no encoder server answers a job, none (the requests fail "
-        "with 503) or local (the ranks keep their own tower and encode it themselves)",
+        "with 503) or local (the ranks keep their own tower and encode it themselves); spill: "
+        "local, and also a request whose replica decodes nothing while every encoder server is "
+        "busy is encoded by the replica's own tower",
         default="none",
-        choices=["none", "local"],
+        choices=["none", "local", "spill"],
     )
     encoder_timeout: float = _opt(
         "with --encoder-urls: seconds for one encode job on one encoder server", default=60.0
@@ -332,8 +334,8 @@ class ServerArgs:
     @property
     def loads_tower(self) -> bool:
         """Whether the scheduler ranks load the vision tower (not with --encoder-urls, unless
-        --encoder-fallback local keeps it)."""
-        return not self.encoder_url_list or self.encoder_fallback == "local"
+        --encoder-fallback local or spill keeps it)."""
+        return not self.encoder_url_list or self.encoder_fallback != "none"
 
     @property
     def encoder_key(self) -> bytes | None:

@@ -73,6 +73,7 @@ class Req:
     index: int = 0  # which of the request's n choices
     fork_of: Req | None = None  # choice 0, whose prefill the other choices wait for and share
     wants_pixels: bool = False  # waits, out of every batch, for the pixels of keyed items
+    waits_for_items: bool = False  # its next token is inside an awaited item: out of every batch
     shares_prompt: bool = False  # a request waits to match its prompt: into the tree at once
 
     @classmethod
@@ -140,8 +141,17 @@ class Req:
         when the front end sent the request) whose placeholder run ends after token `start`."""
         items = self.mm.items if self.mm is not None else []
         return frozenset(
-            i.hash for i in items if i.feature is None and i.span[1] > start
+            i.hash for i in items if i.feature is None and not i.awaiting and i.span[1] > start
         )
+
+    @property
+    def ready_len(self) -> int:
+        """Tokens from kv_len a chunk may compute now: up to the first item whose feature has
+        not arrived (`awaiting`) and that the KV does not hold yet; `extend_len` when none.
+        0 or less: nothing can run until its `ItemEmbeddings` come."""
+        items = self.mm.items if self.mm is not None else []
+        starts = [i.span[0] for i in items if i.awaiting and i.span[1] > self.kv_len]
+        return min(starts) - self.kv_len if starts else self.extend_len
 
     @property
     def finished(self) -> bool:

@@ -154,22 +154,26 @@ class PrefillAdder:
         arrival: int = 0,
         retracted: bool = False,
         cut: Callable[[int], int] | None = None,
+        ready: int | None = None,
     ) -> int | None:
         """Tokens of this request to compute now (all, or a chunk), or None if it must wait. A
         retracted request enters only when all it still needs fits: its tokens to recompute
         and its whole remaining output. `cut` moves a chunk's length off the inside of a media
         item (`Req.item_safe_chunk`): shorter, or longer (past the chunk size) when the item
-        began before the chunk; a chunk that would then not fit the KV waits."""
-        if not self.open or extend_len <= 0:
+        began before the chunk; a chunk that would then not fit the KV waits. `ready`: the
+        tokens that may run now (`Req.ready_len`: up to an item whose embedding has not
+        arrived); fewer than `extend_len` make this step a cut of at most that many."""
+        ready = extend_len if ready is None else ready
+        if not self.open or extend_len <= 0 or ready <= 0:
             return None
         reserve = decode_reserve(remaining_new_tokens, retracted)
         if retracted and extend_len + reserve > self.rem_total:
             return None
-        whole = extend_len <= min(self.chunk_size, self.rem_input)
+        whole = extend_len <= min(self.chunk_size, self.rem_input, ready)
         if whole and extend_len + reserve <= self.rem_total:
             self.ended = arrival if self.ended is None else min(self.ended, arrival)
             return self._take(extend_len, reserve)
-        room = min(self.chunk_size, self.rem_input, self.rem_total - reserve, extend_len - 1)
+        room = min(self.chunk_size, self.rem_input, self.rem_total - reserve, extend_len - 1, ready)
         if cut is not None and room >= 1:
             room = cut(room)
             if room >= extend_len:  # the item runs to the prompt's end: all of it, if it fits

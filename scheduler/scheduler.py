@@ -33,6 +33,7 @@ from runtime.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GetServerInfoReq,
+    ItemEmbeddings,
     ItemPixels,
     PixelsWanted,
     PrefixCut,
@@ -52,7 +53,7 @@ from scheduler.batch import PrefillBatch
 from scheduler.cache import CacheManager
 from scheduler.encoder_cache import EncoderCache
 from scheduler.grammar_state import CompilerFactory, GrammarBudget, GrammarStates, StepErrors
-from scheduler.input_checks import RequestFaults, check_inputs
+from scheduler.input_checks import RequestFaults, check_inputs, check_item
 from scheduler.model_runner import ModelRunner
 from scheduler.overlap import InFlight, OverlapDecoder, continues
 from scheduler.radix_cache import RadixCache
@@ -119,6 +120,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
+        # cut before an item whose embedding has not arrived: each keeps its slot, KV and lock
+        self.parked: list[Req] = []
         self.counters = SchedulerCounters()
         self._arrivals = 0
         self._started: list[ReqStart] = []
@@ -163,16 +166,19 @@ class Scheduler:
             and not self.running
             and self.chunked is None
             and self.in_flight is None
+            and not self.parked
         )
 
     @property
     def blocked(self) -> bool:
-        """Nothing can run until a message comes: idle, or every request waits for pixels."""
+        """Nothing can run until a message comes: idle, or every request waits for pixels or
+        for an item's embedding."""
         return (
             not self.running
             and self.chunked is None
             and self.in_flight is None
-            and all(r.wants_pixels for r in self.waiting)
+            and all(r.wants_pixels or r.waits_for_items for r in self.waiting)
+            and all(r.ready_len <= 0 for r in self.parked)
         )
 
     @property
@@ -196,6 +202,8 @@ class Scheduler:
                 result.replies.append(self.server_info())
             case ItemPixels():
                 self.take_pixels(msg)
+            case ItemEmbeddings():
+                self.take_embeddings(msg)
             case _:
                 raise UnknownMessage(msg, "tokenizer -> scheduler")
 
@@ -227,6 +235,24 @@ class Scheduler:
                 if item.feature is None and item.hash in msg.features:
                     item.feature = msg.features[item.hash]
             req.wants_pixels = False
+
+    def take_embeddings(self, msg: ItemEmbeddings) -> None:
+        """The features of a request's awaited items (embedding rows, or pixels to encode
+        here): checked as a request's inputs are, then its chunks over them may run. Every rank
+        gets the same message in the same step, so they all decide alike; for a request that
+        has ended nothing is left to fill and the message is dropped."""
+        reqs = self.holding(msg.rid)
+        problem = fill_awaited(reqs, msg)
+        for req in reqs:
+            if problem:
+                self.fail(req, f"media from the encoder server: {problem}")
+            req.waits_for_items = False
+
+    def holding(self, rid: str) -> list[Req]:
+        """The choices of request `rid` the scheduler still holds, wherever they are."""
+        chunked = [self.chunked] if self.chunked is not None else []
+        every = [*self.waiting, *self.parked, *chunked, *self.running]
+        return [r for r in every if r.rid == rid and not r.finished]
 
     def queue_request(self, req: Req, problem: str = "") -> None:
         self._started.append(ReqStart.of(req.rid, req.params, req.index))
@@ -267,7 +293,7 @@ class Scheduler:
             req.abort()
             self.touch(req)
             self.counters.aborted += 1
-        for req in [*self.running, *([self.chunked] if self.chunked else [])]:
+        for req in [*self.running, *self.parked, *([self.chunked] if self.chunked else [])]:
             if named(req):
                 req.abort()
                 self.counters.aborted += 1
@@ -275,6 +301,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefill
     def schedule_prefill(self) -> PrefillBatch | None:
+        self.resume_parked()
         if not self.waiting and self.chunked is None:
             return None
         for req, problem in self.grammar.poll(self.waiting):
@@ -283,8 +310,10 @@ class Scheduler:
         adder, batch = self.make_adder(), PrefillBatch()
         if self.chunked is not None:
             chunked = self.chunked
-            n = adder.add(*admission_size(chunked), cut=self.chunk_rule(chunked))
+            cut, ready = self.chunk_rule(chunked), chunked.ready_len
+            n = adder.add(*admission_size(chunked), cut=cut, ready=ready)
             if n is None:
+                self.unpark_for_kv()
                 return None  # the chunked request waits for KV; decode frees some meanwhile
             batch.add(chunked, n)
             batch.patches += chunked.patches_entered(chunked.kv_len, chunked.kv_len + n)
@@ -295,6 +324,29 @@ class Scheduler:
         for req in considered:
             req.waited += req not in taken
         return batch or None
+
+    def resume_parked(self) -> None:
+        """A parked request whose awaited item arrived continues as the chunked request, once
+        no other request is cut (the earliest arrival first)."""
+        if self.chunked is not None:
+            return
+        ready = [r for r in self.parked if r.ready_len > 0]
+        if ready:
+            self.chunked = min(ready, key=lambda r: r.arrival)
+            self.parked = [r for r in self.parked if r is not self.chunked]
+
+    def unpark_for_kv(self) -> None:
+        """The chunked request lacks KV and nothing decodes to free some: the latest parked
+        request gives its KV to the tree (evictable there) and waits again, so the parked
+        requests never hold the pool against the one that can run."""
+        if self.running or not self.parked:
+            return
+        victim = max(self.parked, key=lambda r: r.arrival)
+        self.parked = [r for r in self.parked if r is not victim]
+        self.cache.release(victim)
+        victim.waited = 0
+        self.waiting.append(victim)
+        self.counters.unparked += 1
 
     def admit_waiting(self, batch: PrefillBatch, adder: PrefillAdder) -> list[Req]:
         """Admit the waiting requests that can run, in order, until the step is full; returns
@@ -320,8 +372,10 @@ class Scheduler:
         return considered
 
     def can_run(self, req: Req) -> bool:
-        """Not waiting for pixels, its first choice's prompt, or its grammar."""
-        return not req.wants_pixels and ready(req) and self.grammar.is_ready(req)
+        """Not waiting for pixels, an item's embedding, its first choice's prompt, or its
+        grammar."""
+        waits = req.wants_pixels or req.waits_for_items
+        return not waits and ready(req) and self.grammar.is_ready(req)
 
     def preempt_for(self, batch: PrefillBatch, req: Req, adder: PrefillAdder) -> bool:
         """Admission held `req` back for lack of KV: it takes KV from the running requests
@@ -374,13 +428,17 @@ class Scheduler:
         locked = self.cache.lock(req)
         if locked is None:
             return False
+        if req.ready_len <= 0:  # its cached prefix ends inside an item not yet arrived
+            self.cache.unlock(req)
+            req.waits_for_items = True
+            return True
         if self.wait_for_pixels(req):
             return True  # it holds nothing now; admission goes on with the next request
         if self.over_encoder_budget(batch, req, adder):
             self.cache.unlock(req)
             return True  # it leads the next step's media; text prompts behind it go on now
         adder.rem_total -= locked  # its cached prefix is no longer evictable
-        n = adder.add(*admission_size(req), cut=self.chunk_rule(req))
+        n = adder.add(*admission_size(req), cut=self.chunk_rule(req), ready=req.ready_len)
         if n is None:
             self.cache.unlock(req)
             return False
@@ -475,7 +533,7 @@ class Scheduler:
         done = batch.prompts_done()
         for req in batch.cut():
             self.cache.insert_computed(req)
-            self.chunked = req
+            self.park_or_chunk(req)
         sampling, rows = batch.sampled()
         if rows:
             self.sample_and_append(sampling, logits[rows])
@@ -488,6 +546,16 @@ class Scheduler:
                 req.clock.first_token(now)
             if not req.finished:
                 self.running.append(req)
+
+    def park_or_chunk(self, req: Req) -> None:
+        """A cut request goes on next step (chunked), or, when its next token is inside an item
+        whose embedding has not arrived, is parked with its KV until `take_embeddings`, so
+        other requests are cut and prefill meanwhile."""
+        if req.ready_len > 0:
+            self.chunked = req
+            return
+        self.parked.append(req)
+        self.counters.parked += 1
 
     def share_prompt(self, req: Req) -> None:
         """A request with forks waiting, or one that requests waiting a step to share its
@@ -708,6 +776,7 @@ class Scheduler:
         self.counters.failed += 1
         self.waiting = [r for r in self.waiting if r is not req]
         self.running = [r for r in self.running if r is not req]
+        self.parked = [r for r in self.parked if r is not req]
         if self.chunked is req:
             self.chunked = None
         self.cache.release_failed(req)
@@ -719,6 +788,7 @@ class Scheduler:
 
     def finish_request(self, req: Req) -> None:
         self.running = [r for r in self.running if r is not req]
+        self.parked = [r for r in self.parked if r is not req]
         if self.chunked is req:
             self.chunked = None
         self.cache.release(req)
@@ -763,7 +833,7 @@ class Scheduler:
     def server_info(self) -> ServerInfo:
         return ServerInfo(
             **self.cache.kv_usage(),
-            running=len(self.running) + (self.chunked is not None),
+            running=len(self.running) + len(self.parked) + (self.chunked is not None),
             waiting=len(self.waiting),
             radix=self.cache.radix_stats(),
             encoder_cache=self.cache.encoder_stats(),
@@ -803,6 +873,23 @@ def ready(req: Req) -> bool:
     """A fork waits until the first choice's prompt is cached (it has sampled) or it ended."""
     first = req.fork_of
     return first is None or first.finished or len(first.token_ids) > first.prompt_len
+
+
+def fill_awaited(reqs: list[Req], msg: ItemEmbeddings) -> str:
+    """Put the message's features on the requests' awaited items (a request's choices share
+    one item list); why they cannot be fused ("" when they can)."""
+    for req in reqs:
+        prompt = req.token_ids[: req.prompt_len]
+        for item in req.mm.items if req.mm is not None else []:
+            if not (item.awaiting and item.hash in msg.features):
+                continue
+            item.feature, item.embedded = msg.features[item.hash], msg.embedded
+            item.awaiting = False
+            try:
+                check_item(item, prompt)
+            except ValueError as exc:
+                return str(exc)
+    return ""
 
 
 def chunk_holds_media(req: Req, start: int, end: int) -> bool:

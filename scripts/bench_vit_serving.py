@@ -10,7 +10,9 @@ front end, media workers, detokenizer) are then let run on every CPU, as they do
 modes; `dp`, one server at `--tp 2` with the DP encoder; `tp`, `--tp 2` with the TP encoder;
 `tp1` (not run unless named), one `--tp 1` server on every CPU: on a CPU a small decoder's
 step at tp 2 is mostly its all-reduces, so tp1 tells how much of disagg's lower ITL comes from
-its decoder running at tp 1 rather than from the bursts no longer stalling it.
+its decoder running at tp 1 rather than from the bursts no longer stalling it; `spill` (not run
+unless named), disagg with `--encoder-fallback spill`: the LLM rank keeps its tower and takes a
+request's media itself while the encoder server is busy and no chat decodes there.
 Two streams, each measured
 on a fresh set of servers: `encoder-heavy` (requests of --burst-images images each, all at
 once, at most --concurrency in flight) and `mixed` (--chats text chats decoding long answers
@@ -49,7 +51,7 @@ from bench_serving import Workload
 from stress import free_port, group_pids
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("disagg", "dp", "tp")  # and "tp1", when named
+MODES = ("disagg", "dp", "tp")  # and "tp1" and "spill", when named
 STREAMS = ("encoder-heavy", "mixed")
 
 
@@ -115,7 +117,7 @@ def launch(mode: str, model: str, workdir: Path) -> tuple[str, list[subprocess.P
     port = free_port()
     llm = [*base, "--port", str(port), "--max-total-tokens", "16000"]
     procs: list[subprocess.Popen] = []
-    if mode == "disagg":
+    if mode in ("disagg", "spill"):
         enc_port = free_port()
         enc = start([*base, "--encoder-only", "--port", str(enc_port)],
                     workdir / "encoder.log", cpus[:half])  # fmt: skip
@@ -123,6 +125,7 @@ def launch(mode: str, model: str, workdir: Path) -> tuple[str, list[subprocess.P
         log = workdir / "encoder.log"
         wait_for(enc, log, lambda: "encoder server ready" in log.read_text())
         flags = ["--tp", "1", "--encoder-urls", f"tcp://127.0.0.1:{enc_port}"]
+        flags += ["--encoder-fallback", "spill"] if mode == "spill" else []
         procs.append(start([*llm, *flags], workdir / "llm.log", cpus[half:] or cpus))
     elif mode == "tp1":  # one rank, tower and decoder, on every CPU: no all-reduce at all
         procs.append(start([*llm, "--tp", "1"], workdir / "llm.log", None))
@@ -132,7 +135,7 @@ def launch(mode: str, model: str, workdir: Path) -> tuple[str, list[subprocess.P
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(procs[-1], workdir / "llm.log", lambda: healthy(url))
-        if mode == "disagg":
+        if mode in ("disagg", "spill"):
             float_front_end(procs[-1], workdir / "llm.log", cpus)
     except BaseException:
         stop(procs)
@@ -333,7 +336,7 @@ def bars(ax: Any, modes: list[str], series: dict[str, list], ylabel: str) -> Non
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serving", action="store_true", help="the serving benchmark (module doc)")
-    p.add_argument("--modes", default=",".join(MODES), help="serving: disagg, dp, tp, tp1")
+    p.add_argument("--modes", default=",".join(MODES), help="serving: disagg, dp, tp, tp1, spill")
     p.add_argument("--serving-image-sizes", dest="serving_sizes", default="224x224,336x224")
     p.add_argument("--burst-images", type=int, default=4, help="serving: images per request")
     p.add_argument("--bursts", type=int, default=8, help="serving: image requests per stream")

@@ -132,7 +132,9 @@ def test_outputs_equal_hf_with_an_encoder_server(
     assert text_of(llm, [{"type": "text", "text": TEXT}]) == oracle["text"]["text"]
     after = encoded(encoder, KEY)
     assert after["items_encoded"] - before["items_encoded"] == 2  # noise, gradient: once each
-    assert after["jobs"] - before["jobs"] >= 3
+    # the streamed resend's image is in the radix cache: it runs without its rows and may end
+    # before its job leaves (the job is then cancelled), so two or three jobs
+    assert after["jobs"] - before["jobs"] >= 2
     assert_idle_and_leak_free(llm)
 
 

@@ -1,7 +1,9 @@
 """Items sent by key only (no pixels) to scheduler ranks at tp 2 with the DP encoder: an item the
 ranks' encoder caches hold runs without its pixels; an item they lost (a flush stands for an
 eviction after the front end decided) makes the request wait while rank 0 asks for the pixels,
-and it then completes as HF does; nothing stays held or pinned."""
+and it then completes as HF does; an item sent `awaiting` (--encoder-urls) lets both ranks
+prefill the text before it and park the request until its `ItemEmbeddings` come; nothing stays
+held or pinned."""
 
 from __future__ import annotations
 
@@ -15,8 +17,16 @@ import pytest
 import torch
 from scheduler_harness import SchedulerHarness
 from vlm_cases import Case, Checkpoint, load_hf, noise_image, run_hf
+from waits import wait_until
 
-from runtime.io_struct import FlushCacheOut, FlushCacheReq, PixelsWanted, TokenizedGenerateReq
+from runtime.io_struct import (
+    BatchTokenOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    ItemEmbeddings,
+    PixelsWanted,
+    TokenizedGenerateReq,
+)
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
@@ -36,6 +46,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
         "first": ckpt.case("first", [noise_image(), "What is this?"]),
         # the same image after other text: the radix cache cannot cover it, the encoder cache can
         "other": ckpt.case("other", ["Look closely.", noise_image(), "Describe the colors."]),
+        "awaited": ckpt.case("awaited", ["Read all of this first.", noise_image(seed=7), "Go."]),
     }
     model = load_hf(Path(folder))
     for case in found.values():
@@ -101,6 +112,32 @@ def test_an_item_the_ranks_lost_is_asked_for_and_the_request_completes(
     assert out["d"]["tokens"] == other.hf_tokens
     assert asked(harness) == []
     assert harness.info().counters.pixels_wanted == 1
+
+
+def test_an_awaited_item_parks_its_request_on_both_ranks_until_it_comes(
+    harness: SchedulerHarness, cases: dict
+) -> None:
+    """Both ranks take the same decisions: the text before the image prefills, the request
+    parks (no output, nothing encoded) until the message with the item comes (here its pixels,
+    as with --encoder-fallback local), then it completes as HF does."""
+    case = cases["awaited"]
+    msg = request(case, "g", keyed=True)
+    for item in msg.mm_inputs.items:
+        item.awaiting = True
+    before = harness.info()
+    harness.send(msg)
+    assert wait_until(lambda: harness.info().counters.parked == before.counters.parked + 1)
+    info = harness.info()
+    assert info.running == 1 and info.encoder_cache.misses == before.encoder_cache.misses
+    assert info.counters.prompt_tokens_computed > before.counters.prompt_tokens_computed
+    harness.pending.clear()
+    harness.send(ItemEmbeddings("g", pixels_of(case), embedded=False))
+    tokens = finish = None
+    while finish is None:
+        batch = harness.recv(120)
+        for o in batch.outputs if isinstance(batch, BatchTokenOut) else []:
+            tokens, finish = [*(tokens or []), *o.new_token_ids], o.finish_reason
+    assert tokens == case.hf_tokens and finish.kind.value == "length"
 
 
 def test_with_an_encoder_cache_too_small_for_the_item_every_keyed_request_asks(

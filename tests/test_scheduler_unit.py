@@ -4,6 +4,7 @@ the chunks of an image."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +13,13 @@ import torch
 from vlm_cases import Checkpoint, gradient_image
 
 from runtime.distributed import TPGroup
-from runtime.io_struct import BatchStrOut, TokenizedGenerateReq, UnknownMessage
+from runtime.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    ItemEmbeddings,
+    TokenizedGenerateReq,
+    UnknownMessage,
+)
 from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
@@ -541,3 +548,136 @@ def test_server_info_does_not_walk_the_frozen_objects(model, monkeypatch) -> Non
     monkeypatch.setattr(gc, "get_freeze_count", walk)
     info = scheduler.server_info()
     assert info.gc_frozen == 0  # this test process never froze its start-up objects
+
+
+def awaited_case(folder: Path, rid: str, params: SamplingParams, first: int = 0) -> tuple:
+    """A chat with text before its image (words from `first` on), as `--encoder-urls` sends it
+    first: the image `awaiting` (no feature); returns the request, the item (with its pixels)
+    and its pixels."""
+    words = " ".join(f"word{i}" for i in range(first, first + 12))
+    case = Checkpoint(folder).case("image", [words, gradient_image((56, 56)), "What is it?"])
+    (item,) = case.mm.items
+    rows = item.feature
+    late = dataclasses.replace(item, feature=None, awaiting=True)
+    mm = dataclasses.replace(case.mm, items=[late])
+    return TokenizedGenerateReq(rid, case.input_ids, params, mm), item, rows
+
+
+def test_an_awaited_image_lets_its_text_prefill_and_others_decode_until_it_comes(
+    model, folder: Path
+) -> None:
+    """The request's leading text prefills in chunks up to the image; the image's chunk waits,
+    parked with its KV, for the `ItemEmbeddings`, while another request decodes; with nothing
+    else to run the scheduler is blocked (no spin); once the rows come it finishes with the
+    tokens of a request sent whole (pixels)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    msg, item, pixels = awaited_case(folder, "img", params)
+    whole = dataclasses.replace(msg, mm_inputs=dataclasses.replace(msg.mm_inputs, items=[item]))
+    embedding = model.encode_items([item])[item.hash]
+    start = item.span[0]
+    assert start > 40  # the text before the image spans several 16-token chunks
+    sched = make_scheduler(model, 1000, chunk=16, encoder_cache_mb=1, mixed=True, context=400)
+    talk = TokenizedGenerateReq("txt", [5, 6, 7, 8], dataclasses.replace(params, max_new_tokens=12))
+    out = sched.step([talk])
+    assert sched.running and not sched.blocked
+    outputs = out.outputs + sched.step([msg]).outputs
+    steps = 0
+    while not sched.parked:
+        assert not sched.blocked
+        outputs += sched.step([]).outputs
+        steps += 1
+        assert steps < 20
+    (req,) = sched.parked
+    assert req.kv_len == start and req.ready_len == 0  # its text computed, the image not
+    assert sched.encoder_cache.counters.items_encoded == 0
+    decoded = sum(len(o.new_token_ids) for o in outputs if o.rid == "txt")
+    assert decoded >= 2  # txt decoded beside img's text chunks
+    while sched.running:
+        assert not sched.blocked
+        outputs += sched.step([]).outputs
+    assert sched.blocked and not sched.idle  # img waits for its rows, nothing spins
+    assert sched.step([]).outputs == [] and req.kv_len == start
+    late = ItemEmbeddings("img", {item.hash: embedding})
+    outputs += sched.step([late]).outputs
+    while not sched.idle:
+        outputs += sched.step([]).outputs
+    got = [t for o in outputs if o.rid == "img" for t in o.new_token_ids]
+    assert sched.counters.parked == 1
+    ref = make_scheduler(model, 1000, chunk=16, encoder_cache_mb=1, mixed=True, context=400)
+    ref_out = ref.step([whole]).outputs
+    while not ref.idle:
+        ref_out += ref.step([]).outputs
+    assert got == [t for o in ref_out for t in o.new_token_ids] and len(got) == 6
+    assert pixels is not None and req.mm.items[0].embedded  # the rows, not the tower, fused
+    sched.check_idle_accounting()
+
+
+@pytest.mark.parametrize("where", ["waiting", "parked"])
+def test_an_aborted_request_frees_what_it_held_and_its_late_rows_are_dropped(
+    model, folder: Path, where: str
+) -> None:
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    msg, item, _ = awaited_case(folder, "img", params)
+    sched = make_scheduler(model, 1000, chunk=16, encoder_cache_mb=1, max_running=1, context=400)
+    blocker = TokenizedGenerateReq("txt", [5, 6, 7], params)
+    sched.step([blocker, msg] if where == "waiting" else [msg])
+    while where == "parked" and not sched.parked:
+        sched.step([])
+    assert (sched.waiting if where == "waiting" else sched.parked)[0].rid == "img"
+    out = sched.step([AbortReq("img")]).outputs
+    assert [o.finish_reason.kind.value for o in out if o.rid == "img"] == ["abort"]
+    while not sched.idle:
+        sched.step([])
+    sched.check_idle_accounting()  # no KV, slot, lock or pin left by img
+    rows = torch.zeros(item.num_tokens, model.config.vision.embed_row_dim)
+    assert sched.step([ItemEmbeddings("img", {item.hash: rows})]).outputs == []
+    assert sched.idle and msg.mm_inputs.items[0].awaiting  # nothing took the late rows
+    sched.check_idle_accounting()
+
+
+def test_rows_of_the_wrong_shape_fail_the_request_alone(model, folder: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    msg, item, _ = awaited_case(folder, "img", params)
+    sched = make_scheduler(model, 1000, chunk=16, encoder_cache_mb=1, context=400)
+    sched.step([msg])
+    while not sched.parked:
+        sched.step([])
+    bad = ItemEmbeddings("img", {item.hash: torch.zeros(3, model.config.vision.embed_row_dim)})
+    out = sched.step([bad]).outputs
+    (finish,) = [o.finish_reason for o in out if o.rid == "img"]
+    assert finish.is_error and "rows" in finish.detail
+    assert sched.idle
+    sched.check_idle_accounting()
+
+
+def test_parked_requests_give_their_kv_back_to_the_one_that_can_run(model, folder: Path) -> None:
+    """Two requests park with their texts' KV, which fills the pool; when their images come,
+    the first cannot finish its prompt in what is left and nothing decodes: the latest parked
+    one gives its KV back to the tree and waits again, and both complete as sent whole."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    (a, item_a, _), (b, item_b, _) = (
+        awaited_case(folder, rid, params, first) for rid, first in (("a", 0), ("b", 50))
+    )
+    shared = next(i for i, (x, y) in enumerate(zip(a.input_ids, b.input_ids)) if x != y)
+    kv = item_a.span[0] + item_b.span[0] - shared + 6  # the template's start is shared
+    sched = make_scheduler(model, kv, chunk=16, encoder_cache_mb=1, context=400)
+    outputs = sched.step([a, b]).outputs
+    while len(sched.parked) < 2:
+        outputs += sched.step([]).outputs
+    assert sched.cache.kv_pool.available_size <= 6
+    late = [ItemEmbeddings(m.rid, model.encode_items([i])) for m, i in ((a, item_a), (b, item_b))]
+    outputs += sched.step(late).outputs
+    for _ in range(200):
+        if sched.idle:
+            break
+        outputs += sched.step([]).outputs
+    assert sched.idle and sched.counters.unparked >= 1
+    got = {r: [t for o in outputs if o.rid == r for t in o.new_token_ids] for r in "ab"}
+    for msg, item in ((a, item_a), (b, item_b)):
+        ref = make_scheduler(model, 1000, chunk=16, encoder_cache_mb=1, context=400)
+        whole = dataclasses.replace(msg.mm_inputs, items=[item])
+        ref_out = ref.step([dataclasses.replace(msg, mm_inputs=whole)]).outputs
+        while not ref.idle:
+            ref_out += ref.step([]).outputs
+        assert got[msg.rid] == [t for o in ref_out for t in o.new_token_ids]
+    sched.check_idle_accounting()

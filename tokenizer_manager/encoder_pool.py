@@ -80,6 +80,7 @@ class EncoderPool:
         self.links = [self._connect(url, i) for i, url in enumerate(urls)]
         self.items_sent = 0
         self.failovers = 0
+        self.spilled = 0  # requests a replica's own tower encoded (--encoder-fallback spill)
         self._jobs = itertools.count(1)
         self._tasks = [asyncio.ensure_future(self._receive(link)) for link in self.links]
 
@@ -95,7 +96,13 @@ class EncoderPool:
             "servers": [link.info() for link in self.links],
             "items_sent": self.items_sent,
             "failovers": self.failovers,
+            "spilled_requests": self.spilled,
         }
+
+    def busy(self) -> bool:
+        """Every server that is up has a job in flight (or none is up): a new job would wait
+        behind another one."""
+        return all(link.pending for link in self.links if link.up)
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -41,6 +41,7 @@ from runtime.io_struct import (
     FlushCacheReq,
     ForgetReqs,
     GetServerInfoReq,
+    ItemEmbeddings,
     ItemPixels,
     PixelsWanted,
     ServerInfo,
@@ -53,7 +54,7 @@ from runtime.io_struct import (
 )
 from runtime.logging_utils import get_logger
 from runtime.model_config import ModelConfig
-from runtime.multimodal import Modality
+from runtime.multimodal import Modality, MultimodalDataItem, MultimodalInputs
 from runtime.sampling_params import SamplingParams, bad_words_token_ids
 from runtime.server_args import ServerArgs
 from runtime.token_budget import TokenBudget, context_length
@@ -117,6 +118,21 @@ def renders_quickly(messages: list[dict[str, Any]], template_kwargs: dict[str, A
     return True
 
 
+def awaiting(
+    mm: MultimodalInputs | None, items: list[MultimodalDataItem]
+) -> MultimodalInputs | None:
+    """The request's media as its replica first gets them: `items` without their features,
+    marked `awaiting` (an `ItemEmbeddings` message brings them); the others as they are."""
+    if mm is None or not items:
+        return mm
+    late = {id(item) for item in items}
+    copies = [
+        dataclasses.replace(i, feature=None, awaiting=True) if id(i) in late else i
+        for i in mm.items
+    ]
+    return dataclasses.replace(mm, items=copies)
+
+
 def load_chat_template(model_path: str | Path, tokenizer: Any) -> str:
     """chat_template.json or chat_template.jinja in the folder, else the tokenizer's own."""
     root = Path(model_path)
@@ -174,6 +190,13 @@ class ReqState:
     load: int = 0  # its tokens so far (prompt and outputs): its share of the replica's load
     output_ids: list[int] = field(default_factory=list)  # the first choice's, as they came
     lost: bool = False  # its replica died: it ended there, the replica's views were reset
+    encoding: bool = False  # its media are with the encoder servers: its replica owes nothing
+    spilled: bool = False  # its media went to its replica's own tower (--encoder-fallback spill)
+
+    @property
+    def awaits_output(self) -> bool:
+        """Its replica owes it output (the stall clocks count it): not ended, not encoding."""
+        return not self.finished and not self.encoding
 
     def end(self, index: int) -> None:
         self.ended.add(index)
@@ -402,7 +425,7 @@ class TokenizerManager:
         self._to_scheduler[replica].send_multipart(to_frames(msg, shared), copy=False)
         for handle in shared:  # the scheduler ranks own these files now
             handle.hand_off()
-        if shared and isinstance(msg, TokenizedGenerateReq | ItemPixels):
+        if shared and isinstance(msg, TokenizedGenerateReq | ItemPixels | ItemEmbeddings):
             self.handed[replica].setdefault(msg.rid, []).extend(h.path for h in shared)
             if len(self.handed[replica]) > MAX_HANDED:
                 self.prune_handed(replica)
@@ -661,22 +684,23 @@ class TokenizerManager:
         a client that reuses an id after its request ended never meets that request's leftovers
         in the scheduler or the detokenizer."""
         self.check_admission(req.rid)
-        await self.encode_media(req)
-        if not self.running():
-            self.last_progress = time.monotonic()
         replica = self.choose_replica(req.input_ids, route)
-        if not self.busy(replica):
-            self.replica_progress[replica] = time.monotonic()
+        spilled = self.spills(req, replica)
+        awaited = [] if spilled else self.awaited_media(req)
+        if not awaited:
+            self.start_stall_clocks(replica)
         rid = f"{req.rid}-{next(self._serial)}"
         timeline = RequestTimeline(self.metrics, arrival or time.perf_counter())
         n = req.sampling_params.n
-        state = self.states[rid] = ReqState(timeline, n=n, replica=replica)
+        state = self.states[rid] = ReqState(timeline, n=n, replica=replica, spilled=spilled)
         state.load = len(req.input_ids)
         self.client_rids.add(req.rid)
-        self.pixels[replica].hold(rid, req.mm_inputs)
+        sent = dataclasses.replace(req, rid=rid, mm_inputs=awaiting(req.mm_inputs, awaited))
+        self.pixels[replica].hold(rid, sent.mm_inputs)
         self.dispatcher.sent(replica, req.input_ids)
-        self._send(dataclasses.replace(req, rid=rid), replica)
+        self._send(sent, replica)
         timeline.stage("send", time.perf_counter() - timeline.arrival)  # arrival -> scheduler
+        encoding = self.start_encoding(rid, state, awaited)
         try:
             ended = 0
             while ended < n:
@@ -689,6 +713,8 @@ class TokenizerManager:
                     timeline.finish(out.prompt_tokens)
                 yield out
         finally:
+            if encoding is not None:
+                encoding.cancel()  # its jobs' files go with it; a late answer is dropped
             if not state.finished:
                 self._send(AbortReq(rid), replica)
             self.states.pop(rid, None)
@@ -699,24 +725,73 @@ class TokenizerManager:
                 cached = [*req.input_ids, *state.output_ids] if tracks else []
                 self.dispatcher.ended(replica, cached, state.load)
 
-    async def encode_media(self, req: TokenizedGenerateReq) -> None:
-        """With --encoder-urls: the request's items encoded by the encoder servers before it
-        goes to a replica (whose ranks have no tower). No server answers: a 503, or, with
-        --encoder-fallback local, the pixels go and the ranks encode them."""
+    def awaited_media(self, req: TokenizedGenerateReq) -> list[MultimodalDataItem]:
+        """With --encoder-urls: the request's items the encoder servers encode (the request
+        goes to its replica at once, without them: `awaiting`)."""
         mm = req.mm_inputs
-        items = [i for i in mm.items if i.feature is not None and not i.embedded] if mm else []
-        if self.encoders is None or not items:
-            return
+        if self.encoders is None or mm is None:
+            return []
+        return [i for i in mm.items if i.feature is not None and not i.embedded]
+
+    def spills(self, req: TokenizedGenerateReq, replica: int) -> bool:
+        """--encoder-fallback spill: the request's media go to its replica's own tower instead
+        of the encoder servers when every one of them is busy and the replica neither decodes
+        (no running chat's next token waits behind the encode) nor encodes another spilled
+        request, i.e. when its tower would otherwise sit idle while the media queue."""
+        if self.args.encoder_fallback != "spill" or not self.awaited_media(req):
+            return False
+        assert self.encoders is not None
+        if not self.encoders.busy():
+            return False
+        mine = [s for s in self.states.values() if s.replica == replica and not s.finished]
+        if any(s.started or s.spilled for s in mine):
+            return False
+        self.encoders.spilled += 1
+        return True
+
+    def start_encoding(
+        self, rid: str, state: ReqState, items: list[MultimodalDataItem]
+    ) -> asyncio.Task | None:
+        """The encoder jobs of a request already sent, beside its wait for outputs."""
+        if not items:
+            return None
+        state.encoding = True
+        return asyncio.ensure_future(self.deliver_media(rid, state, items))
+
+    async def deliver_media(
+        self, rid: str, state: ReqState, items: list[MultimodalDataItem]
+    ) -> None:
+        """The request's items encoded by the encoder servers, their rows then sent to its
+        replica (`ItemEmbeddings`), whose scheduler prefills the text before them meanwhile. No
+        server answers: with --encoder-fallback local the pixels go instead and the ranks
+        encode them, else the request ends with its own 503 (`end_unencoded`)."""
+        embedded = True
         try:
             with self.metrics.timed("encode"):
                 await self.encoders.embed(items)
         except EncoderUnavailable as exc:
-            if self.args.encoder_fallback == "local":
-                logger.warning("request %s: %s; its ranks encode its media", req.rid, exc)
-                return
-            raise APIError(f"no encoder server could encode the media: {exc}", 503) from None
+            if self.args.encoder_fallback == "none":
+                message = f"no encoder server could encode the media: {exc}"
+                return self.end_unencoded(rid, state, message, 503)
+            logger.warning("request %s: %s; its ranks encode its media", rid, exc)
+            embedded = False
         except EncoderRefused as exc:
-            raise APIError(f"the encoder server refused the media: {exc}", 500) from None
+            message = f"the encoder server refused the media: {exc}"
+            return self.end_unencoded(rid, state, message, 500)
+        if not (state.finished or state.lost):
+            self.start_stall_clocks(state.replica)
+            state.encoding = False
+            features = {item.hash: item.feature for item in items}
+            self._send(ItemEmbeddings(rid, features, embedded), state.replica)
+
+    def end_unencoded(self, rid: str, state: ReqState, message: str, status: int) -> None:
+        """The request's media could not be encoded after it was sent: it is aborted on its
+        ranks (which free what it holds) and ends with its own error."""
+        if state.finished or state.lost:
+            return
+        self._send(AbortReq(rid), state.replica)
+        code = "encoder_unavailable" if status == 503 else "internal_error"
+        self._fail(rid, state, Finish.error(message, status, code))
 
     def choose_replica(self, ids: list[int], route: Route) -> int:
         """The replica for a prompt of `ids` (503 when none serves, or the one named)."""
@@ -765,11 +840,20 @@ class TokenizerManager:
         return self.running()
 
     def running(self) -> bool:
-        return any(not state.finished for state in self.states.values())
+        return any(state.awaits_output for state in self.states.values())
 
     def busy(self, replica: int) -> bool:
-        """Some request on `replica` has a choice that has not ended."""
-        return any(s.replica == replica and not s.finished for s in self.states.values())
+        """Some request on `replica` has a choice that has not ended (and is not encoding)."""
+        return any(s.replica == replica and s.awaits_output for s in self.states.values())
+
+    def start_stall_clocks(self, replica: int) -> None:
+        """`replica` is about to owe a request output: where it owed none, its stall clock
+        (and the server's) starts now."""
+        now = time.monotonic()
+        if not self.running():
+            self.last_progress = now
+        if not self.busy(replica):
+            self.replica_progress[replica] = now
 
     def healthy(self) -> bool:
         """/health: one replica: not stalled (`stalled`); several: some replica serves and is
@@ -784,7 +868,7 @@ class TokenizerManager:
         """The serving replicas with requests running whose last output is older than
         --health-stall-timeout seconds."""
         now, limit = time.monotonic(), self.args.health_stall_timeout
-        busy = {s.replica for s in self.states.values() if not s.finished}
+        busy = {s.replica for s in self.states.values() if s.awaits_output}
         views = self.dispatcher.replicas
         return [r for r in sorted(busy) if views[r].up and now - self.replica_progress[r] > limit]
 
