@@ -243,7 +243,7 @@ def gaps_in_window(chats: list[tuple[float, Any]], window: tuple[float, float]) 
 def main(args: argparse.Namespace, model: str, workdir: Path) -> dict[str, Any]:
     """Run every mode on every stream; print the table; the results by "mode/stream"."""
     results = serving_benchmark(args, model, workdir)
-    print("\n".join(table(results)))
+    print("\n".join([*table(results), *pool_lines(results)]))
     if args.plot:
         plot(results, args.plot)
     return results
@@ -257,11 +257,29 @@ def serving_benchmark(args: argparse.Namespace, model: str, workdir: Path) -> di
             folder.mkdir(parents=True, exist_ok=True)
             url, procs = launch(mode, model, folder)
             try:
-                results[f"{mode}/{stream}"] = asyncio.run(run_stream(stream, url, args))
+                results[f"{mode}/{stream}"] = out = asyncio.run(run_stream(stream, url, args))
+                if pool := encoder_pool_info(url):
+                    out["encoder_pool"] = pool
             finally:
                 stop(procs)
             print(f"done: {mode} {stream}", flush=True)
     return results
+
+
+def encoder_pool_info(url: str) -> dict[str, int] | None:
+    """The LLM server's counts of items sent to its encoder servers and of requests spilled to
+    its own tower (the warm-up pair included); None without encoder servers."""
+    media = httpx.get(url + "/server_info", timeout=30).json().get("media") or {}
+    pool = media.get("encoder_servers")
+    if pool is None:
+        return None
+    return {"items_sent": pool["items_sent"], "spilled_requests": pool["spilled_requests"]}
+
+
+def pool_lines(results: dict[str, Any]) -> list[str]:
+    return [f"{name}: {out['encoder_pool']['items_sent']} items sent to the encoder servers, "
+            f"{out['encoder_pool']['spilled_requests']} requests spilled to the LLM's tower"
+            for name, out in results.items() if "encoder_pool" in out]  # fmt: skip
 
 
 def ms(summary: dict[str, Any], key: str, stat: str) -> str:

@@ -38,6 +38,42 @@ def test_table_rows_name_mode_stream_and_the_mixed_stream_parts() -> None:
     assert cells[7:] == ["40", "-", "250", "300", "0"]
 
 
+def test_the_encoder_pools_counts_are_read_and_printed_per_run() -> None:
+    """A run with encoder servers reports their items and the spilled requests from the LLM
+    server's /server_info (a listener on 127.0.0.1 this test starts); one without, nothing."""
+    import http.server
+    import json
+    import threading
+
+    answers = [{"media": {"encoder_servers": {"items_sent": 9, "spilled_requests": 3}}}, {}]
+
+    class Info(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = json.dumps(answers.pop(0)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Info)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        pool = bench_vit_serving.encoder_pool_info(url)
+        assert pool == {"items_sent": 9, "spilled_requests": 3}
+        assert bench_vit_serving.encoder_pool_info(url) is None
+    finally:
+        server.shutdown()
+    results = {"spill/mixed": {"all": summary(1, 1, 1), "encoder_pool": pool},
+               "dp/mixed": {"all": summary(1, 1, 1)}}  # fmt: skip
+    assert bench_vit_serving.pool_lines(results) == [
+        "spill/mixed: 9 items sent to the encoder servers, 3 requests spilled to the LLM's tower"
+    ]
+
+
 def test_only_the_chats_gaps_inside_the_bursts_window_count() -> None:
     from bench_serving import RequestRecord
 
