@@ -123,23 +123,24 @@ def test_spill_gives_an_idle_replicas_tower_the_media_the_busy_encoders_would_qu
 
     async def check() -> None:
         tm.encoders = pool = EncoderPool(args.encoder_url_list, None, 1.0, 0)
+        items = tm.awaited_media(req)
         link = pool.links[0]
-        assert not tm.spills(req, 0)  # the encoder server is idle: it takes the job
+        assert not tm.spills(items, 0)  # the encoder server is idle: it takes the job
         link.pending[1] = asyncio.get_running_loop().create_future()
-        assert tm.spills(req, 0) and not tm.spills(text, 0)
+        assert tm.spills(items, 0) and not tm.spills(tm.awaited_media(text), 0)
         tm.states["a"] = ReqState(RequestTimeline(tm.metrics), replica=0, spilled=True)
-        assert not tm.spills(req, 0)  # replica 0's tower encodes one spilled request already
-        assert tm.spills(req, 1)
+        assert not tm.spills(items, 0)  # replica 0's tower encodes one spilled request already
+        assert tm.spills(items, 1)
         tm.states["b"] = ReqState(RequestTimeline(tm.metrics), replica=1, started=True)
-        assert not tm.spills(req, 1)  # replica 1 decodes a chat: the encode would stall it
+        assert not tm.spills(items, 1)  # replica 1 decodes a chat: the encode would stall it
         link.pending.clear()
         link.up = False  # the only server is down: the replica's tower at once, no job's timeout
         del tm.states["a"]
-        assert pool.busy() and tm.spills(req, 0)
+        assert pool.busy() and tm.spills(items, 0)
         assert pool.info()["spilled_requests"] == 3
         tm.args = dataclasses.replace(args, encoder_fallback="local")
         link.up, link.pending[1] = True, asyncio.get_running_loop().create_future()
-        assert not tm.spills(req, 1)
+        assert not tm.spills(items, 1)
         await pool.close()
 
     asyncio.run(check())

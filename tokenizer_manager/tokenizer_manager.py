@@ -685,8 +685,9 @@ class TokenizerManager:
         in the scheduler or the detokenizer."""
         self.check_admission(req.rid)
         replica = self.choose_replica(req.input_ids, route)
-        spilled = self.spills(req, replica)
-        awaited = [] if spilled else self.awaited_media(req)
+        awaited = self.awaited_media(req)
+        spilled = self.spills(awaited, replica)
+        awaited = [] if spilled else awaited
         if not awaited:
             self.start_stall_clocks(replica)
         rid = f"{req.rid}-{next(self._serial)}"
@@ -733,12 +734,13 @@ class TokenizerManager:
             return []
         return [i for i in mm.items if i.feature is not None and not i.embedded]
 
-    def spills(self, req: TokenizedGenerateReq, replica: int) -> bool:
+    def spills(self, items: list[MultimodalDataItem], replica: int) -> bool:
         """--encoder-fallback spill: the request's media go to its replica's own tower instead
         of the encoder servers when every one of them is busy and the replica neither decodes
         (no running chat's next token waits behind the encode) nor encodes another spilled
-        request, i.e. when its tower would otherwise sit idle while the media queue."""
-        if self.args.encoder_fallback != "spill" or not self.awaited_media(req):
+        request, i.e. when its tower would otherwise sit idle while the media queue. `items`:
+        the request's media for the encoder servers (`awaited_media`); a spill is counted."""
+        if self.args.encoder_fallback != "spill" or not items:
             return False
         assert self.encoders is not None
         if not self.encoders.busy():

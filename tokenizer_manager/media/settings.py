@@ -21,6 +21,7 @@ import dataclasses
 import math
 from typing import Any
 
+from runtime.families.base import Tiling
 from tokenizer_manager.media.types import ProcessorSpec
 from tokenizer_manager.protocol import APIError
 
@@ -113,7 +114,7 @@ def _tile_settings(raw: dict[str, Any], spec: ProcessorSpec) -> dict[str, Any]:
     return settings
 
 
-def _crop_cap(raw: dict[str, Any], settings: dict[str, Any], tiling: Any) -> int:
+def _crop_cap(raw: dict[str, Any], settings: dict[str, Any], tiling: Tiling) -> int:
     """The most crops beside the whole image, which only a request that turns the switch on
     may ask for (off, the cap would change nothing: a 400 rather than a field ignored)."""
     key = tiling.crops_key
